@@ -1,0 +1,766 @@
+//! The L1 arena: one contiguous memory region that holds the whole L1 tier.
+//!
+//! Shards each own a disjoint slice of it. With a name, the region is a POSIX
+//! shared-memory segment (`/dev/shm/<name>`) that engine_driven clients map
+//! with Python's `SharedMemory(name, create=False)` and read or write at the
+//! offsets the server hands out. Without a name it is private anonymous memory.
+//!
+//! Pages are allocated on first touch (tmpfs and anonymous memory are sparse),
+//! which is what keeps a lazily used arena cheap; `populate` pre-faults it.
+
+use std::ffi::CString;
+use std::fmt;
+use std::io;
+use std::ptr::NonNull;
+
+/// How to build an [`Arena`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArenaConfig {
+    /// Size of the whole arena in bytes (must be > 0).
+    pub size_bytes: u64,
+    /// POSIX shm segment name without the leading '/'; `None` = private
+    /// anonymous memory that no other process can map.
+    pub shm_name: Option<String>,
+    /// mlock the whole arena at creation (implies pre-faulting every page).
+    pub mlock: bool,
+    /// Pre-fault every page at creation instead of on first touch.
+    pub populate: bool,
+}
+
+/// Why an arena could not be created or locked.
+#[derive(Debug)]
+pub enum ArenaError {
+    /// The configuration cannot describe an arena (zero size, bad name...).
+    InvalidConfig {
+        name: Option<String>,
+        size_bytes: u64,
+        reason: String,
+    },
+    /// `/dev/shm` has less free room than the arena needs.
+    ShmNoSpace {
+        name: String,
+        size_bytes: u64,
+        available_bytes: u64,
+    },
+    /// A system call failed.
+    Os {
+        op: &'static str,
+        name: Option<String>,
+        size_bytes: u64,
+        source: io::Error,
+    },
+    /// `mlock` refused; `memlock_limit` is RLIMIT_MEMLOCK (None = unlimited).
+    Lock {
+        offset: u64,
+        len: u64,
+        memlock_limit: Option<u64>,
+        source: io::Error,
+    },
+    /// A range does not lie inside the arena.
+    OutOfRange {
+        offset: u64,
+        len: u64,
+        arena_len: u64,
+    },
+}
+
+impl ArenaError {
+    /// The OS error number behind this error, if a system call failed.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            ArenaError::Os { source, .. } | ArenaError::Lock { source, .. } => {
+                source.raw_os_error()
+            }
+            _ => None,
+        }
+    }
+}
+
+fn fmt_name(name: &Option<String>) -> String {
+    match name {
+        Some(n) => format!("shm segment '/{n}'"),
+        None => "anonymous arena".to_string(),
+    }
+}
+
+fn fmt_limit(limit: Option<u64>) -> String {
+    match limit {
+        Some(l) => format!("{l} bytes"),
+        None => "unlimited".to_string(),
+    }
+}
+
+impl fmt::Display for ArenaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ArenaError::InvalidConfig {
+                name,
+                size_bytes,
+                reason,
+            } => write!(
+                f,
+                "invalid L1 arena config ({}, {size_bytes} bytes): {reason}",
+                fmt_name(name)
+            ),
+            ArenaError::ShmNoSpace {
+                name,
+                size_bytes,
+                available_bytes,
+            } => write!(
+                f,
+                "/dev/shm has {available_bytes} bytes free but shm segment '/{name}' needs \
+                 {size_bytes} bytes; enlarge /dev/shm (mount -o remount,size=...; in a container \
+                 --shm-size) or lower --l1-size-gb"
+            ),
+            ArenaError::Os {
+                op,
+                name,
+                size_bytes,
+                source,
+            } => write!(
+                f,
+                "{op} failed for {} of {size_bytes} bytes: {source}",
+                fmt_name(name)
+            ),
+            ArenaError::Lock {
+                offset,
+                len,
+                memlock_limit,
+                source,
+            } => write!(
+                f,
+                "mlock of {len} bytes at arena offset {offset} failed: {source} \
+                 (RLIMIT_MEMLOCK is {}); raise it with `ulimit -l unlimited` or \
+                 LimitMEMLOCK=infinity in the systemd unit",
+                fmt_limit(*memlock_limit)
+            ),
+            ArenaError::OutOfRange {
+                offset,
+                len,
+                arena_len,
+            } => write!(
+                f,
+                "range of {len} bytes at offset {offset} lies outside the arena of {arena_len} bytes"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ArenaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ArenaError::Os { source, .. } | ArenaError::Lock { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// The mapped L1 region. Unmapped (and its shm name unlinked) on drop.
+pub struct Arena {
+    base: NonNull<u8>,
+    len: usize,
+    shm_name: Option<String>,
+}
+
+// SAFETY: `Arena` only holds the address of a mapping that stays valid until
+// drop and has no interior state of its own. Reads and writes through the
+// pointer happen via `base()`/`slice*`, whose callers guarantee that no two
+// threads touch the same bytes without synchronisation (each shard owns a
+// disjoint slice); the mapping itself may be accessed from any thread.
+unsafe impl Send for Arena {}
+// SAFETY: see `Send`: no method mutates the `Arena` value itself.
+unsafe impl Sync for Arena {}
+
+impl fmt::Debug for Arena {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Arena")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .field("shm_name", &self.shm_name)
+            .finish()
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p <= 0 {
+        4096
+    } else {
+        p as usize
+    }
+}
+
+/// RLIMIT_MEMLOCK soft limit in bytes; `None` when unlimited.
+pub fn memlock_limit() -> Option<u64> {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `rl` is a valid out-pointer for getrlimit.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) };
+    if rc != 0 || rl.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    Some(rl.rlim_cur)
+}
+
+/// One line of /proc/self/status, e.g. `field("CapEff")`.
+fn proc_status_field(field: &str) -> Option<String> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k == field).then(|| v.trim().to_string())
+    })
+}
+
+/// True when the process holds CAP_IPC_LOCK, which makes the kernel ignore
+/// RLIMIT_MEMLOCK.
+fn has_cap_ipc_lock() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    match proc_status_field("CapEff").and_then(|v| u64::from_str_radix(&v, 16).ok()) {
+        Some(caps) => caps & (1u64 << CAP_IPC_LOCK) != 0,
+        // SAFETY: geteuid has no preconditions.
+        None => (unsafe { libc::geteuid() }) == 0,
+    }
+}
+
+/// Bytes this process has locked already (VmLck), counted against the limit.
+fn locked_bytes() -> u64 {
+    proc_status_field("VmLck")
+        .and_then(|v| v.trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// Whether `bytes` more can be mlocked: CAP_IPC_LOCK (root), an unlimited
+/// RLIMIT_MEMLOCK, or enough room left under it.
+pub fn can_lock(bytes: u64) -> bool {
+    if has_cap_ipc_lock() {
+        return true;
+    }
+    match memlock_limit() {
+        None => true,
+        Some(limit) => bytes <= limit.saturating_sub(locked_bytes()),
+    }
+}
+
+/// POSIX shm names as Python's `SharedMemory` accepts them: one path
+/// component under /dev/shm.
+fn validate_shm_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("shm name is empty".into());
+    }
+    if name.len() > 255 {
+        return Err(format!("shm name is {} bytes long (max 255)", name.len()));
+    }
+    if name.contains('/') || name.contains('\0') {
+        return Err("shm name must not contain '/' or NUL".into());
+    }
+    if name == "." || name == ".." {
+        return Err("shm name must not be '.' or '..'".into());
+    }
+    Ok(())
+}
+
+fn last_os_error() -> io::Error {
+    io::Error::last_os_error()
+}
+
+/// Free bytes for an unprivileged writer on the filesystem holding `path`.
+fn free_bytes(path: &str) -> io::Result<u64> {
+    let cpath = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: an all-zero statvfs is a valid value for the out-parameter.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpath` is NUL-terminated and `st` is a valid out-pointer.
+    if unsafe { libc::statvfs(cpath.as_ptr(), &mut st) } != 0 {
+        return Err(last_os_error());
+    }
+    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// Owns an fd until dropped, so every early return closes it.
+struct Fd(libc::c_int);
+
+impl Drop for Fd {
+    fn drop(&mut self) {
+        // SAFETY: the fd was opened by us and is closed exactly once.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+impl Arena {
+    /// Map a new arena as `cfg` describes. A named arena replaces any stale
+    /// segment of the same name (as lmcache 0.5.6 does) and is unlinked when the
+    /// `Arena` drops.
+    ///
+    /// A lazily populated named arena takes tmpfs pages on first touch: if
+    /// /dev/shm fills up meanwhile, that touch raises SIGBUS. `populate`
+    /// reserves the pages up front (fallocate), which turns that into a clean
+    /// error here.
+    pub fn create(cfg: &ArenaConfig) -> Result<Arena, ArenaError> {
+        let invalid = |reason: String| ArenaError::InvalidConfig {
+            name: cfg.shm_name.clone(),
+            size_bytes: cfg.size_bytes,
+            reason,
+        };
+        if cfg.size_bytes == 0 {
+            return Err(invalid("size is 0".into()));
+        }
+        let len = usize::try_from(cfg.size_bytes)
+            .ok()
+            .filter(|l| l.checked_add(page_size()).is_some() && *l <= isize::MAX as usize)
+            .ok_or_else(|| invalid("size does not fit in the address space".into()))?;
+        let populate = cfg.populate || cfg.mlock;
+        let arena = match &cfg.shm_name {
+            None => Self::map_anonymous(cfg, len, populate)?,
+            Some(name) => {
+                validate_shm_name(name).map_err(invalid)?;
+                Self::map_named(cfg, name, len, populate)?
+            }
+        };
+        // Core dumps of a cache this size help nobody; the failure is harmless.
+        // SAFETY: the range is exactly our mapping.
+        unsafe { libc::madvise(arena.base.as_ptr().cast(), arena.len, libc::MADV_DONTDUMP) };
+        if cfg.mlock {
+            // On failure `arena` drops here, which unmaps and unlinks.
+            arena.lock_range(0, cfg.size_bytes)?;
+        }
+        Ok(arena)
+    }
+
+    fn map_anonymous(cfg: &ArenaConfig, len: usize, populate: bool) -> Result<Arena, ArenaError> {
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        if populate {
+            flags |= libc::MAP_POPULATE;
+        }
+        // SAFETY: a fresh anonymous mapping aliases nothing.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(ArenaError::Os {
+                op: "mmap",
+                name: None,
+                size_bytes: cfg.size_bytes,
+                source: last_os_error(),
+            });
+        }
+        Ok(Arena {
+            base: NonNull::new(p.cast()).expect("mmap returned NULL without MAP_FIXED"),
+            len,
+            shm_name: None,
+        })
+    }
+
+    fn map_named(
+        cfg: &ArenaConfig,
+        name: &str,
+        len: usize,
+        populate: bool,
+    ) -> Result<Arena, ArenaError> {
+        let os_err = |op: &'static str, source: io::Error| ArenaError::Os {
+            op,
+            name: Some(name.to_string()),
+            size_bytes: cfg.size_bytes,
+            source,
+        };
+        let cname = CString::new(format!("/{name}")).expect("validated: no NUL in name");
+
+        // A segment left by a crashed run would make O_EXCL fail; lmcache 0.5.6
+        // removes it the same way. Clients that still map it keep their pages.
+        // SAFETY: `cname` is NUL-terminated.
+        if unsafe { libc::shm_unlink(cname.as_ptr()) } != 0 {
+            let e = last_os_error();
+            if e.raw_os_error() != Some(libc::ENOENT) {
+                return Err(os_err("shm_unlink (stale segment)", e));
+            }
+        } else {
+            log::warn!("removed stale shm segment /dev/shm/{name}");
+        }
+
+        let available = free_bytes("/dev/shm").map_err(|e| os_err("statvfs(/dev/shm)", e))?;
+        if available < cfg.size_bytes {
+            return Err(ArenaError::ShmNoSpace {
+                name: name.to_string(),
+                size_bytes: cfg.size_bytes,
+                available_bytes: available,
+            });
+        }
+
+        // SAFETY: `cname` is NUL-terminated.
+        let raw = unsafe {
+            libc::shm_open(
+                cname.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
+                0o600 as libc::mode_t,
+            )
+        };
+        if raw < 0 {
+            return Err(os_err("shm_open", last_os_error()));
+        }
+        let fd = Fd(raw);
+        // From here on a failure must remove the segment we created.
+        let fail = |op: &'static str, e: io::Error| {
+            // SAFETY: `cname` is NUL-terminated.
+            unsafe { libc::shm_unlink(cname.as_ptr()) };
+            os_err(op, e)
+        };
+
+        // SAFETY: `fd` is an open shm fd.
+        if unsafe { libc::ftruncate(fd.0, cfg.size_bytes as libc::off_t) } != 0 {
+            return Err(fail("ftruncate", last_os_error()));
+        }
+        if populate {
+            // Reserve the tmpfs pages now: ENOSPC here beats SIGBUS later.
+            // SAFETY: `fd` is an open shm fd.
+            let rc = unsafe { libc::fallocate(fd.0, 0, 0, cfg.size_bytes as libc::off_t) };
+            if rc != 0 {
+                return Err(fail("fallocate", last_os_error()));
+            }
+        }
+        let mut flags = libc::MAP_SHARED;
+        if populate {
+            flags |= libc::MAP_POPULATE;
+        }
+        // SAFETY: mapping a file we own; nothing else in this process aliases it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd.0,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(fail("mmap", last_os_error()));
+        }
+        drop(fd); // the mapping keeps the segment alive
+        Ok(Arena {
+            base: NonNull::new(p.cast()).expect("mmap returned NULL without MAP_FIXED"),
+            len,
+            shm_name: Some(name.to_string()),
+        })
+    }
+
+    /// Start of the mapping.
+    pub fn base(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Size in bytes (as configured, not page-rounded).
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// Always false: a zero-sized arena cannot be created.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The shm segment name (without '/'), for a named arena.
+    pub fn shm_name(&self) -> Option<&str> {
+        self.shm_name.as_deref()
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<(usize, usize), ArenaError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok((offset as usize, len as usize)),
+            _ => Err(ArenaError::OutOfRange {
+                offset,
+                len,
+                arena_len: self.len as u64,
+            }),
+        }
+    }
+
+    /// mlock `[offset, offset+len)`, widened to whole pages. Locking faults the
+    /// pages in. An empty range is a no-op.
+    pub fn lock_range(&self, offset: u64, len: u64) -> Result<(), ArenaError> {
+        let (off, n) = self.check_range(offset, len)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let page = page_size();
+        let start = off & !(page - 1);
+        // The mapping covers whole pages, so rounding the end up stays inside it.
+        let end = (off + n).div_ceil(page) * page;
+        // SAFETY: `[start, end)` lies inside our mapping (page-rounded).
+        let rc = unsafe { libc::mlock(self.base.as_ptr().add(start).cast(), end - start) };
+        if rc != 0 {
+            return Err(ArenaError::Lock {
+                offset,
+                len,
+                memlock_limit: memlock_limit(),
+                source: last_os_error(),
+            });
+        }
+        Ok(())
+    }
+
+    /// View `[offset, offset+len)`.
+    ///
+    /// # Safety
+    /// Nobody (this process or a client mapping the segment) may write the
+    /// range while the returned slice is alive.
+    ///
+    /// # Panics
+    /// If the range lies outside the arena.
+    pub unsafe fn slice(&self, offset: u64, len: u64) -> &[u8] {
+        let (off, n) = self
+            .check_range(offset, len)
+            .unwrap_or_else(|e| panic!("{e}"));
+        std::slice::from_raw_parts(self.base.as_ptr().add(off), n)
+    }
+
+    /// Mutable view of `[offset, offset+len)`.
+    ///
+    /// # Safety
+    /// The caller must have exclusive access to the range (no other slice of
+    /// it alive, no concurrent writer or reader) while the slice is alive.
+    ///
+    /// # Panics
+    /// If the range lies outside the arena.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: u64, len: u64) -> &mut [u8] {
+        let (off, n) = self
+            .check_range(offset, len)
+            .unwrap_or_else(|e| panic!("{e}"));
+        std::slice::from_raw_parts_mut(self.base.as_ptr().add(off), n)
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping created in `create`; no slice
+        // can outlive `self`.
+        if unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) } != 0 {
+            log::warn!(
+                "munmap of the L1 arena failed: {}",
+                io::Error::last_os_error()
+            );
+        }
+        if let Some(name) = &self.shm_name {
+            let cname = CString::new(format!("/{name}")).expect("validated: no NUL in name");
+            // SAFETY: `cname` is NUL-terminated.
+            if unsafe { libc::shm_unlink(cname.as_ptr()) } != 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::ENOENT) {
+                    log::warn!("shm_unlink(/{name}) failed: {e}");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn unique_name(tag: &str) -> String {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        format!(
+            "kvshard_test_{tag}_{}_{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    fn shm_path(name: &str) -> std::path::PathBuf {
+        std::path::PathBuf::from(format!("/dev/shm/{name}"))
+    }
+
+    /// Maps an existing segment the way a client does (shm_open without
+    /// O_CREAT + MAP_SHARED) and returns (ptr, len).
+    fn client_map(name: &str, len: usize) -> *mut u8 {
+        let cname = CString::new(format!("/{name}")).unwrap();
+        unsafe {
+            let fd = libc::shm_open(cname.as_ptr(), libc::O_RDWR, 0);
+            assert!(fd >= 0, "client shm_open: {}", io::Error::last_os_error());
+            let mut st: libc::stat = std::mem::zeroed();
+            assert_eq!(libc::fstat(fd, &mut st), 0);
+            assert_eq!(st.st_size as usize, len, "segment size seen by a client");
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            libc::close(fd);
+            assert_ne!(p, libc::MAP_FAILED);
+            p.cast()
+        }
+    }
+
+    fn named_cfg(name: &str, size: u64) -> ArenaConfig {
+        ArenaConfig {
+            size_bytes: size,
+            shm_name: Some(name.to_string()),
+            mlock: false,
+            populate: false,
+        }
+    }
+
+    #[test]
+    fn named_arena_is_shared_both_ways_and_unlinked_on_drop() {
+        let name = unique_name("shared");
+        let size = 3 * 4096 + 100;
+        let arena = Arena::create(&named_cfg(&name, size)).unwrap();
+        assert_eq!(arena.len(), size);
+        assert_eq!(arena.shm_name(), Some(name.as_str()));
+        assert!(shm_path(&name).exists());
+
+        let client = client_map(&name, size as usize);
+        unsafe {
+            arena.slice_mut(4096, 4).copy_from_slice(b"srv!");
+            assert_eq!(std::slice::from_raw_parts(client.add(4096), 4), b"srv!");
+            std::ptr::copy_nonoverlapping(b"cli!".as_ptr(), client.add(size as usize - 4), 4);
+            assert_eq!(arena.slice(size - 4, 4), b"cli!");
+            libc::munmap(client.cast(), size as usize);
+        }
+        drop(arena);
+        assert!(!shm_path(&name).exists(), "drop must unlink the segment");
+    }
+
+    #[test]
+    fn stale_segment_is_replaced() {
+        let name = unique_name("stale");
+        let cname = CString::new(format!("/{name}")).unwrap();
+        unsafe {
+            let fd = libc::shm_open(cname.as_ptr(), libc::O_CREAT | libc::O_RDWR, 0o600);
+            assert!(fd >= 0);
+            assert_eq!(libc::ftruncate(fd, 8192), 0);
+            assert_eq!(libc::write(fd, b"old".as_ptr().cast(), 3), 3);
+            libc::close(fd);
+        }
+        let arena = Arena::create(&named_cfg(&name, 4096)).unwrap();
+        let meta = std::fs::metadata(shm_path(&name)).unwrap();
+        assert_eq!(meta.len(), 4096, "new segment, not the stale one");
+        assert_eq!(unsafe { arena.slice(0, 3) }, &[0, 0, 0]);
+    }
+
+    #[test]
+    fn anonymous_arena_reads_back_and_populate_works() {
+        for populate in [false, true] {
+            let arena = Arena::create(&ArenaConfig {
+                size_bytes: 1 << 20,
+                shm_name: None,
+                mlock: false,
+                populate,
+            })
+            .unwrap();
+            assert_eq!(arena.shm_name(), None);
+            assert_eq!(arena.len(), 1 << 20);
+            unsafe {
+                assert!(arena.slice(0, 1 << 20).iter().all(|b| *b == 0));
+                arena.slice_mut(12345, 3).copy_from_slice(&[7, 8, 9]);
+                assert_eq!(arena.slice(12345, 3), &[7, 8, 9]);
+            }
+        }
+    }
+
+    #[test]
+    fn populated_named_arena_reserves_pages() {
+        let name = unique_name("populate");
+        let arena = Arena::create(&ArenaConfig {
+            size_bytes: 64 * 1024,
+            shm_name: Some(name.clone()),
+            mlock: true,
+            populate: true,
+        })
+        .unwrap();
+        let meta = std::fs::metadata(shm_path(&name)).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert!(
+            meta.blocks() * 512 >= 64 * 1024,
+            "tmpfs pages allocated up front"
+        );
+        drop(arena);
+    }
+
+    #[test]
+    fn lock_range_small_and_out_of_range() {
+        let arena = Arena::create(&ArenaConfig {
+            size_bytes: 5 * 4096,
+            shm_name: None,
+            mlock: false,
+            populate: false,
+        })
+        .unwrap();
+        if can_lock(8192) {
+            arena.lock_range(100, 5000).unwrap();
+        }
+        arena.lock_range(5 * 4096, 0).unwrap();
+        match arena.lock_range(4096, 5 * 4096) {
+            Err(ArenaError::OutOfRange { arena_len, .. }) => assert_eq!(arena_len, 5 * 4096),
+            other => panic!("expected OutOfRange, got {other:?}"),
+        }
+        assert!(matches!(
+            arena.lock_range(u64::MAX, 2),
+            Err(ArenaError::OutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn invalid_configs_are_rejected() {
+        for name in ["", "a/b", ".."] {
+            let err = Arena::create(&named_cfg(name, 4096)).unwrap_err();
+            assert!(
+                matches!(err, ArenaError::InvalidConfig { .. }),
+                "{name}: {err}"
+            );
+        }
+        let err = Arena::create(&named_cfg(&unique_name("zero"), 0)).unwrap_err();
+        assert!(err.to_string().contains("size is 0"), "{err}");
+    }
+
+    #[test]
+    fn too_big_for_dev_shm_fails_clearly() {
+        let name = unique_name("huge");
+        let err = Arena::create(&named_cfg(&name, 1 << 60)).unwrap_err();
+        match &err {
+            ArenaError::ShmNoSpace { size_bytes, .. } => assert_eq!(*size_bytes, 1 << 60),
+            other => panic!("expected ShmNoSpace, got {other}"),
+        }
+        assert!(err.to_string().contains("/dev/shm"), "{err}");
+        assert!(!shm_path(&name).exists());
+    }
+
+    #[test]
+    fn lock_error_message_names_the_limit_and_the_fix() {
+        let e = ArenaError::Lock {
+            offset: 0,
+            len: 1 << 30,
+            memlock_limit: Some(8 << 20),
+            source: io::Error::from_raw_os_error(libc::ENOMEM),
+        };
+        assert_eq!(e.errno(), Some(libc::ENOMEM));
+        let msg = e.to_string();
+        assert!(msg.contains("8388608 bytes"), "{msg}");
+        assert!(msg.contains("ulimit -l unlimited"), "{msg}");
+        assert!(msg.contains("LimitMEMLOCK=infinity"), "{msg}");
+    }
+
+    #[test]
+    fn memlock_helpers_agree_with_rlimit() {
+        // Tiny amounts always fit under the glommio-required minimum of 512 KiB.
+        assert!(can_lock(4096) || memlock_limit().is_some_and(|l| l < 4096));
+        if has_cap_ipc_lock() {
+            assert!(can_lock(u64::MAX));
+        } else if let Some(limit) = memlock_limit() {
+            assert!(!can_lock(limit + 1));
+        }
+    }
+}

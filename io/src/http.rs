@@ -1,0 +1,505 @@
+//! hyper 1.x on glommio: an IO adapter over glommio's TcpStream, a local
+//! executor, a timer, and an HTTP/1.1 accept loop.
+
+use std::cell::Cell;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use futures_lite::io::{AsyncRead, AsyncWrite};
+use hyper::body::{Body, Incoming};
+use hyper::rt::{ReadBufCursor, Sleep, Timer};
+use hyper::service::Service;
+use hyper::{Request, Response};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Most bytes zero-initialised per read: hyper hands us uninitialised spare
+/// capacity, and we only expose initialised memory to the socket read.
+const MAX_READ_CHUNK: usize = 64 * 1024;
+
+/// A glommio TCP stream as hyper IO.
+#[derive(Debug)]
+pub struct HyperIo(pub glommio::net::TcpStream);
+
+impl hyper::rt::Read for HyperIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        mut buf: ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        let want = buf.remaining().min(MAX_READ_CHUNK);
+        let dst = buf.initialize_unfilled_to(want);
+        let n = match Pin::new(&mut self.get_mut().0).poll_read(cx, dst) {
+            Poll::Ready(Ok(n)) => n,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => return Poll::Pending,
+        };
+        assert!(n <= want, "read returned more bytes than the buffer holds");
+        // SAFETY: the first `want` unfilled bytes were initialised above and
+        // `n <= want` of them now hold data.
+        unsafe { buf.advance(n) };
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl hyper::rt::Write for HyperIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_close(cx)
+    }
+}
+
+/// Runs hyper's background futures as detached tasks on the current glommio
+/// executor (hyper needs no `Send` for them).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LocalExec;
+
+impl<F> hyper::rt::Executor<F> for LocalExec
+where
+    F: Future + 'static,
+    F::Output: 'static,
+{
+    fn execute(&self, fut: F) {
+        glommio::spawn_local(fut).detach();
+    }
+}
+
+/// hyper timer backed by glommio timers. Its sleeps must be polled on a
+/// glommio executor thread.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LocalTimer;
+
+impl Timer for LocalTimer {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn Sleep>> {
+        Box::pin(LocalSleep::new(Instant::now() + duration))
+    }
+
+    fn sleep_until(&self, deadline: Instant) -> Pin<Box<dyn Sleep>> {
+        Box::pin(LocalSleep::new(deadline))
+    }
+
+    fn reset(&self, sleep: &mut Pin<Box<dyn Sleep>>, new_deadline: Instant) {
+        match sleep.as_mut().downcast_mut_pin::<LocalSleep>() {
+            Some(s) => s.get_mut().reset(new_deadline),
+            None => *sleep = self.sleep_until(new_deadline),
+        }
+    }
+}
+
+/// A sleep whose glommio timer is created lazily on the polling thread.
+struct LocalSleep {
+    deadline: Instant,
+    /// The glommio timer and the thread it belongs to.
+    timer: Option<(ThreadId, glommio::timer::Timer)>,
+}
+
+// SAFETY: hyper requires `Sleep: Send + Sync`. The only non-thread-safe part
+// is the glommio timer (Rc inside). It is created, polled, reset and dropped
+// only on the thread recorded next to it; if the sleep is ever used or dropped
+// on another thread, the old timer is leaked untouched (`mem::forget` only
+// moves bytes). `&LocalSleep` exposes nothing, so sharing it is harmless.
+unsafe impl Send for LocalSleep {}
+// SAFETY: see `Send`.
+unsafe impl Sync for LocalSleep {}
+
+impl LocalSleep {
+    fn new(deadline: Instant) -> Self {
+        LocalSleep {
+            deadline,
+            timer: None,
+        }
+    }
+
+    /// Forget a timer that belongs to another thread.
+    fn release_foreign(&mut self) {
+        let me = std::thread::current().id();
+        if matches!(&self.timer, Some((owner, _)) if *owner != me) {
+            std::mem::forget(self.timer.take());
+        }
+    }
+
+    fn reset(&mut self, deadline: Instant) {
+        self.deadline = deadline;
+        self.release_foreign();
+        if let Some((_, t)) = &mut self.timer {
+            t.reset(deadline.saturating_duration_since(Instant::now()));
+        }
+    }
+}
+
+impl Future for LocalSleep {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        let now = Instant::now();
+        if now >= this.deadline {
+            return Poll::Ready(());
+        }
+        this.release_foreign();
+        let (_, timer) = this.timer.get_or_insert_with(|| {
+            (
+                std::thread::current().id(),
+                glommio::timer::Timer::new(this.deadline - now),
+            )
+        });
+        Pin::new(timer).poll(cx).map(|_fired_at| ())
+    }
+}
+
+impl Sleep for LocalSleep {}
+
+impl Drop for LocalSleep {
+    fn drop(&mut self) {
+        self.release_foreign();
+    }
+}
+
+/// Limits for [`serve_http1_with`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpServeConfig {
+    /// Connections served at once; further clients wait in the listen
+    /// backlog until one closes. Default 256.
+    pub max_connections: usize,
+    /// Time a client has to send a request's headers, also the idle limit of
+    /// a kept-alive connection (None = unlimited). Default 30 s.
+    pub header_read_timeout: Option<Duration>,
+}
+
+impl Default for HttpServeConfig {
+    fn default() -> Self {
+        HttpServeConfig {
+            max_connections: 256,
+            header_read_timeout: Some(Duration::from_secs(30)),
+        }
+    }
+}
+
+/// Serve HTTP/1.1 on `listener` with the default [`HttpServeConfig`].
+pub async fn serve_http1<M, S, B>(
+    listener: glommio::net::TcpListener,
+    make_service: M,
+) -> io::Result<()>
+where
+    M: Fn() -> S,
+    S: Service<Request<Incoming>, Response = Response<B>> + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: 'static,
+    B: Body + 'static,
+    B::Error: Into<BoxError>,
+{
+    serve_http1_with(listener, HttpServeConfig::default(), make_service).await
+}
+
+/// Accept connections forever, serving each on its own detached task with a
+/// fresh service from `make_service`. A failing connection is logged at
+/// debug and does not stop the loop. Returns only on a listener error that
+/// retrying cannot fix. Must run inside a glommio executor.
+pub async fn serve_http1_with<M, S, B>(
+    listener: glommio::net::TcpListener,
+    cfg: HttpServeConfig,
+    make_service: M,
+) -> io::Result<()>
+where
+    M: Fn() -> S,
+    S: Service<Request<Incoming>, Response = Response<B>> + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: 'static,
+    B: Body + 'static,
+    B::Error: Into<BoxError>,
+{
+    if cfg.max_connections == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "http max_connections must be at least 1",
+        ));
+    }
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(LocalTimer)
+        .header_read_timeout(cfg.header_read_timeout);
+    let slots = Rc::new(glommio::sync::Semaphore::new(cfg.max_connections as u64));
+    let saturated = Rc::new(Cell::new(false));
+    loop {
+        if slots.available() == 0 && !saturated.replace(true) {
+            log::warn!(
+                "http: {} connections open (the limit); new clients wait",
+                cfg.max_connections
+            );
+        }
+        let permit = slots
+            .acquire_static_permit(1)
+            .await
+            .map_err(io::Error::from)?;
+        let stream = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                let e = io::Error::from(e);
+                if accept_error_is_transient(&e) {
+                    log::debug!("http accept: {e}");
+                    continue;
+                }
+                if accept_error_is_resource(&e) {
+                    log::warn!("http accept: {e}; retrying in 100 ms");
+                    glommio::timer::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                return Err(e);
+            }
+        };
+        // Small responses: do not let Nagle hold them back.
+        let _ = stream.set_nodelay(true);
+        let peer = stream.peer_addr().ok();
+        let conn = builder.serve_connection(HyperIo(stream), make_service());
+        let saturated = saturated.clone();
+        glommio::spawn_local(async move {
+            if let Err(e) = conn.await {
+                log::debug!("http connection from {peer:?}: {e}");
+            }
+            drop(permit);
+            saturated.set(false);
+        })
+        .detach();
+    }
+}
+
+fn accept_error_is_transient(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::WouldBlock
+    ) || matches!(e.raw_os_error(), Some(libc::EPROTO) | Some(libc::EPERM))
+}
+
+fn accept_error_is_resource(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS) | Some(libc::ENOMEM)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpStream};
+
+    type TestResult = Result<Response<Full<Bytes>>, hyper::Error>;
+
+    async fn handle(req: Request<Incoming>) -> TestResult {
+        let method = req.method().clone();
+        let path = req.uri().path().to_string();
+        let body = req.into_body().collect().await?.to_bytes();
+        let (status, text) = match (method.as_str(), path.as_str()) {
+            ("GET", "/health") => (200, "ok".to_string()),
+            ("POST", "/echo") => (
+                201,
+                format!(
+                    "got {} bytes: {}",
+                    body.len(),
+                    String::from_utf8_lossy(&body)
+                ),
+            ),
+            ("POST", "/sum") => (
+                200,
+                format!(
+                    "{} {}",
+                    body.len(),
+                    body.iter().map(|b| *b as u64).sum::<u64>()
+                ),
+            ),
+            _ => (404, "not found".to_string()),
+        };
+        Ok(Response::builder()
+            .status(status)
+            .body(Full::new(Bytes::from(text)))
+            .unwrap())
+    }
+
+    /// Starts a server shard; returns its address and a stop handle.
+    fn start_server(
+        cfg: HttpServeConfig,
+    ) -> (
+        SocketAddr,
+        crate::mailbox::MailboxSender<()>,
+        crate::executor::ShardHandle,
+    ) {
+        let (stop_tx, stop_rx) = crate::mailbox::mailbox::<()>(1);
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let shard =
+            crate::executor::spawn_shard(0, None, "kvs-http-test".into(), move || async move {
+                let mut stop_rx = stop_rx;
+                let listener = glommio::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                addr_tx.send(listener.local_addr().unwrap()).unwrap();
+                let serve = serve_http1_with(listener, cfg, || hyper::service::service_fn(handle));
+                let stop = async {
+                    stop_rx.recv().await;
+                    Ok(())
+                };
+                futures_lite::future::or(serve, stop).await.unwrap();
+            })
+            .unwrap();
+        (addr_rx.recv().unwrap(), stop_tx, shard)
+    }
+
+    fn exchange(addr: SocketAddr, raw: &[u8]) -> (u16, String) {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(raw).unwrap();
+        let mut resp = Vec::new();
+        s.read_to_end(&mut resp).unwrap();
+        let resp = String::from_utf8(resp).unwrap();
+        let status: u16 = resp
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("no status line in {resp:?}"));
+        let body = resp
+            .split_once("\r\n\r\n")
+            .map_or("", |(_, b)| b)
+            .to_string();
+        (status, body)
+    }
+
+    #[test]
+    fn get_post_malformed_and_keeps_serving() {
+        let (addr, stop, shard) = start_server(HttpServeConfig::default());
+
+        let (st, body) = exchange(
+            addr,
+            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        );
+        assert_eq!((st, body.as_str()), (200, "ok"));
+
+        let (st, body) = exchange(
+            addr,
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello",
+        );
+        assert_eq!((st, body.as_str()), (201, "got 5 bytes: hello"));
+
+        // A body larger than one read chunk arrives whole.
+        let big: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let mut req = format!(
+            "POST /sum HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            big.len()
+        )
+        .into_bytes();
+        req.extend_from_slice(&big);
+        let (st, body) = exchange(addr, &req);
+        let want = format!(
+            "{} {}",
+            big.len(),
+            big.iter().map(|b| *b as u64).sum::<u64>()
+        );
+        assert_eq!((st, body), (200, want));
+
+        let (st, _) = exchange(addr, b"NOT A REQUEST\x01\r\n\r\n");
+        assert_eq!(st, 400);
+
+        let (st, body) = exchange(
+            addr,
+            b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        );
+        assert_eq!((st, body.as_str()), (404, "not found"));
+
+        // Two requests on one kept-alive connection.
+        let (st, body) = exchange(
+            addr,
+            b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        );
+        assert_eq!(st, 200);
+        assert!(
+            body.contains("ok") && body.matches("HTTP/1.1 200").count() == 1,
+            "{body:?}"
+        );
+
+        stop.try_send(()).unwrap();
+        shard.join().unwrap();
+    }
+
+    #[test]
+    fn slow_headers_are_cut_off_and_limit_queues_clients() {
+        let (addr, stop, shard) = start_server(HttpServeConfig {
+            max_connections: 1,
+            header_read_timeout: Some(Duration::from_millis(200)),
+        });
+        let started = Instant::now();
+        let mut slow = TcpStream::connect(addr).unwrap();
+        slow.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        slow.write_all(b"GET /health HTTP/1.1\r\nHost:").unwrap();
+        // The single slot is taken: this client waits until `slow` is cut off.
+        let (st, body) = exchange(
+            addr,
+            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        );
+        assert_eq!((st, body.as_str()), (200, "ok"));
+        assert!(started.elapsed() >= Duration::from_millis(150));
+        let mut rest = Vec::new();
+        let n = slow.read_to_end(&mut rest).unwrap_or(0);
+        assert!(
+            n == 0 || !rest.starts_with(b"HTTP/1.1 200"),
+            "slow client got a response"
+        );
+        stop.try_send(()).unwrap();
+        shard.join().unwrap();
+    }
+
+    #[test]
+    fn zero_connection_limit_is_rejected() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        crate::executor::spawn_shard(0, None, "kvs-http-zero".into(), move || async move {
+            let listener = glommio::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let cfg = HttpServeConfig {
+                max_connections: 0,
+                ..HttpServeConfig::default()
+            };
+            let r = serve_http1_with(listener, cfg, || hyper::service::service_fn(handle)).await;
+            tx.send(r.map_err(|e| e.kind())).unwrap();
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+        assert_eq!(rx.recv().unwrap(), Err(io::ErrorKind::InvalidInput));
+    }
+
+    #[test]
+    fn local_timer_sleeps_and_resets() {
+        crate::executor::spawn_shard(0, None, "kvs-timer".into(), || async {
+            let t = LocalTimer;
+            let start = Instant::now();
+            t.sleep(Duration::from_millis(30)).await;
+            assert!(start.elapsed() >= Duration::from_millis(30));
+            let mut s = t.sleep(Duration::from_secs(60));
+            // Poll once so the glommio timer exists, then pull the deadline in.
+            let _ = futures_lite::future::poll_once(&mut s).await;
+            t.reset(&mut s, Instant::now() + Duration::from_millis(20));
+            let start = Instant::now();
+            s.await;
+            assert!(start.elapsed() < Duration::from_secs(5));
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    }
+}

@@ -1,0 +1,7 @@
+//! kvshard-io: per-core executors and placement, memory arenas, cross-thread
+//! mailboxes and the glue that runs hyper on glommio.
+
+pub mod arena;
+pub mod executor;
+pub mod http;
+pub mod mailbox;

@@ -1,0 +1,268 @@
+//! End to end: the real binary driven through the engine_driven SHM flow
+//! (PREPARE/COMMIT over the shared L1 pool), as `lmcache bench server --mode cpu`
+//! and vLLM's CPU workers use it.
+
+mod support;
+use support::*;
+
+const CS: usize = 16; // --chunk-size in Server::start
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| seed.wrapping_mul(7919).wrapping_add(i * 31) % 50_000)
+        .collect()
+}
+
+/// Registers a worker and returns (shm name, pool size).
+fn register(c: &mut Client, iid: i64, ws: i64, mla: bool) -> (String, usize) {
+    let r = c
+        .call(
+            OP_REGISTER_ENGINE,
+            &[engine_ctx_payload(iid, "m", ws, 2, 64, mla, CS as i64)],
+        )
+        .expect("register reply");
+    (
+        r.get("shm_name").unwrap().str().to_owned(),
+        r.get("pool_size").unwrap().int() as usize,
+    )
+}
+
+/// Stores `[0, n)` tokens for worker `w`; returns the bytes written per chunk.
+fn store_all(
+    c: &mut Client,
+    pool: &mut ShmMap,
+    iid: i64,
+    ws: i64,
+    w: i64,
+    toks: &[u32],
+    rid: &str,
+) -> Vec<Vec<u8>> {
+    let end = (toks.len() / CS * CS) as i64;
+    let key = ipc_key("m", ws, Some(w), toks, 0, end, rid, 1);
+    let r = c
+        .call(OP_PREPARE_STORE, &[key.clone(), V::I(iid)])
+        .expect("prepare_store reply");
+    let ctx = r.get("context").unwrap();
+    let slots = ctx.get("slots").unwrap().arr().to_vec();
+    let idx = ctx.get("chunk_indices").unwrap().arr().to_vec();
+    assert_eq!(slots.len(), end as usize / CS, "every chunk reserved");
+    let mut written = Vec::new();
+    for (slot, i) in slots.iter().zip(&idx) {
+        let off = slot.get("offset").unwrap().int() as usize;
+        let len = slot.get("length").unwrap().int() as usize;
+        assert_eq!(slot.get("dtype").unwrap().str(), "float16");
+        let data = pattern((iid as u64) << 20 | (w as u64) << 10 | i.int() as u64, len);
+        pool.bytes_mut()[off..off + len].copy_from_slice(&data);
+        written.push(data);
+    }
+    assert_eq!(
+        c.call(OP_COMMIT_STORE, &[key, V::I(iid), V::Bin(vec![])]),
+        Some(V::B(true))
+    );
+    written
+}
+
+fn lookup(c: &mut Client, ws: i64, toks: &[u32], rid: &str, readers: i64) -> i64 {
+    let end = (toks.len() / CS * CS) as i64;
+    assert_eq!(
+        c.call(
+            OP_LOOKUP,
+            &[ipc_key("m", ws, None, toks, 0, end, rid, readers), V::I(1)]
+        ),
+        None,
+        "lookup ack has no payload"
+    );
+    c.prefetch_result(rid)
+}
+
+/// Reads back every chunk through prepare/commit_retrieve.
+fn retrieve_all(
+    c: &mut Client,
+    pool: &ShmMap,
+    iid: i64,
+    ws: i64,
+    w: i64,
+    toks: &[u32],
+    rid: &str,
+) -> Vec<Vec<u8>> {
+    let end = (toks.len() / CS * CS) as i64;
+    let key = ipc_key("m", ws, Some(w), toks, 0, end, rid, 1);
+    let r = c
+        .call(OP_PREPARE_RETRIEVE, &[key.clone(), V::I(iid)])
+        .expect("prepare_retrieve reply");
+    assert_eq!(
+        r.get("success"),
+        Some(&V::B(true)),
+        "prepare_retrieve: {r:?}"
+    );
+    let slots = r
+        .get("context")
+        .unwrap()
+        .get("slots")
+        .unwrap()
+        .arr()
+        .to_vec();
+    let out = slots
+        .iter()
+        .map(|slot| {
+            let off = slot.get("offset").unwrap().int() as usize;
+            let len = slot.get("length").unwrap().int() as usize;
+            pool.bytes()[off..off + len].to_vec()
+        })
+        .collect();
+    assert_eq!(
+        c.call(OP_COMMIT_RETRIEVE, &[key, V::I(iid)]),
+        Some(V::B(true))
+    );
+    out
+}
+
+#[test]
+fn store_lookup_retrieve_round_trip() {
+    let srv = Server::start(&["--cores", "0,1"]);
+    let mut c = srv.client();
+    assert_eq!(c.call(OP_GET_CHUNK_SIZE, &[]), Some(V::I(CS as i64)));
+    assert_eq!(c.call(OP_GET_EXPERIMENTAL, &[]), Some(V::A(vec![])));
+    let (name, size) = register(&mut c, 1000, 1, false);
+    assert_eq!(name, srv.shm_name);
+    assert_eq!(size, 64 << 20);
+    let mut pool = ShmMap::open(&name, size);
+
+    let toks = tokens(1, 5 * CS + 3);
+    assert_eq!(lookup(&mut c, 1, &toks, "cold", 1), 0, "cold lookup misses");
+    let stored = store_all(&mut c, &mut pool, 1000, 1, 0, &toks, "cold");
+    assert_eq!(stored.len(), 5);
+    assert_eq!(c.call(OP_END_SESSION, &[s("cold")]), None);
+
+    assert_eq!(
+        lookup(&mut c, 1, &toks, "warm", 1),
+        5,
+        "warm lookup hits all chunks"
+    );
+    // A result is handed out once; later polls answer 0.
+    assert_eq!(
+        c.call(OP_QUERY_PREFETCH_STATUS, &[s("warm")]),
+        Some(V::I(0))
+    );
+    let back = retrieve_all(&mut c, &pool, 1000, 1, 0, &toks, "warm");
+    assert_eq!(back, stored, "bytes read back equal the bytes stored");
+    c.call(OP_END_SESSION, &[s("warm")]);
+
+    // Storing the same chunks again reserves nothing: the client skips the commit.
+    let key = ipc_key("m", 1, Some(0), &toks, 0, 5 * CS as i64, "again", 1);
+    let r = c.call(OP_PREPARE_STORE, &[key, V::I(1000)]).unwrap();
+    assert_eq!(
+        r.get("context").unwrap().get("slots").unwrap().arr().len(),
+        0
+    );
+
+    // A prefix of another request: shares the first chunks only.
+    let mut other = toks[..2 * CS].to_vec();
+    other.extend(tokens(99, 3 * CS));
+    assert_eq!(lookup(&mut c, 1, &other, "partial", 1), 2);
+    c.call(
+        OP_FREE_LOOKUP_LOCKS,
+        &[
+            ipc_key("m", 1, None, &other, 0, 2 * CS as i64, "partial", 1),
+            V::I(1),
+        ],
+    );
+    c.call(OP_END_SESSION, &[s("partial")]);
+
+    // clear drops everything.
+    assert_eq!(c.call(OP_CLEAR, &[V::B(false)]), None);
+    assert_eq!(lookup(&mut c, 1, &toks, "after-clear", 1), 0);
+    assert_eq!(c.call(OP_UNREGISTER_ENGINE, &[V::I(1000)]), None);
+}
+
+#[test]
+fn world_size_two_needs_every_rank() {
+    let srv = Server::start(&[]);
+    let mut c = srv.client();
+    let (name, size) = register(&mut c, 1, 2, false);
+    register(&mut c, 2, 2, false);
+    let mut pool = ShmMap::open(&name, size);
+    let toks = tokens(2, 4 * CS);
+    // Only rank 0 stored: no chunk is complete across ranks.
+    let r0 = store_all(&mut c, &mut pool, 1, 2, 0, &toks, "s");
+    assert_eq!(lookup(&mut c, 2, &toks, "l0", 1), 0);
+    c.call(OP_END_SESSION, &[s("l0")]);
+    let r1 = store_all(&mut c, &mut pool, 2, 2, 1, &toks, "s");
+    assert_ne!(r0, r1);
+    assert_eq!(lookup(&mut c, 2, &toks, "l1", 1), 4);
+    assert_eq!(retrieve_all(&mut c, &pool, 1, 2, 0, &toks, "l1"), r0);
+    assert_eq!(retrieve_all(&mut c, &pool, 2, 2, 1, &toks, "l1"), r1);
+    // Each worker released its one lock: a second retrieve without a lookup fails.
+    let key = ipc_key("m", 2, Some(0), &toks, 0, 4 * CS as i64, "l1", 1);
+    let r = c.call(OP_PREPARE_RETRIEVE, &[key, V::I(1)]).unwrap();
+    assert_eq!(r.get("success"), Some(&V::B(false)));
+}
+
+#[test]
+fn mla_single_writer_many_readers() {
+    // MLA: every TP rank shares one kv_rank; only the writer stores, and the lookup
+    // takes one read lock per reader.
+    let srv = Server::start(&[]);
+    let mut c = srv.client();
+    let (name, size) = register(&mut c, 10, 1, true);
+    register(&mut c, 11, 1, true);
+    let mut pool = ShmMap::open(&name, size);
+    let toks = tokens(3, 3 * CS);
+    let stored = store_all(&mut c, &mut pool, 10, 1, 0, &toks, "w");
+    assert_eq!(lookup(&mut c, 1, &toks, "r", 2), 3);
+    assert_eq!(retrieve_all(&mut c, &pool, 10, 1, 0, &toks, "r"), stored);
+    assert_eq!(
+        retrieve_all(&mut c, &pool, 11, 1, 0, &toks, "r"),
+        stored,
+        "second reader still holds its lock"
+    );
+    let key = ipc_key("m", 1, Some(0), &toks, 0, 3 * CS as i64, "r", 1);
+    let r = c.call(OP_PREPARE_RETRIEVE, &[key, V::I(11)]).unwrap();
+    assert_eq!(r.get("success"), Some(&V::B(false)), "both locks released");
+}
+
+#[test]
+fn reaper_releases_silent_workers() {
+    // 30 s is the smallest reap timeout 0.5.6 (and so kvshard) accepts.
+    let srv = Server::start(&[
+        "--worker-reap-timeout-seconds",
+        "30",
+        "--worker-registration-grace-seconds",
+        "30",
+    ]);
+    let mut c = srv.client();
+    register(&mut c, 7, 1, false);
+    register(&mut c, 8, 1, false);
+    let toks = tokens(4, 2 * CS);
+    let key = ipc_key("m", 1, Some(0), &toks, 0, 2 * CS as i64, "x", 1);
+    // Instance 7 reserves and goes silent; 8 keeps pinging.
+    let r = c.call(OP_PREPARE_STORE, &[key.clone(), V::I(7)]).unwrap();
+    assert_eq!(
+        r.get("context").unwrap().get("slots").unwrap().arr().len(),
+        2
+    );
+    let t0 = std::time::Instant::now();
+    // Scans run every timeout/4, so 7 is gone within 37.5 s of its last request.
+    while t0.elapsed() < std::time::Duration::from_secs(39) {
+        assert_eq!(c.call(OP_PING, &[V::I(8)]), Some(V::B(true)));
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    // 7 is gone, its reservation with it: a commit fails and 8 can reserve the chunks.
+    assert_eq!(
+        c.call(OP_COMMIT_STORE, &[key.clone(), V::I(7), V::Bin(vec![])]),
+        Some(V::B(false))
+    );
+    let (st, body) = srv.http("GET", "/status", None);
+    assert_eq!(st, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["registered_non_cuda_instance_ids"],
+        serde_json::json!([8])
+    );
+    let r = c.call(OP_PREPARE_STORE, &[key, V::I(8)]).unwrap();
+    assert_eq!(
+        r.get("context").unwrap().get("slots").unwrap().arr().len(),
+        2,
+        "reaped reservation released"
+    );
+}

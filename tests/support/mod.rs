@@ -1,0 +1,658 @@
+//! Test support: starts the real `kvshard` binary and talks to it with an
+//! independent ZeroMQ DEALER client and msgpack encoder (written here, apart from
+//! the server's codec, so a codec bug cannot hide behind itself).
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+// ------------------------------------------------------------------ msgpack
+
+/// A msgpack value for building requests and reading replies.
+#[derive(Debug, Clone, PartialEq)]
+pub enum V {
+    Nil,
+    B(bool),
+    I(i64),
+    F(f64),
+    S(String),
+    Bin(Vec<u8>),
+    A(Vec<V>),
+    M(Vec<(V, V)>),
+    Ext(i8, Vec<u8>),
+}
+
+pub fn s(x: &str) -> V {
+    V::S(x.to_owned())
+}
+
+pub fn map(pairs: &[(&str, V)]) -> V {
+    V::M(pairs.iter().map(|(k, v)| (s(k), v.clone())).collect())
+}
+
+impl V {
+    pub fn get(&self, key: &str) -> Option<&V> {
+        match self {
+            V::M(m) => m
+                .iter()
+                .find(|(k, _)| *k == V::S(key.to_owned()))
+                .map(|(_, v)| v),
+            _ => None,
+        }
+    }
+    pub fn int(&self) -> i64 {
+        match self {
+            V::I(i) => *i,
+            other => panic!("expected int, got {other:?}"),
+        }
+    }
+    pub fn str(&self) -> &str {
+        match self {
+            V::S(s) => s,
+            other => panic!("expected str, got {other:?}"),
+        }
+    }
+    pub fn arr(&self) -> &[V] {
+        match self {
+            V::A(a) => a,
+            other => panic!("expected array, got {other:?}"),
+        }
+    }
+    pub fn boolean(&self) -> bool {
+        match self {
+            V::B(b) => *b,
+            other => panic!("expected bool, got {other:?}"),
+        }
+    }
+}
+
+pub fn enc(v: &V) -> Vec<u8> {
+    let mut o = Vec::new();
+    enc_into(v, &mut o);
+    o
+}
+
+fn enc_len(o: &mut Vec<u8>, n: usize, fix: Option<(u8, usize)>, m8: Option<u8>, m16: u8, m32: u8) {
+    match (fix, m8) {
+        (Some((base, max)), _) if n <= max => o.push(base | n as u8),
+        (_, Some(c)) if n <= 0xff => o.extend([c, n as u8]),
+        _ if n <= 0xffff => {
+            o.push(m16);
+            o.extend((n as u16).to_be_bytes());
+        }
+        _ => {
+            o.push(m32);
+            o.extend((n as u32).to_be_bytes());
+        }
+    }
+}
+
+fn enc_into(v: &V, o: &mut Vec<u8>) {
+    match v {
+        V::Nil => o.push(0xc0),
+        V::B(b) => o.push(if *b { 0xc3 } else { 0xc2 }),
+        V::I(i) => {
+            let i = *i;
+            if (0..=127).contains(&i) {
+                o.push(i as u8)
+            } else if (-32..0).contains(&i) {
+                o.push(i as i8 as u8)
+            } else if (0..=0xff).contains(&i) {
+                o.extend([0xcc, i as u8])
+            } else if (0..=0xffff).contains(&i) {
+                o.push(0xcd);
+                o.extend((i as u16).to_be_bytes())
+            } else if (0..=0xffff_ffff).contains(&i) {
+                o.push(0xce);
+                o.extend((i as u32).to_be_bytes())
+            } else if i > 0 {
+                o.push(0xcf);
+                o.extend((i as u64).to_be_bytes())
+            } else {
+                o.push(0xd3);
+                o.extend(i.to_be_bytes())
+            }
+        }
+        V::F(f) => {
+            o.push(0xcb);
+            o.extend(f.to_be_bytes())
+        }
+        V::S(st) => {
+            enc_len(o, st.len(), Some((0xa0, 31)), Some(0xd9), 0xda, 0xdb);
+            o.extend(st.as_bytes())
+        }
+        V::Bin(b) => {
+            enc_len(o, b.len(), None, Some(0xc4), 0xc5, 0xc6);
+            o.extend(b)
+        }
+        V::A(a) => {
+            enc_len(o, a.len(), Some((0x90, 15)), None, 0xdc, 0xdd);
+            for x in a {
+                enc_into(x, o)
+            }
+        }
+        V::M(m) => {
+            enc_len(o, m.len(), Some((0x80, 15)), None, 0xde, 0xdf);
+            for (k, x) in m {
+                enc_into(k, o);
+                enc_into(x, o)
+            }
+        }
+        V::Ext(t, d) => {
+            o.push(0xc7);
+            o.push(d.len() as u8);
+            assert!(d.len() < 256);
+            o.push(*t as u8);
+            o.extend(d)
+        }
+    }
+}
+
+pub fn dec(b: &[u8]) -> V {
+    let mut p = 0;
+    let v = dec_at(b, &mut p);
+    assert_eq!(p, b.len(), "trailing bytes in reply frame");
+    v
+}
+
+fn take<'a>(b: &'a [u8], p: &mut usize, n: usize) -> &'a [u8] {
+    let s = &b[*p..*p + n];
+    *p += n;
+    s
+}
+
+fn be(b: &[u8]) -> u64 {
+    b.iter().fold(0u64, |a, x| (a << 8) | *x as u64)
+}
+
+fn dec_at(b: &[u8], p: &mut usize) -> V {
+    let c = b[*p];
+    *p += 1;
+    let str_of = |d: &[u8]| V::S(String::from_utf8(d.to_vec()).expect("utf8"));
+    match c {
+        0x00..=0x7f => V::I(c as i64),
+        0x80..=0x8f => dec_map(b, p, (c & 0x0f) as usize),
+        0x90..=0x9f => dec_arr(b, p, (c & 0x0f) as usize),
+        0xa0..=0xbf => str_of(take(b, p, (c & 0x1f) as usize)),
+        0xc0 => V::Nil,
+        0xc2 => V::B(false),
+        0xc3 => V::B(true),
+        0xc4 => {
+            let n = be(take(b, p, 1)) as usize;
+            V::Bin(take(b, p, n).to_vec())
+        }
+        0xc5 => {
+            let n = be(take(b, p, 2)) as usize;
+            V::Bin(take(b, p, n).to_vec())
+        }
+        0xcb => V::F(f64::from_bits(be(take(b, p, 8)))),
+        0xcc => V::I(be(take(b, p, 1)) as i64),
+        0xcd => V::I(be(take(b, p, 2)) as i64),
+        0xce => V::I(be(take(b, p, 4)) as i64),
+        0xcf => V::I(be(take(b, p, 8)) as i64),
+        0xd0 => V::I(take(b, p, 1)[0] as i8 as i64),
+        0xd1 => V::I(be(take(b, p, 2)) as u16 as i16 as i64),
+        0xd2 => V::I(be(take(b, p, 4)) as u32 as i32 as i64),
+        0xd3 => V::I(be(take(b, p, 8)) as i64),
+        0xd9 => {
+            let n = be(take(b, p, 1)) as usize;
+            str_of(take(b, p, n))
+        }
+        0xda => {
+            let n = be(take(b, p, 2)) as usize;
+            str_of(take(b, p, n))
+        }
+        0xdc => {
+            let n = be(take(b, p, 2)) as usize;
+            dec_arr(b, p, n)
+        }
+        0xdd => {
+            let n = be(take(b, p, 4)) as usize;
+            dec_arr(b, p, n)
+        }
+        0xde => {
+            let n = be(take(b, p, 2)) as usize;
+            dec_map(b, p, n)
+        }
+        0xe0..=0xff => V::I(c as i8 as i64),
+        other => panic!("test decoder: unsupported msgpack byte {other:#x}"),
+    }
+}
+
+fn dec_arr(b: &[u8], p: &mut usize, n: usize) -> V {
+    V::A((0..n).map(|_| dec_at(b, p)).collect())
+}
+
+fn dec_map(b: &[u8], p: &mut usize, n: usize) -> V {
+    V::M((0..n).map(|_| (dec_at(b, p), dec_at(b, p))).collect())
+}
+
+// ------------------------------------------------------------- wire helpers
+
+/// IPCCacheServerKey as the 0.5.6 client encodes it (a map in field order).
+#[allow(clippy::too_many_arguments)]
+pub fn ipc_key(
+    model: &str,
+    ws: i64,
+    worker: Option<i64>,
+    tokens: &[u32],
+    start: i64,
+    end: i64,
+    rid: &str,
+    readers: i64,
+) -> V {
+    map(&[
+        ("model_name", s(model)),
+        ("world_size", V::I(ws)),
+        ("worker_id", worker.map_or(V::Nil, V::I)),
+        (
+            "token_ids",
+            V::A(tokens.iter().map(|t| V::I(*t as i64)).collect()),
+        ),
+        ("start", V::I(start)),
+        ("end", V::I(end)),
+        ("request_id", s(rid)),
+        ("cache_salt", s("")),
+        ("request_configs", V::Nil),
+        ("num_kv_readers", V::I(readers)),
+    ])
+}
+
+pub fn engine_ctx_payload(
+    iid: i64,
+    model: &str,
+    ws: i64,
+    layers: i64,
+    hidden: i64,
+    mla: bool,
+    slots: i64,
+) -> V {
+    map(&[
+        ("instance_id", V::I(iid)),
+        ("model_name", s(model)),
+        ("world_size", V::I(ws)),
+        ("block_size", V::I(16)),
+        ("num_layers", V::I(layers)),
+        ("hidden_dim_size", V::I(hidden)),
+        ("dtype_str", s("float16")),
+        ("use_mla", V::B(mla)),
+        ("num_physical_slots", V::I(slots)),
+    ])
+}
+
+/// A `CpuShmIPCData` wrapped in msgpack ext 1, keys in msgspec's order.
+pub fn cpu_shm_wrapper(
+    shm_name: &str,
+    nbytes: i64,
+    dtype: &str,
+    shape: &[i64],
+    stride: &[i64],
+) -> V {
+    let inner = map(&[
+        ("type", s("cpu_shm")),
+        ("shm_name", s(shm_name)),
+        ("nbytes", V::I(nbytes)),
+        ("version", V::I(1)),
+        (
+            "metadata",
+            map(&[
+                ("dtype", s(dtype)),
+                ("shape", V::A(shape.iter().map(|x| V::I(*x)).collect())),
+                ("stride", V::A(stride.iter().map(|x| V::I(*x)).collect())),
+                ("storage_offset", V::I(0)),
+                ("device_uuid", s("cpu")),
+            ]),
+        ),
+    ]);
+    V::Ext(1, enc(&inner))
+}
+
+// ------------------------------------------------------------------ client
+
+pub struct Client {
+    pub sock: zmq::Socket,
+    _ctx: zmq::Context,
+    uid: i64,
+}
+
+/// A reply: the echoed op frame and the payload, if any.
+#[derive(Debug)]
+pub struct Reply {
+    pub op: Vec<u8>,
+    pub payload: Option<V>,
+}
+
+impl Client {
+    pub fn connect(port: u16) -> Client {
+        let ctx = zmq::Context::new();
+        let sock = ctx.socket(zmq::DEALER).unwrap();
+        sock.set_linger(0).unwrap();
+        sock.set_rcvtimeo(10_000).unwrap();
+        sock.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
+        Client {
+            sock,
+            _ctx: ctx,
+            uid: 0,
+        }
+    }
+
+    /// Sends raw frames after the uid; returns the uid used.
+    pub fn send_raw(&mut self, frames: Vec<Vec<u8>>) -> i64 {
+        let uid = self.uid;
+        self.uid += 1;
+        let mut all = vec![enc(&V::I(uid))];
+        all.extend(frames);
+        self.sock.send_multipart(all, 0).unwrap();
+        uid
+    }
+
+    pub fn recv(&mut self, uid: i64) -> Reply {
+        let frames = self
+            .sock
+            .recv_multipart(0)
+            .expect("reply within 10 s (the server must always answer)");
+        assert!(
+            frames.len() == 2 || frames.len() == 3,
+            "reply has {} frames",
+            frames.len()
+        );
+        assert_eq!(dec(&frames[0]), V::I(uid), "uid echoed");
+        Reply {
+            op: frames[1].clone(),
+            payload: frames.get(2).map(|f| dec(f)),
+        }
+    }
+
+    /// Calls `op` (legacy int id) with msgpack payload frames.
+    pub fn call(&mut self, op: i64, args: &[V]) -> Option<V> {
+        let mut frames = vec![enc(&V::I(op))];
+        frames.extend(args.iter().map(enc));
+        let uid = self.send_raw(frames);
+        let r = self.recv(uid);
+        assert_eq!(dec(&r.op), V::I(op), "op echoed");
+        r.payload
+    }
+
+    pub fn noop_ok(&mut self) {
+        assert_eq!(self.call(OP_NOOP, &[]), Some(s("OK")));
+    }
+
+    /// Polls query_prefetch_status until it answers an int.
+    pub fn prefetch_result(&mut self, rid: &str) -> i64 {
+        let t0 = Instant::now();
+        loop {
+            if let Some(v) = self.call(OP_QUERY_PREFETCH_STATUS, &[s(rid)]) {
+                return v.int();
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "prefetch never finished"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+pub const OP_REGISTER_KV_CACHE: i64 = 1;
+pub const OP_UNREGISTER_KV_CACHE: i64 = 2;
+pub const OP_STORE: i64 = 6;
+pub const OP_RETRIEVE: i64 = 7;
+pub const OP_LOOKUP: i64 = 8;
+pub const OP_QUERY_PREFETCH_STATUS: i64 = 9;
+pub const OP_WAIT_PREFETCH_STATUS: i64 = 10;
+pub const OP_FREE_LOOKUP_LOCKS: i64 = 12;
+pub const OP_END_SESSION: i64 = 13;
+pub const OP_REGISTER_ENGINE: i64 = 14;
+pub const OP_UNREGISTER_ENGINE: i64 = 15;
+pub const OP_PREPARE_STORE: i64 = 16;
+pub const OP_COMMIT_STORE: i64 = 17;
+pub const OP_PREPARE_RETRIEVE: i64 = 18;
+pub const OP_COMMIT_RETRIEVE: i64 = 19;
+pub const OP_CLEAR: i64 = 20;
+pub const OP_GET_CHUNK_SIZE: i64 = 21;
+pub const OP_PING: i64 = 22;
+pub const OP_NOOP: i64 = 24;
+pub const OP_GET_EXPERIMENTAL: i64 = 32;
+
+// ------------------------------------------------------------------ server
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub struct Server {
+    pub child: Child,
+    pub port: u16,
+    pub http_port: u16,
+    pub shm_name: String,
+}
+
+impl Server {
+    /// Starts `kvshard server` with small defaults plus `extra` flags and waits
+    /// until it answers a noop.
+    pub fn start(extra: &[&str]) -> Server {
+        let port = free_port();
+        let http_port = free_port();
+        let shm = unique("kvtest");
+        let mut args: Vec<String> = vec![
+            "server".into(),
+            "--l1-size-gb".into(),
+            "0.0625".into(),
+            "--eviction-policy".into(),
+            "LRU".into(),
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            port.to_string(),
+            "--http-port".into(),
+            http_port.to_string(),
+            "--chunk-size".into(),
+            "16".into(),
+            "--shm-name".into(),
+            shm.clone(),
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let child = Command::new(env!("CARGO_BIN_EXE_kvshard"))
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("KVSHARD_TEST_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .expect("spawn kvshard");
+        let srv = Server {
+            child,
+            port,
+            http_port,
+            shm_name: format!("lmcache_l1_pool_{shm}"),
+        };
+        let mut c = Client::connect(port);
+        c.noop_ok();
+        srv
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(self.port)
+    }
+
+    /// A plain HTTP/1.1 request; returns (status, body).
+    pub fn http(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        let mut st = TcpStream::connect(("127.0.0.1", self.http_port)).unwrap();
+        st.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let b = body.unwrap_or("");
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+            b.len()
+        );
+        st.write_all(req.as_bytes()).unwrap();
+        let mut out = String::new();
+        st.read_to_string(&mut out).unwrap();
+        let status: u16 = out
+            .split(' ')
+            .nth(1)
+            .and_then(|x| x.parse().ok())
+            .expect("status line");
+        let body = match out.find("\r\n\r\n") {
+            Some(i) => out[i + 4..].to_string(),
+            None => String::new(),
+        };
+        // Chunked bodies: strip the chunk framing for small single-chunk replies.
+        let body = if out
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(&body)
+        } else {
+            body
+        };
+        (status, body)
+    }
+
+    pub fn alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+fn dechunk(s: &str) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(i) = rest.find("\r\n") {
+        let n = usize::from_str_radix(rest[..i].trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[i + 2..i + 2 + n]);
+        rest = &rest[i + 2 + n + 2..];
+    }
+    out
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SAFETY: plain kill(2) of our child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// --------------------------------------------------------------- shm maps
+
+/// A read-write mapping of a POSIX shm segment.
+pub struct ShmMap {
+    pub ptr: *mut u8,
+    pub len: usize,
+    name: String,
+    owned: bool,
+}
+
+impl ShmMap {
+    fn map(name: &str, len: usize, create: bool) -> ShmMap {
+        let cname = std::ffi::CString::new(format!("/{name}")).unwrap();
+        // SAFETY: plain POSIX calls; results checked.
+        unsafe {
+            let flags = if create {
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR
+            } else {
+                libc::O_RDWR
+            };
+            let fd = libc::shm_open(cname.as_ptr(), flags, 0o600);
+            assert!(
+                fd >= 0,
+                "shm_open {name}: {}",
+                std::io::Error::last_os_error()
+            );
+            if create {
+                assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
+            }
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            libc::close(fd);
+            assert_ne!(ptr, libc::MAP_FAILED, "mmap {name}");
+            ShmMap {
+                ptr: ptr as *mut u8,
+                len,
+                name: name.to_owned(),
+                owned: create,
+            }
+        }
+    }
+
+    pub fn open(name: &str, len: usize) -> ShmMap {
+        Self::map(name, len, false)
+    }
+
+    pub fn create(name: &str, len: usize) -> ShmMap {
+        Self::map(name, len, true)
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: mapping of `len` bytes alive for self's lifetime.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `bytes`, and `&mut self` makes this the only view from this process.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for ShmMap {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe {
+            libc::munmap(self.ptr as *mut libc::c_void, self.len);
+            if self.owned {
+                let cname = std::ffi::CString::new(format!("/{}", self.name)).unwrap();
+                libc::shm_unlink(cname.as_ptr());
+            }
+        }
+    }
+}
+
+/// Deterministic bytes for a chunk: a function of a seed and the position.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}

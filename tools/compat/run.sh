@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Drives kvshard with the real lmcache 0.5.6 client (`lmcache bench server --mode cpu`)
+# in both transfer modes and fails unless every checksum passes.
+#
+# The client needs the full lmcache wheel (torch included, ~6 GB): it is installed once
+# into a cached venv, $KVSHARD_COMPAT_VENV (default ~/.cache/kvshard/lmcache-0.5.6).
+# Usage: tools/compat/run.sh [path/to/kvshard]   (default: target/debug/kvshard, built if missing)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+VENV="${KVSHARD_COMPAT_VENV:-$HOME/.cache/kvshard/lmcache-0.5.6}"
+BIN="${1:-target/debug/kvshard}"
+REQUESTS="${KVSHARD_COMPAT_REQUESTS:-8}"
+
+if ! "$VENV/bin/python" -c "import lmcache, msgspec, zmq" >/dev/null 2>&1; then
+    echo "compat: installing lmcache==0.5.6 into $VENV (one time, several minutes)"
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check lmcache==0.5.6
+fi
+[ -x "$BIN" ] || cargo build --bin kvshard
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+PORT=$(free_port)
+HTTP_PORT=$(free_port)
+LOG=$(mktemp)
+"$BIN" server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT" \
+    --http-port "$HTTP_PORT" --shm-name "compat_$$" >"$LOG" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -f "$LOG"' EXIT
+
+export LMCACHE_DISABLE_BANNER=1
+run_bench() {
+    local mode="$1"; shift
+    local out
+    out=$(timeout 600 "$VENV/bin/lmcache" bench server --mode cpu --transfer-mode "$mode" \
+        --rpc-url "tcp://127.0.0.1:$PORT" --url "http://127.0.0.1:$HTTP_PORT" \
+        --interval 0 --format json "$@" 2>/dev/null) || { echo "compat: bench ($mode $*) failed"; cat "$LOG"; exit 1; }
+    python3 - "$mode $*" "$out" <<'PY'
+import json, sys
+label, text = sys.argv[1], sys.argv[2]
+start = text.index("\n{") + 1 if not text.startswith("{") else 0
+doc = json.JSONDecoder().raw_decode(text[start:])[0]
+res = doc["metrics"]["results"]
+ok, fail = res.get("checksum_ok"), res.get("checksum_fail")
+total = res.get("total_requests")
+print(f"compat {label}: {ok}/{total} checksums passed")
+if not total or fail or ok != total:
+    print(json.dumps(doc, indent=1))
+    sys.exit(1)
+PY
+}
+
+run_bench engine_driven --start 0 --end "$REQUESTS" --num-tokens 2048
+run_bench lmcache_driven --start 1000 --end "$((1000 + REQUESTS))" --num-tokens 2048
+run_bench engine_driven --start 2000 --end "$((2000 + REQUESTS))" --num-tokens 1024 --tp-size 2
+run_bench lmcache_driven --start 3000 --end "$((3000 + REQUESTS))" --num-tokens 1024 --tp-size 2 --use-mla \
+    --kvcache-shape-spec "(1,1024,16,1,576):bfloat16:16"
+run_bench engine_driven --start 4000 --end "$((4000 + REQUESTS))" --num-tokens 1024 --tp-size 2 --use-mla \
+    --kvcache-shape-spec "(1,1024,16,1,576):bfloat16:16"
+echo "compat: all checksums passed"

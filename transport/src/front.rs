@@ -1,0 +1,1807 @@
+//! The front end: one thread that owns the ZeroMQ ROUTER socket.
+//!
+//! It decodes requests, keeps sessions, registrations and prefetch jobs, splits each
+//! request's objects by owning shard, sends the parts to the shards' mailboxes and
+//! answers the client once every part has come back. Every request gets a reply:
+//! a request that fails is answered with what the 0.5.6 client reads as a failure
+//! or a miss, and the cause is logged and counted.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvshard_engine::keys::{self, ObjectKey};
+use kvshard_engine::slab::Slab;
+use kvshard_io::mailbox::{MailboxSender, NotifyReceiver};
+
+use crate::config::ServerConfig;
+use crate::control::{ControlBody, ControlRequest, ControlResponse, Responder};
+use crate::cpu_shm::CpuShmRegistration;
+use crate::lookup_log::LookupHashLog;
+use crate::metrics::{Metrics, PromText};
+use crate::registry::{EngineEntry, Layout, Layouts, LmcEntry, Registry, TransferKey};
+use crate::session::{LookupScope, Sessions};
+use crate::shard::{Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome};
+use crate::wire::{self, IpcKey, Op, Request, RequestError};
+
+/// Everything that wakes the front besides the ROUTER socket.
+pub enum FrontEvent {
+    Shard(ShardReply),
+    Control(ControlRequest, Responder),
+}
+
+/// Where a reply goes: the peer identity and the request's uid and op frames, echoed
+/// verbatim.
+#[derive(Clone)]
+pub struct ReplyTo {
+    identity: Vec<u8>,
+    uid: Vec<u8>,
+    op: Vec<u8>,
+}
+
+/// A request waiting for its shards.
+struct Inflight {
+    remaining: usize,
+    /// Global item indices sent to each shard, in the order sent.
+    parts: Vec<Vec<usize>>,
+    kind: InflightKind,
+}
+
+enum InflightKind {
+    Lookup {
+        request_id: String,
+        keys: Vec<ObjectKey>,
+        num_ranks: usize,
+        readers: u32,
+        hits: Vec<bool>,
+    },
+    PrepareStore {
+        to: ReplyTo,
+        tkey: TransferKey,
+        keys: Vec<ObjectKey>,
+        layout: Layout,
+        slabs: Vec<Option<Slab>>,
+    },
+    PrepareRetrieve {
+        to: ReplyTo,
+        tkey: TransferKey,
+        keys: Vec<ObjectKey>,
+        layout: Layout,
+        slabs: Vec<Option<Slab>>,
+    },
+    Store {
+        to: ReplyTo,
+        outcomes: Vec<StoreOutcome>,
+    },
+    Retrieve {
+        to: ReplyTo,
+        oks: Vec<bool>,
+    },
+    Clear {
+        to: Option<ReplyTo>,
+        responder: Option<Responder>,
+        cleared: u64,
+    },
+    Reports {
+        request: ControlRequest,
+        responder: Responder,
+        reports: Vec<Option<ShardReport>>,
+    },
+}
+
+/// A lookup's result as `query_prefetch_status` sees it.
+enum Job {
+    Pending {
+        seq: Seq,
+        waiters: Vec<(ReplyTo, Instant)>,
+    },
+    Done {
+        hit_chunks: i64,
+    },
+}
+
+/// Limits and facts the front needs beyond the config.
+pub struct FrontSetup {
+    pub shm_pool: Option<(String, u64)>,
+    pub num_shards: usize,
+    pub shard_capacity_bytes: Vec<u64>,
+    pub arena_len: u64,
+}
+
+pub struct Front {
+    cfg: Arc<ServerConfig>,
+    setup: FrontSetup,
+    socket: zmq::Socket,
+    shards: Vec<MailboxSender<ShardMsg>>,
+    events: NotifyReceiver<FrontEvent>,
+    sessions: Sessions,
+    jobs: HashMap<String, Job>,
+    registry: Registry,
+    layouts: Layouts,
+    inflight: HashMap<Seq, Inflight>,
+    next_seq: Seq,
+    metrics: Metrics,
+    unsupported_logged: HashSet<&'static str>,
+    lookup_log: Option<LookupHashLog>,
+    quotas: HashMap<String, f64>,
+    started: Instant,
+    next_reap: Instant,
+    next_session_sweep: Instant,
+}
+
+const SESSION_SWEEP: Duration = Duration::from_secs(60);
+
+impl Front {
+    pub fn new(
+        cfg: Arc<ServerConfig>,
+        setup: FrontSetup,
+        socket: zmq::Socket,
+        shards: Vec<MailboxSender<ShardMsg>>,
+        events: NotifyReceiver<FrontEvent>,
+    ) -> Self {
+        let now = Instant::now();
+        let lookup_log = cfg
+            .lookup_hash_log
+            .as_ref()
+            .and_then(|s| match LookupHashLog::open(s) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    log::error!(
+                        "lookup hash logging disabled: cannot open {}: {e}",
+                        s.dir.display()
+                    );
+                    None
+                }
+            });
+        Front {
+            sessions: Sessions::new(cfg.session_ttl, cfg.max_sessions),
+            registry: Registry::new(cfg.max_registrations),
+            layouts: Layouts::default(),
+            jobs: HashMap::new(),
+            inflight: HashMap::new(),
+            next_seq: 1,
+            metrics: Metrics::default(),
+            unsupported_logged: HashSet::new(),
+            lookup_log,
+            quotas: HashMap::new(),
+            started: now,
+            next_reap: now + reap_interval(&cfg),
+            next_session_sweep: now + SESSION_SWEEP,
+            cfg,
+            setup,
+            socket,
+            shards,
+            events,
+        }
+    }
+
+    /// Serves until `stop` is set.
+    pub fn run(&mut self, stop: &AtomicBool) {
+        let mut frames_buf: Vec<FrontEvent> = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            let timeout_ms = self.poll_timeout_ms();
+            let (sock_ready, ev_ready) = {
+                let mut items = [
+                    self.socket.as_poll_item(zmq::POLLIN),
+                    zmq::PollItem::from_fd(self.events.fd(), zmq::POLLIN),
+                ];
+                match zmq::poll(&mut items, timeout_ms) {
+                    Ok(_) => (items[0].is_readable(), items[1].is_readable()),
+                    Err(zmq::Error::EINTR) => continue,
+                    Err(e) => {
+                        log::error!("zmq poll failed: {e}");
+                        std::thread::sleep(Duration::from_millis(10));
+                        (false, false)
+                    }
+                }
+            };
+            if ev_ready {
+                self.events.drain(&mut frames_buf);
+                for ev in frames_buf.drain(..) {
+                    self.on_event(ev);
+                }
+            }
+            if sock_ready {
+                // Bounded batch so shard replies are not starved by a flood of requests.
+                for _ in 0..256 {
+                    match self.socket.recv_multipart(zmq::DONTWAIT) {
+                        Ok(frames) => self.on_message(frames),
+                        Err(zmq::Error::EAGAIN) => break,
+                        Err(zmq::Error::EINTR) => break,
+                        Err(e) => {
+                            log::error!("zmq recv failed: {e}");
+                            break;
+                        }
+                    }
+                }
+            }
+            self.on_timers(Instant::now());
+        }
+    }
+
+    fn poll_timeout_ms(&self) -> i64 {
+        let now = Instant::now();
+        let mut next = self.next_session_sweep.min(self.next_reap);
+        for job in self.jobs.values() {
+            if let Job::Pending { waiters, .. } = job {
+                for (_, d) in waiters {
+                    next = next.min(*d);
+                }
+            }
+        }
+        let ms = next.saturating_duration_since(now).as_millis();
+        ms.clamp(1, 1000) as i64
+    }
+
+    // ---------------------------------------------------------------- timers
+
+    fn on_timers(&mut self, now: Instant) {
+        if now >= self.next_session_sweep {
+            self.next_session_sweep = now + SESSION_SWEEP;
+            let n = self.sessions.expire(now);
+            if n > 0 {
+                log::debug!("expired {n} idle sessions");
+            }
+            let sessions = &self.sessions;
+            let before = self.jobs.len();
+            // Jobs of sessions that are gone can never be queried by a live request.
+            self.jobs
+                .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions_has(sessions, rid));
+            let dropped = before - self.jobs.len();
+            if dropped > 0 {
+                log::debug!("dropped {dropped} unconsumed prefetch results of expired sessions");
+            }
+        }
+        if now >= self.next_reap {
+            self.next_reap = now + reap_interval(&self.cfg);
+            if !self.cfg.worker_reap_timeout.is_zero() {
+                let reaped = self.registry.reap(
+                    now,
+                    self.cfg.worker_reap_timeout,
+                    self.cfg.worker_registration_grace,
+                );
+                for (iid, released) in reaped {
+                    log::warn!("reaped silent worker instance {iid}");
+                    self.metrics.reaped_workers += 1;
+                    self.release_instance(released);
+                }
+            }
+        }
+        // wait_prefetch_status deadlines: answer with no payload (still running).
+        let mut expired = Vec::new();
+        for job in self.jobs.values_mut() {
+            if let Job::Pending { waiters, .. } = job {
+                waiters.retain(|(to, d)| {
+                    if *d <= now {
+                        expired.push(to.clone());
+                        false
+                    } else {
+                        true
+                    }
+                });
+            }
+        }
+        for to in expired {
+            self.reply(&to, None);
+        }
+    }
+
+    // -------------------------------------------------------------- requests
+
+    fn on_message(&mut self, frames: Vec<Vec<u8>>) {
+        self.metrics.requests += 1;
+        if frames.len() < 3 {
+            // [identity, uid] without an op cannot be a 0.5.6 request; echo what came.
+            self.metrics.bad_requests += 1;
+            log::warn!(
+                "dropping a {}-frame message: a request needs uid and op frames",
+                frames.len()
+            );
+            if frames.len() == 2 {
+                let _ = self.socket.send_multipart(frames, 0);
+            }
+            return;
+        }
+        let mut it = frames.into_iter();
+        let identity = it.next().unwrap_or_default();
+        let uid = it.next().unwrap_or_default();
+        let op_frame = it.next().unwrap_or_default();
+        let payloads: Vec<Vec<u8>> = it.collect();
+        if op_frame.is_empty() {
+            // Stream credit/cancel controls (subscribe_kv_events): kvshard has no streams.
+            return;
+        }
+        let to = ReplyTo {
+            identity,
+            uid,
+            op: op_frame,
+        };
+        let op = match wire::decode_op(&to.op) {
+            Ok(op) => op,
+            Err(e) => {
+                self.metrics.unknown_ops += 1;
+                log::warn!("unknown operation: {e}; answering with no payload");
+                self.reply(&to, None);
+                return;
+            }
+        };
+        if let Some(big) = payloads
+            .iter()
+            .map(Vec::len)
+            .max()
+            .filter(|n| *n > self.cfg.max_frame_bytes)
+        {
+            self.metrics.bad_requests += 1;
+            log::warn!(
+                "{}: payload frame of {big} bytes exceeds --max-frame-bytes {}",
+                op.name(),
+                self.cfg.max_frame_bytes
+            );
+            let payload = self.failure_payload(op);
+            self.reply(&to, payload);
+            return;
+        }
+        let views: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
+        match wire::decode_request(op, &views) {
+            Ok(req) => self.dispatch(to, req),
+            Err(RequestError::Unsupported(op)) => {
+                self.metrics.count_unsupported(op.name());
+                if self.unsupported_logged.insert(op.name()) {
+                    log::warn!(
+                        "operation {} is not supported by kvshard (logged once)",
+                        op.name()
+                    );
+                }
+                self.reply(&to, None);
+            }
+            Err(e) => {
+                self.metrics.bad_requests += 1;
+                log::warn!("bad {} request: {e}", op.name());
+                let payload = self.failure_payload(op);
+                self.reply(&to, payload);
+            }
+        }
+    }
+
+    /// The reply a 0.5.6 client reads as failure or miss for `op`.
+    fn failure_payload(&self, op: Op) -> Option<Vec<u8>> {
+        match op {
+            Op::Store | Op::Retrieve => Some(wire::encode_store_reply(b"", false)),
+            Op::QueryPrefetchStatus | Op::WaitPrefetchStatus => Some(wire::encode_int(0)),
+            Op::PrepareStore => Some(wire::encode_prepare_store_reply(&[], &[])),
+            Op::PrepareRetrieve => Some(wire::encode_prepare_retrieve_reply(false, &[])),
+            Op::CommitStore | Op::CommitRetrieve | Op::Ping => Some(wire::encode_bool(false)),
+            Op::GetChunkSize => Some(wire::encode_int(self.cfg.chunk_size as i64)),
+            Op::Noop => Some(wire::encode_str("OK")),
+            Op::GetExperimental => Some(wire::encode_str_list::<&str>(&[])),
+            _ => None,
+        }
+    }
+
+    fn reply(&mut self, to: &ReplyTo, payload: Option<Vec<u8>>) {
+        let res = match payload {
+            Some(p) => self
+                .socket
+                .send_multipart([to.identity.as_slice(), &to.uid, &to.op, &p], 0),
+            None => self
+                .socket
+                .send_multipart([to.identity.as_slice(), &to.uid, &to.op], 0),
+        };
+        if let Err(e) = res {
+            // ROUTER_MANDATORY: the peer is gone (EHOSTUNREACH); nothing else to do.
+            self.metrics.reply_failures += 1;
+            log::debug!("reply not delivered: {e}");
+        }
+    }
+
+    fn dispatch(&mut self, to: ReplyTo, req: Request) {
+        let now = Instant::now();
+        match req {
+            Request::Noop => self.reply(&to, Some(wire::encode_str("OK"))),
+            Request::GetChunkSize => {
+                let p = wire::encode_int(self.cfg.chunk_size as i64);
+                self.reply(&to, Some(p))
+            }
+            Request::GetExperimental => self.reply(&to, Some(wire::encode_str_list::<&str>(&[]))),
+            Request::Ping { instance_id } => {
+                if let Some(iid) = instance_id {
+                    self.registry.ping(iid, now);
+                }
+                self.reply(&to, Some(wire::encode_bool(true)))
+            }
+            Request::ReportBlockAllocation { records, .. } => {
+                // Block-allocation records feed 0.5.6's KV-event and block-lifetime metrics,
+                // which kvshard does not have; acknowledge so the caller never waits.
+                self.metrics.block_allocation_records += records.len() as u64;
+                self.reply(&to, None)
+            }
+            Request::Clear { force } => self.clear(Some(to), None, force),
+            Request::Lookup { key, .. } => {
+                self.reply(&to, None);
+                self.lookup(key, now);
+            }
+            Request::QueryPrefetchStatus { request_id } => self.query_prefetch(to, &request_id),
+            Request::WaitPrefetchStatus {
+                request_id,
+                timeout_seconds,
+            } => self.wait_prefetch(to, &request_id, timeout_seconds, now),
+            Request::FreeLookupLocks { key, .. } => {
+                self.free_lookup_locks(&key, now);
+                self.reply(&to, None)
+            }
+            Request::EndSession { request_id } => {
+                self.end_session(&request_id);
+                self.reply(&to, None)
+            }
+            Request::RegisterEngineDriven(p) => {
+                let reply = self.register_engine_driven(p, now);
+                self.reply(&to, reply)
+            }
+            Request::UnregisterEngineDriven { instance_id } => {
+                match self.registry.remove_engine(instance_id) {
+                    Some(entry) => {
+                        log::info!("unregistered engine_driven instance {instance_id}");
+                        self.release_instance(crate::registry::Released::Engine(
+                            instance_id,
+                            entry,
+                        ));
+                    }
+                    None => log::warn!("unregister: no engine_driven instance {instance_id}"),
+                }
+                self.reply(&to, None)
+            }
+            Request::RegisterKvCache {
+                instance_id,
+                kv_cache,
+                model_name,
+                world_size,
+                engine_type,
+                layout_hints,
+                engine_group_infos,
+            } => {
+                self.register_kv_cache(
+                    instance_id,
+                    &kv_cache,
+                    model_name,
+                    world_size,
+                    &engine_type,
+                    &layout_hints,
+                    &engine_group_infos,
+                    now,
+                );
+                self.reply(&to, None)
+            }
+            Request::UnregisterKvCache { instance_id } => {
+                match self.registry.remove_lmc(instance_id) {
+                    Some(entry) => {
+                        log::info!("unregistered lmcache_driven instance {instance_id}");
+                        self.release_instance(crate::registry::Released::Lmc(instance_id, entry));
+                    }
+                    None => log::warn!("unregister: no lmcache_driven instance {instance_id}"),
+                }
+                self.reply(&to, None)
+            }
+            Request::PrepareStore { key, instance_id } => {
+                self.prepare_store(to, key, instance_id, now)
+            }
+            Request::CommitStore {
+                key,
+                instance_id,
+                data,
+            } => {
+                let ok = self.commit_store(&key, instance_id, &data, now);
+                self.reply(&to, Some(wire::encode_bool(ok)))
+            }
+            Request::PrepareRetrieve { key, instance_id } => {
+                self.prepare_retrieve(to, key, instance_id, now)
+            }
+            Request::CommitRetrieve { key, instance_id } => {
+                let ok = self.commit_retrieve(&key, instance_id, now);
+                self.reply(&to, Some(wire::encode_bool(ok)))
+            }
+            Request::Store {
+                key,
+                instance_id,
+                block_ids,
+                ..
+            } => self.store(to, key, instance_id, block_ids, now),
+            Request::Retrieve {
+                key,
+                instance_id,
+                block_ids,
+                skip_first_n_tokens,
+                ..
+            } => self.retrieve(to, key, instance_id, block_ids, skip_first_n_tokens, now),
+        }
+    }
+
+    // ------------------------------------------------------------ shard I/O
+
+    fn alloc_seq(&mut self) -> Seq {
+        let s = self.next_seq;
+        self.next_seq += 1;
+        s
+    }
+
+    /// Sends `msg` to shard `i`, waiting while its mailbox is full (backpressure:
+    /// the front slows down rather than dropping a request or a lock release).
+    fn send(&mut self, shard: usize, mut msg: ShardMsg) {
+        loop {
+            match self.shards[shard].try_send(msg) {
+                Ok(()) => return,
+                Err(back) => {
+                    self.metrics.mailbox_full += 1;
+                    msg = back;
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+        }
+    }
+
+    /// Splits `keys` by owning shard (keeping their order) and returns, per shard,
+    /// the indices taken.
+    fn split(&self, keys: &[ObjectKey]) -> Vec<Vec<usize>> {
+        let n = self.shards.len();
+        let mut parts = vec![Vec::new(); n];
+        for (i, k) in keys.iter().enumerate() {
+            parts[k.shard(n)].push(i);
+        }
+        parts
+    }
+
+    /// Sends one message per shard that owns some of `keys`; `make` builds the op
+    /// from that shard's indices. Registers `kind` to collect the replies, or, if no
+    /// shard was involved, returns the kind for immediate completion.
+    fn fan_out(
+        &mut self,
+        parts: Vec<Vec<usize>>,
+        kind: InflightKind,
+        mut make: impl FnMut(&[usize]) -> ShardOp,
+    ) -> Option<InflightKind> {
+        let involved = parts.iter().filter(|p| !p.is_empty()).count();
+        if involved == 0 {
+            return Some(kind);
+        }
+        let seq = self.alloc_seq();
+        for (shard, idx) in parts.iter().enumerate() {
+            if !idx.is_empty() {
+                let op = make(idx);
+                self.send(shard, ShardMsg { seq, op });
+            }
+        }
+        self.inflight.insert(
+            seq,
+            Inflight {
+                remaining: involved,
+                parts,
+                kind,
+            },
+        );
+        None
+    }
+
+    /// Sends `make(keys)` to every shard owning some of `keys`, wanting no reply.
+    fn post(&mut self, keys: Vec<ObjectKey>, make: impl Fn(Vec<ObjectKey>) -> ShardOp) {
+        let n = self.shards.len();
+        if n == 1 {
+            if !keys.is_empty() {
+                self.send(
+                    0,
+                    ShardMsg {
+                        seq: 0,
+                        op: make(keys),
+                    },
+                );
+            }
+            return;
+        }
+        let mut per: Vec<Vec<ObjectKey>> = vec![Vec::new(); n];
+        for k in keys {
+            per[k.shard(n)].push(k);
+        }
+        for (i, ks) in per.into_iter().enumerate() {
+            if !ks.is_empty() {
+                self.send(
+                    i,
+                    ShardMsg {
+                        seq: 0,
+                        op: make(ks),
+                    },
+                );
+            }
+        }
+    }
+
+    fn broadcast(&mut self, kind: InflightKind, make: impl Fn() -> ShardOp) {
+        let n = self.shards.len();
+        let seq = self.alloc_seq();
+        for i in 0..n {
+            self.send(i, ShardMsg { seq, op: make() });
+        }
+        self.inflight.insert(
+            seq,
+            Inflight {
+                remaining: n,
+                parts: vec![Vec::new(); n],
+                kind,
+            },
+        );
+    }
+
+    fn on_event(&mut self, ev: FrontEvent) {
+        match ev {
+            FrontEvent::Control(req, responder) => self.control(req, responder),
+            FrontEvent::Shard(reply) => self.on_shard_reply(reply),
+        }
+    }
+
+    fn on_shard_reply(&mut self, reply: ShardReply) {
+        let Some(mut inf) = self.inflight.remove(&reply.seq) else {
+            log::error!(
+                "reply for unknown request {} from shard {}",
+                reply.seq,
+                reply.shard
+            );
+            return;
+        };
+        let idx = std::mem::take(&mut inf.parts[reply.shard]);
+        merge(&mut inf.kind, &idx, reply.shard, reply.body);
+        inf.remaining -= 1;
+        if inf.remaining > 0 {
+            self.inflight.insert(reply.seq, inf);
+            return;
+        }
+        self.complete(reply.seq, inf.kind);
+    }
+
+    fn complete(&mut self, seq: Seq, kind: InflightKind) {
+        match kind {
+            InflightKind::Lookup {
+                request_id,
+                keys,
+                num_ranks,
+                readers,
+                hits,
+            } => self.finish_lookup(seq, request_id, keys, num_ranks, readers, hits),
+            InflightKind::PrepareStore {
+                to,
+                tkey,
+                keys,
+                layout,
+                slabs,
+            } => {
+                let mut slots = Vec::new();
+                let mut indices = Vec::new();
+                let mut reserved = Vec::new();
+                for (i, (k, s)) in keys.into_iter().zip(slabs).enumerate() {
+                    if let Some(slab) = s {
+                        slots.push(layout.slot(slab.offset));
+                        indices.push(i as i64);
+                        reserved.push(k);
+                    }
+                }
+                if !reserved.is_empty() {
+                    if let Some(old) = self.registry.pending_writes.insert(tkey.clone(), reserved) {
+                        // Prepared twice without a commit: the earlier reservation is abandoned.
+                        self.post(old, |keys| ShardOp::AbortWrite {
+                            keys,
+                            tag: tkey.instance_id as u64,
+                        });
+                    }
+                }
+                self.reply(
+                    &to,
+                    Some(wire::encode_prepare_store_reply(&slots, &indices)),
+                );
+            }
+            InflightKind::PrepareRetrieve {
+                to,
+                tkey,
+                keys,
+                layout,
+                slabs,
+            } => {
+                if slabs.iter().all(Option::is_some) && !slabs.is_empty() {
+                    let slots: Vec<_> = slabs
+                        .iter()
+                        .map(|s| layout.slot(s.as_ref().map_or(0, |s| s.offset)))
+                        .collect();
+                    if let Some(old) = self.registry.pending_reads.insert(tkey, keys) {
+                        self.post(old, |keys| ShardOp::Release { keys, count: 1 });
+                    }
+                    self.reply(&to, Some(wire::encode_prepare_retrieve_reply(true, &slots)));
+                } else {
+                    // Not all read-locked: release this worker's share of what was found.
+                    let found: Vec<ObjectKey> = keys
+                        .into_iter()
+                        .zip(&slabs)
+                        .filter(|(_, s)| s.is_some())
+                        .map(|(k, _)| k)
+                        .collect();
+                    self.metrics.retrieve_misses += 1;
+                    self.post(found, |keys| ShardOp::Release { keys, count: 1 });
+                    self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
+                }
+            }
+            InflightKind::Store { to, outcomes } => {
+                let failed = outcomes
+                    .iter()
+                    .filter(|o| **o == StoreOutcome::Failed)
+                    .count();
+                let oom = outcomes
+                    .iter()
+                    .filter(|o| **o == StoreOutcome::OutOfMemory)
+                    .count();
+                self.metrics.stored_chunks += outcomes
+                    .iter()
+                    .filter(|o| **o == StoreOutcome::Stored)
+                    .count() as u64;
+                self.metrics.store_oom_chunks += oom as u64;
+                self.metrics.finished_stores += 1;
+                self.reply(&to, Some(wire::encode_store_reply(b"", failed == 0)));
+            }
+            InflightKind::Retrieve { to, oks } => {
+                let ok = oks.iter().all(|b| *b);
+                self.metrics.finished_retrieves += 1;
+                self.metrics.retrieved_chunks += oks.iter().filter(|b| **b).count() as u64;
+                if !ok {
+                    self.metrics.retrieve_misses += 1;
+                }
+                self.reply(&to, Some(wire::encode_store_reply(b"", ok)));
+            }
+            InflightKind::Clear {
+                to,
+                responder,
+                cleared,
+            } => {
+                log::info!("cleared {cleared} L1 objects");
+                if let Some(to) = to {
+                    self.reply(&to, None);
+                }
+                if let Some(r) = responder {
+                    r.send(ControlResponse::json(
+                        serde_json::json!({"status": "ok", "cleared": {"tier": "l1"}}),
+                    ));
+                }
+            }
+            InflightKind::Reports {
+                request,
+                responder,
+                reports,
+            } => {
+                let reports: Vec<ShardReport> = reports.into_iter().flatten().collect();
+                let resp = self.answer_reports(&request, &reports);
+                responder.send(resp);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------- lookups
+
+    /// Object keys of chunks `hashes` for `ranks`, chunk-major and rank-minor.
+    fn object_keys(
+        model: &str,
+        salt: &str,
+        hashes: &[keys::ChunkHash],
+        ranks: &[u32],
+    ) -> Vec<ObjectKey> {
+        let mut out = Vec::with_capacity(hashes.len() * ranks.len());
+        for h in hashes {
+            for r in ranks {
+                out.push(ObjectKey {
+                    chunk_hash: *h,
+                    model_name: model.to_owned(),
+                    kv_rank: *r,
+                    object_group_id: 0,
+                    cache_salt: salt.to_owned(),
+                });
+            }
+        }
+        out
+    }
+
+    /// kv_ranks a key addresses: one worker's, or every worker's for a scheduler key.
+    fn ranks_of(key: &IpcKey) -> Result<Vec<u32>, String> {
+        let ws = u32::try_from(key.world_size)
+            .ok()
+            .filter(|w| (1..=keys::MAX_WORLD_SIZE).contains(w))
+            .ok_or_else(|| {
+                format!(
+                    "world_size {} outside 1..={}",
+                    key.world_size,
+                    keys::MAX_WORLD_SIZE
+                )
+            })?;
+        match key.worker_id {
+            None => Ok((0..ws).map(|w| keys::worker_kv_rank(ws, w)).collect()),
+            Some(w) if w >= 0 && (w as u64) < ws as u64 => {
+                Ok(vec![keys::worker_kv_rank(ws, w as u32)])
+            }
+            Some(w) => Err(format!("worker_id {w} outside world_size {ws}")),
+        }
+    }
+
+    /// Chunk hashes of `[start, end)` of `key`, through its session.
+    fn key_hashes(
+        &mut self,
+        key: &IpcKey,
+        from_zero: bool,
+        now: Instant,
+    ) -> Result<Vec<keys::ChunkHash>, String> {
+        let cs = self.cfg.chunk_size;
+        let start = if from_zero {
+            0
+        } else {
+            usize::try_from(key.start).map_err(|_| format!("negative start {}", key.start))?
+        };
+        let end = usize::try_from(key.end).map_err(|_| format!("negative end {}", key.end))?;
+        let s = self.sessions.get_or_create(&key.request_id, now);
+        s.set_tokens(&key.token_ids);
+        s.hashes(cs, start, end)
+            .map(|h| h.to_vec())
+            .map_err(|e| e.to_string())
+    }
+
+    fn lookup(&mut self, key: IpcKey, now: Instant) {
+        self.metrics.lookups += 1;
+        let rid = key.request_id.clone();
+        let early = |front: &mut Front, reason: &'static str| {
+            front.metrics.count_early_exit(reason);
+            front.jobs.insert(rid.clone(), Job::Done { hit_chunks: 0 });
+        };
+        let Some(layout) = u32::try_from(key.world_size)
+            .ok()
+            .and_then(|ws| self.layouts.get(&key.model_name, ws))
+            .cloned()
+        else {
+            log::error!(
+                "No GPU context found for model {} with world size {} during lookup",
+                key.model_name,
+                key.world_size
+            );
+            return early(self, "no_gpu_context");
+        };
+        let readers = match u32::try_from(key.num_kv_readers) {
+            Ok(r) if r >= 1 => r,
+            _ => {
+                log::error!(
+                    "lookup {rid}: num_kv_readers={} — this server requires clients that send num_kv_readers",
+                    key.num_kv_readers
+                );
+                self.metrics.bad_requests += 1;
+                return early(self, "bad_request");
+            }
+        };
+        let ranks = match Self::ranks_of(&key) {
+            Ok(r) => r,
+            Err(e) => {
+                log::error!("lookup {rid}: {e}");
+                self.metrics.bad_requests += 1;
+                return early(self, "bad_request");
+            }
+        };
+        let hashes = match self.key_hashes(&key, true, now) {
+            Ok(h) => h,
+            Err(e) => {
+                log::error!("lookup {rid}: {e}");
+                self.metrics.bad_requests += 1;
+                return early(self, "bad_request");
+            }
+        };
+        if let Some(s) = self.sessions.get_mut(&rid) {
+            s.lookup = Some(LookupScope {
+                model_name: key.model_name.clone(),
+                world_size: key.world_size as u32,
+                worker_id: key.worker_id.map(|w| w as u32),
+                cache_salt: key.cache_salt.clone(),
+                num_kv_readers: readers,
+            });
+            s.prefetch_hit_chunks = -1;
+        }
+        if let Some(log) = self.lookup_log.as_mut() {
+            // 0.5.6 writes `str(torch dtype)`; a write error disables the log (it says so once).
+            let _ = log.record(
+                std::time::SystemTime::now(),
+                &rid,
+                &key.model_name,
+                self.cfg.chunk_size,
+                key.token_ids.len(),
+                &[format!("torch.{}", layout.dtype)],
+                std::slice::from_ref(&layout.shape),
+                &hashes,
+            );
+        }
+        if hashes.is_empty() {
+            return early(self, "empty_chunk_hashes");
+        }
+        self.metrics.lookup_requested_tokens += (hashes.len() * self.cfg.chunk_size) as u64;
+        let num_ranks = ranks.len();
+        let objs = Self::object_keys(&key.model_name, &key.cache_salt, &hashes, &ranks);
+        let parts = self.split(&objs);
+        let kind = InflightKind::Lookup {
+            request_id: rid.clone(),
+            keys: objs,
+            num_ranks,
+            readers,
+            hits: Vec::new(),
+        };
+        let seq = self.next_seq;
+        let keys_ref: Vec<ObjectKey> = match &kind {
+            InflightKind::Lookup { keys, .. } => keys.clone(),
+            _ => unreachable!(),
+        };
+        let immediate = self.fan_out(parts, kind, |idx| ShardOp::Lookup {
+            keys: idx.iter().map(|i| keys_ref[*i].clone()).collect(),
+            readers,
+        });
+        debug_assert!(
+            immediate.is_none(),
+            "a non-empty lookup always involves a shard"
+        );
+        self.jobs.insert(
+            rid,
+            Job::Pending {
+                seq,
+                waiters: Vec::new(),
+            },
+        );
+    }
+
+    fn finish_lookup(
+        &mut self,
+        seq: Seq,
+        rid: String,
+        keys: Vec<ObjectKey>,
+        num_ranks: usize,
+        readers: u32,
+        hits: Vec<bool>,
+    ) {
+        let num_chunks = keys.len() / num_ranks;
+        let prefix = (0..num_chunks)
+            .take_while(|c| hits[c * num_ranks..(c + 1) * num_ranks].iter().all(|h| *h))
+            .count();
+        let current = matches!(self.jobs.get(&rid), Some(Job::Pending { seq: s, .. }) if *s == seq);
+        // Locks beyond the prefix are not needed; a superseded lookup keeps none.
+        let keep = if current { prefix * num_ranks } else { 0 };
+        let release: Vec<ObjectKey> = keys
+            .into_iter()
+            .zip(&hits)
+            .enumerate()
+            .filter(|(i, (_, h))| **h && *i >= keep)
+            .map(|(_, (k, _))| k)
+            .collect();
+        self.post(release, |keys| ShardOp::Release {
+            keys,
+            count: readers,
+        });
+        if !current {
+            return;
+        }
+        self.metrics.lookup_hit_tokens += (prefix * self.cfg.chunk_size) as u64;
+        self.metrics.lookup_hit_keys += (prefix * num_ranks) as u64;
+        if let Some(s) = self.sessions.get_mut(&rid) {
+            s.prefetch_hit_chunks = prefix as i64;
+        }
+        let waiters = match self.jobs.insert(
+            rid.clone(),
+            Job::Done {
+                hit_chunks: prefix as i64,
+            },
+        ) {
+            Some(Job::Pending { waiters, .. }) => waiters,
+            _ => Vec::new(),
+        };
+        if !waiters.is_empty() {
+            // Each result is handed out once: the first waiter consumes it.
+            self.jobs.remove(&rid);
+            let mut first = true;
+            for (to, _) in waiters {
+                let v = if first { prefix as i64 } else { 0 };
+                first = false;
+                self.reply(&to, Some(wire::encode_int(v)));
+            }
+        }
+    }
+
+    fn query_prefetch(&mut self, to: ReplyTo, rid: &str) {
+        match self.jobs.get(rid) {
+            None => self.reply(&to, Some(wire::encode_int(0))),
+            Some(Job::Pending { .. }) => self.reply(&to, None),
+            Some(Job::Done { hit_chunks }) => {
+                let n = *hit_chunks;
+                self.jobs.remove(rid);
+                self.reply(&to, Some(wire::encode_int(n)))
+            }
+        }
+    }
+
+    fn wait_prefetch(&mut self, to: ReplyTo, rid: &str, timeout_s: f64, now: Instant) {
+        let wait = if timeout_s.is_finite() && timeout_s > 0.0 {
+            Duration::from_secs_f64(timeout_s.min(3600.0))
+        } else {
+            Duration::ZERO
+        };
+        match self.jobs.get_mut(rid) {
+            Some(Job::Pending { waiters, .. }) if !wait.is_zero() => waiters.push((to, now + wait)),
+            _ => self.query_prefetch(to, rid),
+        }
+    }
+
+    fn free_lookup_locks(&mut self, key: &IpcKey, now: Instant) {
+        if key.start >= key.end {
+            return;
+        }
+        let rid = key.request_id.clone();
+        let hit = match self.sessions.get_mut(&rid).map(|s| s.prefetch_hit_chunks) {
+            Some(h) if h >= 0 => h,
+            _ => {
+                match self.jobs.get(&rid) {
+                    Some(Job::Done { hit_chunks }) => {
+                        let h = *hit_chunks;
+                        self.jobs.remove(&rid);
+                        h
+                    }
+                    Some(Job::Pending { .. }) => {
+                        log::warn!("free_lookup_locks for {rid} while its lookup is running; its locks expire by TTL");
+                        return;
+                    }
+                    None => {
+                        log::warn!("free_lookup_locks for {rid} without a lookup result; nothing to release");
+                        return;
+                    }
+                }
+            }
+        };
+        let readers = match u32::try_from(key.num_kv_readers) {
+            Ok(r) if r >= 1 => r,
+            _ => {
+                log::error!(
+                    "free_lookup_locks {rid}: num_kv_readers={} is invalid",
+                    key.num_kv_readers
+                );
+                return;
+            }
+        };
+        let cs = self.cfg.chunk_size as i64;
+        let (start_chunk, end_chunk) = (key.start / cs, key.end / cs);
+        let hi = end_chunk.min(hit);
+        if start_chunk >= hi || key.start < 0 {
+            return;
+        }
+        let ranks = match Self::ranks_of(key) {
+            Ok(r) => r,
+            Err(e) => return log::error!("free_lookup_locks {rid}: {e}"),
+        };
+        let mut range_key = key.clone();
+        range_key.end = hi * cs;
+        let hashes = match self.key_hashes(&range_key, false, now) {
+            Ok(h) => h,
+            Err(e) => return log::error!("free_lookup_locks {rid}: {e}"),
+        };
+        let objs = Self::object_keys(&key.model_name, &key.cache_salt, &hashes, &ranks);
+        self.post(objs, |keys| ShardOp::Release {
+            keys,
+            count: readers,
+        });
+    }
+
+    fn end_session(&mut self, rid: &str) {
+        self.jobs.remove(rid);
+        let Some(s) = self.sessions.remove(rid) else {
+            log::debug!("end_session: session {rid} not found");
+            return;
+        };
+        let Some(scope) = s.lookup.as_ref() else {
+            return;
+        };
+        let ranks: Vec<u32> = match scope.worker_id {
+            None => (0..scope.world_size)
+                .map(|w| keys::worker_kv_rank(scope.world_size, w))
+                .collect(),
+            Some(w) => vec![keys::worker_kv_rank(scope.world_size, w)],
+        };
+        let objs = Self::object_keys(&scope.model_name, &scope.cache_salt, s.all_hashes(), &ranks);
+        self.post(objs, |keys| ShardOp::Touch { keys });
+    }
+
+    fn clear(&mut self, to: Option<ReplyTo>, responder: Option<Responder>, force: bool) {
+        self.broadcast(
+            InflightKind::Clear {
+                to,
+                responder,
+                cleared: 0,
+            },
+            || ShardOp::Clear { force },
+        );
+    }
+
+    // ------------------------------------------------------- engine_driven
+
+    fn register_engine_driven(
+        &mut self,
+        p: wire::EngineDrivenPayload,
+        now: Instant,
+    ) -> Option<Vec<u8>> {
+        if !self.cfg.transfer_mode.engine_driven_enabled() {
+            log::error!(
+                "register_kv_cache_engine_driven_context from instance {}: engine_driven transfer is not enabled \
+                 (--supported-transfer-mode {:?})",
+                p.instance_id,
+                self.cfg.transfer_mode
+            );
+            return None;
+        }
+        let Some((shm_name, pool_size)) = self.setup.shm_pool.clone() else {
+            log::error!(
+                "register_kv_cache_engine_driven_context from instance {}: the SHM pool is disabled (--shm-name \"\") \
+                 and kvshard does not support the pickle transfer fallback",
+                p.instance_id
+            );
+            return None;
+        };
+        let reply = wire::encode_register_engine_driven_reply(&shm_name, pool_size);
+        if self.registry.touch_existing(p.instance_id, now) {
+            log::info!(
+                "instance {} already registered; refreshing liveness",
+                p.instance_id
+            );
+            return Some(reply);
+        }
+        let layout = match Layout::engine_driven(&p, self.cfg.chunk_size) {
+            Ok(l) => l,
+            Err(e) => {
+                log::error!(
+                    "register_kv_cache_engine_driven_context from instance {}: {e}",
+                    p.instance_id
+                );
+                self.metrics.bad_requests += 1;
+                return None;
+            }
+        };
+        let ws = p.world_size as u32;
+        if let Err(e) = self.layouts.register(&p.model_name, ws, &layout) {
+            log::error!(
+                "register_kv_cache_engine_driven_context from instance {}: {e}",
+                p.instance_id
+            );
+            return None;
+        }
+        let entry = EngineEntry {
+            model_name: p.model_name.clone(),
+            world_size: ws,
+            layout,
+            block_size: p.block_size,
+            use_mla: p.use_mla,
+            last_seen: now,
+            pinged: false,
+        };
+        if let Err(e) = self.registry.insert_engine(p.instance_id, entry) {
+            self.layouts.unregister(&p.model_name, ws);
+            log::error!("register_kv_cache_engine_driven_context: {e}");
+            return None;
+        }
+        log::info!(
+            "registered engine_driven instance {} (model={}, world_size={ws})",
+            p.instance_id,
+            p.model_name
+        );
+        Some(reply)
+    }
+
+    /// Resolves `key` to this worker's object keys for `[start, end)`.
+    fn worker_keys(&mut self, key: &IpcKey, now: Instant) -> Result<Vec<ObjectKey>, String> {
+        if key.worker_id.is_none() {
+            return Err("key has no worker_id".into());
+        }
+        let ranks = Self::ranks_of(key)?;
+        let hashes = self.key_hashes(key, false, now)?;
+        Ok(Self::object_keys(
+            &key.model_name,
+            &key.cache_salt,
+            &hashes,
+            &ranks,
+        ))
+    }
+
+    fn prepare_store(&mut self, to: ReplyTo, key: IpcKey, iid: i64, now: Instant) {
+        self.metrics.submitted_stores += 1;
+        let Some(layout) = self.registry.engine_layout(iid, now) else {
+            log::error!("prepare_store: engine_driven context not registered (or reaped) for instance {iid}");
+            self.metrics.unregistered_instance += 1;
+            return self.reply(&to, Some(wire::encode_prepare_store_reply(&[], &[])));
+        };
+        let objs = match self.worker_keys(&key, now) {
+            Ok(o) => o,
+            Err(e) => {
+                log::error!("prepare_store from instance {iid}: {e}");
+                self.metrics.bad_requests += 1;
+                return self.reply(&to, Some(wire::encode_prepare_store_reply(&[], &[])));
+            }
+        };
+        let tkey = TransferKey::new(iid, &key);
+        let parts = self.split(&objs);
+        let size = layout.bytes;
+        let n = objs.len();
+        let keys_ref = objs.clone();
+        let kind = InflightKind::PrepareStore {
+            to,
+            tkey,
+            keys: objs,
+            layout,
+            slabs: vec![None; n],
+        };
+        if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReserveWrite {
+            keys: idx.iter().map(|i| keys_ref[*i].clone()).collect(),
+            size,
+            tag: iid as u64,
+        }) {
+            self.complete(0, kind);
+        }
+    }
+
+    fn commit_store(&mut self, key: &IpcKey, iid: i64, data: &[u8], now: Instant) -> bool {
+        if !data.is_empty() {
+            log::error!("commit_store from instance {iid} carries inline data: the pickle transfer path is not supported");
+            self.metrics.bad_requests += 1;
+            return false;
+        }
+        self.registry.touch_traffic(iid, now);
+        let Some(keys) = self
+            .registry
+            .pending_writes
+            .remove(&TransferKey::new(iid, key))
+        else {
+            log::warn!("commit_store from instance {iid} without a pending prepare_store");
+            self.metrics.bad_requests += 1;
+            return false;
+        };
+        let n = keys.len() as u64;
+        // Shards run their mailbox in order: a lookup sent after this sees the objects.
+        self.post(keys, |keys| ShardOp::FinishWrite {
+            keys,
+            tag: iid as u64,
+        });
+        self.metrics.stored_chunks += n;
+        self.metrics.finished_stores += 1;
+        true
+    }
+
+    fn prepare_retrieve(&mut self, to: ReplyTo, key: IpcKey, iid: i64, now: Instant) {
+        self.metrics.submitted_retrieves += 1;
+        let Some(layout) = self.registry.engine_layout(iid, now) else {
+            log::error!("prepare_retrieve: engine_driven context not registered (or reaped) for instance {iid}");
+            self.metrics.unregistered_instance += 1;
+            return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
+        };
+        let objs = match self.worker_keys(&key, now) {
+            Ok(o) if !o.is_empty() => o,
+            Ok(_) => return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[]))),
+            Err(e) => {
+                log::error!("prepare_retrieve from instance {iid}: {e}");
+                self.metrics.bad_requests += 1;
+                return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
+            }
+        };
+        let tkey = TransferKey::new(iid, &key);
+        let parts = self.split(&objs);
+        let n = objs.len();
+        let keys_ref = objs.clone();
+        let kind = InflightKind::PrepareRetrieve {
+            to,
+            tkey,
+            keys: objs,
+            layout,
+            slabs: vec![None; n],
+        };
+        if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReadLocked {
+            keys: idx.iter().map(|i| keys_ref[*i].clone()).collect(),
+        }) {
+            self.complete(0, kind);
+        }
+    }
+
+    fn commit_retrieve(&mut self, key: &IpcKey, iid: i64, now: Instant) -> bool {
+        self.registry.touch_traffic(iid, now);
+        match self
+            .registry
+            .pending_reads
+            .remove(&TransferKey::new(iid, key))
+        {
+            Some(keys) => {
+                let n = keys.len() as u64;
+                self.post(keys, |keys| ShardOp::Release { keys, count: 1 });
+                self.metrics.retrieved_chunks += n;
+                self.metrics.finished_retrieves += 1;
+                true
+            }
+            None => {
+                log::warn!(
+                    "commit_retrieve from instance {iid} without a pending prepare_retrieve"
+                );
+                self.metrics.bad_requests += 1;
+                false
+            }
+        }
+    }
+
+    // ------------------------------------------------------ lmcache_driven
+
+    #[allow(clippy::too_many_arguments)]
+    fn register_kv_cache(
+        &mut self,
+        iid: i64,
+        kv_cache: &[wire::IpcData],
+        model_name: String,
+        world_size: i64,
+        engine_type: &str,
+        layout_hints: &crate::msgpack::Value,
+        groups: &[wire::EngineGroupInfo],
+        now: Instant,
+    ) {
+        if !self.cfg.transfer_mode.lmcache_driven_enabled() {
+            log::error!("register_kv_cache from instance {iid}: lmcache_driven transfer is not enabled (--supported-transfer-mode {:?})", self.cfg.transfer_mode);
+            return;
+        }
+        if self.registry.touch_existing(iid, now) {
+            log::info!("instance {iid} already registered; refreshing liveness");
+            return;
+        }
+        let ws = match u32::try_from(world_size)
+            .ok()
+            .filter(|w| (1..=keys::MAX_WORLD_SIZE).contains(w))
+        {
+            Some(w) => w,
+            None => {
+                return log::error!(
+                    "register_kv_cache from instance {iid}: world_size {world_size} is invalid"
+                )
+            }
+        };
+        let reg = match crate::registry::open_cpu_shm(
+            kv_cache,
+            groups,
+            layout_hints,
+            engine_type,
+            self.cfg.chunk_size,
+            self.cfg.null_block_id,
+        ) {
+            Ok(r) => Arc::new(r),
+            Err(e) => {
+                self.metrics.failed_registrations += 1;
+                return log::error!("register_kv_cache from instance {iid} failed: {e}");
+            }
+        };
+        let layout = Layout::from_registration(&reg);
+        if let Err(e) = self.layouts.register(&model_name, ws, &layout) {
+            self.metrics.failed_registrations += 1;
+            return log::error!("register_kv_cache from instance {iid}: {e}");
+        }
+        let entry = LmcEntry {
+            model_name: model_name.clone(),
+            world_size: ws,
+            reg,
+            layout,
+            last_seen: now,
+            pinged: false,
+        };
+        if let Err(e) = self.registry.insert_lmc(iid, entry) {
+            self.layouts.unregister(&model_name, ws);
+            return log::error!("register_kv_cache: {e}");
+        }
+        log::info!("registered lmcache_driven cpu_shm instance {iid} (model={model_name}, world_size={ws}, {} layers)", kv_cache.len());
+    }
+
+    /// Per-chunk block id lists of group 0, or why they do not fit.
+    fn chunk_blocks(
+        reg: &CpuShmRegistration,
+        block_ids: &[Vec<i64>],
+        num_chunks: usize,
+    ) -> Result<Vec<Vec<i64>>, String> {
+        let bpc = reg.blocks_per_chunk();
+        let Some(blocks) = block_ids.first() else {
+            return Err("block_ids is empty".into());
+        };
+        if block_ids.len() > 1 {
+            return Err(format!(
+                "{} KV groups sent; kvshard supports one",
+                block_ids.len()
+            ));
+        }
+        if blocks.len() < num_chunks * bpc {
+            return Err(format!(
+                "{} block ids for {num_chunks} chunks of {bpc} blocks",
+                blocks.len()
+            ));
+        }
+        let out: Vec<Vec<i64>> = (0..num_chunks)
+            .map(|c| blocks[c * bpc..(c + 1) * bpc].to_vec())
+            .collect();
+        for b in &out {
+            reg.validate_block_ids(b).map_err(|e| e.to_string())?;
+        }
+        Ok(out)
+    }
+
+    fn store(
+        &mut self,
+        to: ReplyTo,
+        key: IpcKey,
+        iid: i64,
+        block_ids: Vec<Vec<i64>>,
+        now: Instant,
+    ) {
+        self.metrics.submitted_stores += 1;
+        let Some((reg, layout)) = self.registry.lmc_reg(iid, now) else {
+            log::error!("store: no lmcache_driven registration for instance {iid}");
+            self.metrics.unregistered_instance += 1;
+            return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
+        };
+        let objs = match self.worker_keys(&key, now) {
+            Ok(o) => o,
+            Err(e) => {
+                log::error!("store from instance {iid}: {e}");
+                self.metrics.bad_requests += 1;
+                return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
+            }
+        };
+        let blocks = match Self::chunk_blocks(&reg, &block_ids, objs.len()) {
+            Ok(b) => b,
+            Err(e) => {
+                log::error!("store from instance {iid}: {e}");
+                self.metrics.bad_requests += 1;
+                return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
+            }
+        };
+        // All-null chunks carry no KV (align-mode recurrent layers): never store them.
+        let null = self.cfg.null_block_id;
+        let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = objs
+            .into_iter()
+            .zip(blocks)
+            .filter(|(_, b)| !crate::cpu_shm::all_null(b, null))
+            .unzip();
+        let parts = self.split(&objs);
+        let n = objs.len();
+        let size = layout.bytes;
+        let kind = InflightKind::Store {
+            to,
+            outcomes: vec![StoreOutcome::AlreadyPresent; n],
+        };
+        if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::Store {
+            reg: reg.clone(),
+            items: idx
+                .iter()
+                .map(|i| (objs[*i].clone(), blocks[*i].clone()))
+                .collect(),
+            size,
+            tag: iid as u64,
+        }) {
+            self.complete(0, kind);
+        }
+    }
+
+    fn retrieve(
+        &mut self,
+        to: ReplyTo,
+        key: IpcKey,
+        iid: i64,
+        block_ids: Vec<Vec<i64>>,
+        skip: i64,
+        now: Instant,
+    ) {
+        self.metrics.submitted_retrieves += 1;
+        let Some((reg, _)) = self.registry.lmc_reg(iid, now) else {
+            log::error!("retrieve: no lmcache_driven registration for instance {iid}");
+            self.metrics.unregistered_instance += 1;
+            return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
+        };
+        let objs = match self.worker_keys(&key, now) {
+            Ok(o) => o,
+            Err(e) => {
+                log::error!("retrieve from instance {iid}: {e}");
+                self.metrics.bad_requests += 1;
+                return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
+            }
+        };
+        let blocks = match Self::chunk_blocks(&reg, &block_ids, objs.len()) {
+            Ok(b) => b,
+            Err(e) => {
+                log::error!("retrieve from instance {iid}: {e}");
+                self.metrics.bad_requests += 1;
+                return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
+            }
+        };
+        let cs = self.cfg.chunk_size;
+        let skip = usize::try_from(skip).unwrap_or(0);
+        let parts = self.split(&objs);
+        let n = objs.len();
+        let kind = InflightKind::Retrieve {
+            to,
+            oks: vec![false; n],
+        };
+        if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::Retrieve {
+            reg: reg.clone(),
+            items: idx
+                .iter()
+                .map(|i| {
+                    (
+                        objs[*i].clone(),
+                        blocks[*i].clone(),
+                        crate::cpu_shm::chunk_skip_tokens(skip, *i, cs),
+                    )
+                })
+                .collect(),
+        }) {
+            self.complete(0, kind);
+        }
+    }
+
+    /// Releases what a removed registration held: pending reservations and read locks.
+    fn release_instance(&mut self, released: crate::registry::Released) {
+        let (iid, model, ws) = released.identity();
+        self.layouts.unregister(&model, ws);
+        let (writes, reads) = self.registry.take_pending(iid);
+        for keys in writes {
+            self.post(keys, |keys| ShardOp::AbortWrite {
+                keys,
+                tag: iid as u64,
+            });
+        }
+        for keys in reads {
+            self.post(keys, |keys| ShardOp::Release { keys, count: 1 });
+        }
+    }
+
+    // ------------------------------------------------------------ control
+
+    fn control(&mut self, req: ControlRequest, responder: Responder) {
+        match req {
+            ControlRequest::Clear { force } => self.clear(None, Some(responder), force),
+            ControlRequest::Status
+            | ControlRequest::Metrics
+            | ControlRequest::QuotaGet { .. }
+            | ControlRequest::QuotaList => {
+                let n = self.shards.len();
+                self.broadcast(
+                    InflightKind::Reports {
+                        request: req,
+                        responder,
+                        reports: vec![None; n],
+                    },
+                    || ShardOp::Status,
+                );
+            }
+            ControlRequest::ResetMetrics => {
+                self.metrics = Metrics::default();
+                self.post_all(|| ShardOp::ResetStats);
+                responder.send(ControlResponse::json(serde_json::json!({"status": "ok"})));
+            }
+            ControlRequest::QuotaSet {
+                cache_salt,
+                limit_gb,
+            } => {
+                let n = self.shards.len() as f64;
+                let per_shard = (limit_gb * GIB / n) as u64;
+                self.quotas.insert(cache_salt.clone(), limit_gb);
+                let salt = cache_salt.clone();
+                self.post_all(move || ShardOp::SetQuota {
+                    cache_salt: salt.clone(),
+                    limit_bytes: per_shard,
+                });
+                responder.send(ControlResponse::json(serde_json::json!({"cache_salt": cache_salt, "limit_gb": limit_gb, "status": "ok"})));
+            }
+            ControlRequest::QuotaDelete { cache_salt } => {
+                let existed = self.quotas.remove(&cache_salt).is_some();
+                let salt = cache_salt.clone();
+                self.post_all(move || ShardOp::RemoveQuota {
+                    cache_salt: salt.clone(),
+                });
+                let status = if existed { "removed" } else { "not_found" };
+                responder.send(ControlResponse::json(
+                    serde_json::json!({"cache_salt": cache_salt, "status": status}),
+                ));
+            }
+            ControlRequest::Checksums {
+                instance_id,
+                block_ids,
+                chunk_size_blocks,
+                layerwise,
+            } => {
+                match self.registry.lmc_reg(instance_id, Instant::now()) {
+                    None => responder.send(ControlResponse::error(
+                        404,
+                        format!("instance_id {instance_id} not registered"),
+                    )),
+                    // Hashing a whole KV cache takes a while: keep it off the request path.
+                    Some((reg, _)) => {
+                        let spawned = std::thread::Builder::new()
+                            .name("kvshard-checksums".into())
+                            .spawn(move || {
+                                let resp =
+                                    match reg.checksums(&block_ids, chunk_size_blocks, layerwise) {
+                                        Ok(report) => ControlResponse::json(
+                                            serde_json::to_value(&report)
+                                                .unwrap_or(serde_json::Value::Null),
+                                        ),
+                                        Err(e) => ControlResponse::error(400, e.to_string()),
+                                    };
+                                responder.send(resp);
+                            });
+                        if let Err(e) = spawned {
+                            log::error!("cannot start a checksum thread: {e}");
+                        }
+                    }
+                }
+            }
+            ControlRequest::Config => {
+                let v = serde_json::to_value(&*self.cfg).unwrap_or(serde_json::Value::Null);
+                responder.send(ControlResponse::json(v));
+            }
+        }
+    }
+
+    fn post_all(&mut self, make: impl Fn() -> ShardOp) {
+        for i in 0..self.shards.len() {
+            self.send(i, ShardMsg { seq: 0, op: make() });
+        }
+    }
+
+    fn answer_reports(&self, req: &ControlRequest, reports: &[ShardReport]) -> ControlResponse {
+        match req {
+            ControlRequest::Status => ControlResponse::json(self.status_json(reports)),
+            ControlRequest::Metrics => {
+                let mut t = PromText::default();
+                self.metrics
+                    .render(&mut t, reports, self.sessions.len(), self.jobs.len());
+                ControlResponse {
+                    status: 200,
+                    body: ControlBody::Text(t.finish()),
+                }
+            }
+            ControlRequest::QuotaGet { cache_salt } => {
+                let usage: u64 = reports
+                    .iter()
+                    .flat_map(|r| r.bytes_by_salt.iter())
+                    .filter(|(s, _)| s == cache_salt)
+                    .map(|(_, b)| *b)
+                    .sum();
+                let limit = self.quotas.get(cache_salt);
+                ControlResponse::json(serde_json::json!({
+                    "cache_salt": cache_salt,
+                    "limit_gb": limit.copied().unwrap_or(0.0),
+                    "current_usage_gb": usage as f64 / GIB,
+                    "exists": limit.is_some(),
+                }))
+            }
+            ControlRequest::QuotaList => {
+                let mut users = serde_json::Map::new();
+                for (salt, limit) in &self.quotas {
+                    let usage: u64 = reports
+                        .iter()
+                        .flat_map(|r| r.bytes_by_salt.iter())
+                        .filter(|(s, _)| s == salt)
+                        .map(|(_, b)| *b)
+                        .sum();
+                    users.insert(salt.clone(), serde_json::json!({"limit_gb": limit, "current_usage_gb": usage as f64 / GIB}));
+                }
+                ControlResponse::json(serde_json::json!({ "users": users }))
+            }
+            _ => ControlResponse::error(500, "unexpected report request"),
+        }
+    }
+
+    fn status_json(&self, reports: &[ShardReport]) -> serde_json::Value {
+        use serde_json::json;
+        let sum = |f: &dyn Fn(&ShardReport) -> u64| reports.iter().map(f).sum::<u64>();
+        let used = sum(&|r| r.status.memory_used_bytes);
+        let total = sum(&|r| r.status.memory_total_bytes);
+        let configured = self.cfg.l1.size_bytes;
+        let l1_manager = json!({
+            "total_object_count": sum(&|r| r.status.total_object_count as u64),
+            "write_locked_count": sum(&|r| r.status.write_locked_count as u64),
+            "read_locked_count": sum(&|r| r.status.read_locked_count as u64),
+            "temporary_count": sum(&|r| r.status.temporary_count as u64),
+            "staging_object_count": sum(&|r| r.status.staging_object_count as u64),
+            "staging_bytes": sum(&|r| r.status.staging_bytes),
+            "memory_used_bytes": used,
+            "memory_total_bytes": total,
+            "memory_configured_bytes": configured,
+            "capacity_bytes_by_backend": {"cpu": configured},
+            "num_shards": reports.len(),
+        });
+        let usage_ratio = if total > 0 {
+            used as f64 / total as f64
+        } else {
+            0.0
+        };
+        let mut worker_liveness = serde_json::Map::new();
+        let now = Instant::now();
+        for (iid, mode, last_seen, pinged) in self.registry.liveness() {
+            worker_liveness.insert(
+                iid.to_string(),
+                json!({"transfer_mode": mode, "seconds_since_last_seen": now.duration_since(last_seen).as_secs_f64(), "has_liveness_signal": pinged}),
+            );
+        }
+        json!({
+            "is_healthy": true,
+            "engine_type": "MPCacheServer",
+            "server": "kvshard",
+            "chunk_size": self.cfg.chunk_size,
+            "hash_algorithm": "blake3",
+            "active_sessions": self.sessions.len(),
+            "uptime_seconds": self.started.elapsed().as_secs_f64(),
+            "storage_manager": {
+                "is_healthy": true,
+                "num_l2_adapters": 0,
+                "l2_adapters": [],
+                "l1_usage": usage_ratio,
+                "l1_capacity_bytes_by_backend": {"cpu": configured},
+                "l1_manager": l1_manager,
+                "l1_eviction_controller": {
+                    "eviction_policy": format!("{:?}", self.cfg.l1.eviction_policy),
+                    "trigger_watermark": self.cfg.l1.trigger_watermark,
+                    "eviction_ratio": self.cfg.l1.eviction_ratio,
+                    "evicted_chunks": sum(&|r| r.stats.evicted_chunks),
+                },
+            },
+            "active_prefetch_jobs": self.jobs.len(),
+            "registered_gpu_ids": self.registry.lmc_ids(),
+            "cache_context_meta": self.registry.lmc_meta(),
+            "registered_non_cuda_instance_ids": self.registry.engine_ids(),
+            "non_cuda_context_meta": self.registry.engine_meta(),
+            "worker_liveness": worker_liveness,
+        })
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn sessions_has(s: &Sessions, rid: &str) -> bool {
+    s.contains(rid)
+}
+
+fn reap_interval(cfg: &ServerConfig) -> Duration {
+    let t = cfg.worker_reap_timeout;
+    if t.is_zero() {
+        Duration::from_secs(3600)
+    } else {
+        (t / 4).max(Duration::from_millis(100))
+    }
+}
+
+/// Folds one shard's reply into the request it belongs to.
+fn merge(kind: &mut InflightKind, idx: &[usize], shard: usize, body: ShardReplyBody) {
+    match (kind, body) {
+        (InflightKind::Lookup { hits, keys, .. }, ShardReplyBody::Hits(h)) => {
+            if hits.is_empty() {
+                *hits = vec![false; keys.len()];
+            }
+            for (i, v) in idx.iter().zip(h) {
+                hits[*i] = v;
+            }
+        }
+        (
+            InflightKind::PrepareStore { slabs, .. } | InflightKind::PrepareRetrieve { slabs, .. },
+            ShardReplyBody::Slabs(s),
+        ) => {
+            for (i, v) in idx.iter().zip(s) {
+                slabs[*i] = v;
+            }
+        }
+        (InflightKind::Store { outcomes, .. }, ShardReplyBody::Stored(o)) => {
+            for (i, v) in idx.iter().zip(o) {
+                outcomes[*i] = v;
+            }
+        }
+        (InflightKind::Retrieve { oks, .. }, ShardReplyBody::Retrieved(o)) => {
+            for (i, v) in idx.iter().zip(o) {
+                oks[*i] = v;
+            }
+        }
+        (InflightKind::Clear { cleared, .. }, ShardReplyBody::Count(n)) => *cleared += n,
+        (InflightKind::Reports { reports, .. }, ShardReplyBody::Status(r)) => {
+            reports[shard] = Some(*r)
+        }
+        (_, _) => log::error!("shard {shard} answered with a reply of the wrong kind"),
+    }
+}

@@ -1,0 +1,17 @@
+//! kvshard-transport: the ZeroMQ front end, lmcache 0.5.6's msgpack wire, RPC
+//! handlers, transfer paths, worker registry and the HTTP API.
+
+pub mod config;
+pub mod control;
+pub mod cpu_shm;
+pub mod front;
+pub mod http_api;
+pub mod lookup_log;
+pub mod metrics;
+pub mod msgpack;
+pub mod oneshot;
+pub mod registry;
+pub mod server;
+pub mod session;
+pub mod shard;
+pub mod wire;

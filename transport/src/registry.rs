@@ -1,0 +1,456 @@
+//! Worker registrations (engine_driven contexts and lmcache_driven cpu_shm
+//! mappings), their liveness, pending SHM reservations, and the object layout
+//! registered per (model, world_size).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvshard_engine::keys::ObjectKey;
+
+use crate::cpu_shm::{CpuShmRegistration, KvGroupSpec, ShmTensorSpec};
+use crate::msgpack::Value;
+use crate::wire::{self, IpcData, IpcKey};
+
+/// The shape of one chunk object: what a worker sees in an SHM slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub bytes: u64,
+    pub shape: Vec<u64>,
+    pub dtype: String,
+}
+
+/// Largest object kvshard accepts (a chunk of a very large model is well below this).
+const MAX_OBJECT_BYTES: u64 = 1 << 36;
+
+impl Layout {
+    /// 0.5.6's engine_driven layout: `[2, layers, slots, hidden]`, or
+    /// `[layers, slots, hidden]` for MLA.
+    pub fn engine_driven(
+        p: &wire::EngineDrivenPayload,
+        chunk_size: usize,
+    ) -> Result<Layout, String> {
+        let size = wire::dtype_itemsize(&p.dtype_str).ok_or_else(|| {
+            format!("invalid dtype_str '{}': must be a torch dtype name such as float16, bfloat16, float32", p.dtype_str)
+        })?;
+        let slots = match p.num_physical_slots {
+            None => chunk_size as i64,
+            Some(s) if s > 0 => s,
+            Some(s) => return Err(format!("num_physical_slots must be positive, got {s}")),
+        };
+        if p.num_layers <= 0 || p.hidden_dim_size <= 0 {
+            return Err(format!(
+                "num_layers {} and hidden_dim_size {} must be positive",
+                p.num_layers, p.hidden_dim_size
+            ));
+        }
+        if p.world_size < 1 || p.world_size > kvshard_engine::keys::MAX_WORLD_SIZE as i64 {
+            return Err(format!("world_size {} is invalid", p.world_size));
+        }
+        let mut shape = vec![p.num_layers as u64, slots as u64, p.hidden_dim_size as u64];
+        if !p.use_mla {
+            shape.insert(0, 2);
+        }
+        let elems = shape.iter().try_fold(1u64, |a, d| a.checked_mul(*d));
+        let bytes = elems
+            .and_then(|e| e.checked_mul(size))
+            .filter(|b| *b <= MAX_OBJECT_BYTES);
+        let bytes = bytes
+            .ok_or_else(|| format!("object shape {shape:?} of {} is too large", p.dtype_str))?;
+        Ok(Layout {
+            bytes,
+            shape,
+            dtype: p.dtype_str.clone(),
+        })
+    }
+
+    pub fn from_registration(reg: &CpuShmRegistration) -> Layout {
+        let l = reg.object_layout();
+        Layout {
+            bytes: l.bytes,
+            shape: l.shape.clone(),
+            dtype: l.dtype.clone(),
+        }
+    }
+
+    /// The SHM slot descriptor of an object at arena offset `offset`.
+    pub fn slot(&self, offset: u64) -> wire::ShmSlot {
+        wire::ShmSlot {
+            offset,
+            length: self.bytes,
+            shape: self.shape.clone(),
+            dtype: self.dtype.clone(),
+        }
+    }
+}
+
+/// Layout per (model, world_size), reference-counted by registrations.
+#[derive(Default)]
+pub struct Layouts {
+    map: HashMap<(String, u32), (Layout, usize)>,
+}
+
+impl Layouts {
+    pub fn get(&self, model: &str, ws: u32) -> Option<&Layout> {
+        self.map.get(&(model.to_owned(), ws)).map(|(l, _)| l)
+    }
+
+    /// Objects are keyed without their layout, so two layouts for one
+    /// (model, world_size) would let one worker read another's bytes as its own
+    /// shape: refuse the second.
+    pub fn register(&mut self, model: &str, ws: u32, layout: &Layout) -> Result<(), String> {
+        match self.map.get_mut(&(model.to_owned(), ws)) {
+            Some((l, refs)) if l.bytes == layout.bytes => {
+                *refs += 1;
+                Ok(())
+            }
+            Some((l, _)) => Err(format!(
+                "model {model} world_size {ws} is already registered with object layout {:?} {} ({} bytes); \
+                 this registration has {:?} {} ({} bytes)",
+                l.shape, l.dtype, l.bytes, layout.shape, layout.dtype, layout.bytes
+            )),
+            None => {
+                self.map.insert((model.to_owned(), ws), (layout.clone(), 1));
+                Ok(())
+            }
+        }
+    }
+
+    pub fn unregister(&mut self, model: &str, ws: u32) {
+        let k = (model.to_owned(), ws);
+        if let Some((_, refs)) = self.map.get_mut(&k) {
+            *refs -= 1;
+            if *refs == 0 {
+                self.map.remove(&k);
+            }
+        }
+    }
+}
+
+/// Identity of a pending SHM transfer: the instance and the key as 0.5.6 compares
+/// it (request_id, request_configs and num_kv_readers excluded).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TransferKey {
+    pub instance_id: i64,
+    digest: [u8; 32],
+}
+
+impl TransferKey {
+    pub fn new(instance_id: i64, key: &IpcKey) -> Self {
+        let mut h = blake3::Hasher::new();
+        h.update(&(key.model_name.len() as u64).to_le_bytes());
+        h.update(key.model_name.as_bytes());
+        h.update(&key.world_size.to_le_bytes());
+        h.update(&key.worker_id.map_or(-1, |w| w).to_le_bytes());
+        h.update(&key.start.to_le_bytes());
+        h.update(&key.end.to_le_bytes());
+        h.update(&(key.cache_salt.len() as u64).to_le_bytes());
+        h.update(key.cache_salt.as_bytes());
+        for t in &key.token_ids {
+            h.update(&t.to_le_bytes());
+        }
+        TransferKey {
+            instance_id,
+            digest: *h.finalize().as_bytes(),
+        }
+    }
+}
+
+pub struct EngineEntry {
+    pub model_name: String,
+    pub world_size: u32,
+    pub layout: Layout,
+    pub block_size: i64,
+    pub use_mla: bool,
+    pub last_seen: Instant,
+    pub pinged: bool,
+}
+
+pub struct LmcEntry {
+    pub model_name: String,
+    pub world_size: u32,
+    pub reg: Arc<CpuShmRegistration>,
+    pub layout: Layout,
+    pub last_seen: Instant,
+    pub pinged: bool,
+}
+
+/// A registration taken out of the registry (unregistered or reaped).
+pub enum Released {
+    Engine(i64, EngineEntry),
+    Lmc(i64, LmcEntry),
+}
+
+impl Released {
+    pub fn identity(&self) -> (i64, String, u32) {
+        match self {
+            Released::Engine(i, e) => (*i, e.model_name.clone(), e.world_size),
+            Released::Lmc(i, e) => (*i, e.model_name.clone(), e.world_size),
+        }
+    }
+}
+
+pub struct Registry {
+    engine: HashMap<i64, EngineEntry>,
+    lmc: HashMap<i64, LmcEntry>,
+    pub pending_writes: HashMap<TransferKey, Vec<ObjectKey>>,
+    pub pending_reads: HashMap<TransferKey, Vec<ObjectKey>>,
+    max: usize,
+}
+
+impl Registry {
+    pub fn new(max: usize) -> Self {
+        Registry {
+            engine: HashMap::new(),
+            lmc: HashMap::new(),
+            pending_writes: HashMap::new(),
+            pending_reads: HashMap::new(),
+            max,
+        }
+    }
+
+    fn room(&self) -> Result<(), String> {
+        if self.engine.len() + self.lmc.len() >= self.max {
+            return Err(format!(
+                "registration table full ({} instances, --max-registrations)",
+                self.max
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn insert_engine(&mut self, iid: i64, e: EngineEntry) -> Result<(), String> {
+        self.room()?;
+        self.engine.insert(iid, e);
+        Ok(())
+    }
+
+    pub fn insert_lmc(&mut self, iid: i64, e: LmcEntry) -> Result<(), String> {
+        self.room()?;
+        self.lmc.insert(iid, e);
+        Ok(())
+    }
+
+    pub fn remove_engine(&mut self, iid: i64) -> Option<EngineEntry> {
+        self.engine.remove(&iid)
+    }
+
+    pub fn remove_lmc(&mut self, iid: i64) -> Option<LmcEntry> {
+        self.lmc.remove(&iid)
+    }
+
+    /// PING: refreshes liveness and marks the instance as ping-proven.
+    pub fn ping(&mut self, iid: i64, now: Instant) {
+        if let Some(e) = self.engine.get_mut(&iid) {
+            e.last_seen = now;
+            e.pinged = true;
+        }
+        if let Some(e) = self.lmc.get_mut(&iid) {
+            e.last_seen = now;
+            e.pinged = true;
+        }
+    }
+
+    /// Traffic refreshes liveness without the ping latch (0.5.6 behaviour).
+    pub fn touch_traffic(&mut self, iid: i64, now: Instant) {
+        if let Some(e) = self.engine.get_mut(&iid) {
+            e.last_seen = now;
+        }
+        if let Some(e) = self.lmc.get_mut(&iid) {
+            e.last_seen = now;
+        }
+    }
+
+    /// A repeated registration of a known instance only refreshes its liveness.
+    pub fn touch_existing(&mut self, iid: i64, now: Instant) -> bool {
+        let known = self.engine.contains_key(&iid) || self.lmc.contains_key(&iid);
+        if known {
+            self.touch_traffic(iid, now);
+        }
+        known
+    }
+
+    pub fn engine_layout(&mut self, iid: i64, now: Instant) -> Option<Layout> {
+        let e = self.engine.get_mut(&iid)?;
+        e.last_seen = now;
+        Some(e.layout.clone())
+    }
+
+    pub fn lmc_reg(&mut self, iid: i64, now: Instant) -> Option<(Arc<CpuShmRegistration>, Layout)> {
+        let e = self.lmc.get_mut(&iid)?;
+        e.last_seen = now;
+        Some((e.reg.clone(), e.layout.clone()))
+    }
+
+    /// Removes instances silent past their budget: `timeout` once they have pinged,
+    /// `grace` before their first ping.
+    pub fn reap(
+        &mut self,
+        now: Instant,
+        timeout: Duration,
+        grace: Duration,
+    ) -> Vec<(i64, Released)> {
+        let stale = |last: Instant, pinged: bool| {
+            now.duration_since(last) > if pinged { timeout } else { grace }
+        };
+        let e_ids: Vec<i64> = self
+            .engine
+            .iter()
+            .filter(|(_, e)| stale(e.last_seen, e.pinged))
+            .map(|(i, _)| *i)
+            .collect();
+        let l_ids: Vec<i64> = self
+            .lmc
+            .iter()
+            .filter(|(_, e)| stale(e.last_seen, e.pinged))
+            .map(|(i, _)| *i)
+            .collect();
+        let mut out = Vec::new();
+        for i in e_ids {
+            if let Some(e) = self.engine.remove(&i) {
+                out.push((i, Released::Engine(i, e)));
+            }
+        }
+        for i in l_ids {
+            if let Some(e) = self.lmc.remove(&i) {
+                out.push((i, Released::Lmc(i, e)));
+            }
+        }
+        out
+    }
+
+    /// Takes every pending reservation of `iid` (writes, reads).
+    pub fn take_pending(&mut self, iid: i64) -> (Vec<Vec<ObjectKey>>, Vec<Vec<ObjectKey>>) {
+        let take = |m: &mut HashMap<TransferKey, Vec<ObjectKey>>| {
+            let ks: Vec<TransferKey> = m.keys().filter(|k| k.instance_id == iid).cloned().collect();
+            ks.into_iter()
+                .filter_map(|k| m.remove(&k))
+                .collect::<Vec<_>>()
+        };
+        (
+            take(&mut self.pending_writes),
+            take(&mut self.pending_reads),
+        )
+    }
+
+    pub fn liveness(&self) -> Vec<(i64, &'static str, Instant, bool)> {
+        let mut v: Vec<_> = self
+            .engine
+            .iter()
+            .map(|(i, e)| (*i, "engine_driven", e.last_seen, e.pinged))
+            .collect();
+        v.extend(
+            self.lmc
+                .iter()
+                .map(|(i, e)| (*i, "lmcache_driven", e.last_seen, e.pinged)),
+        );
+        v
+    }
+
+    pub fn engine_ids(&self) -> Vec<i64> {
+        let mut v: Vec<i64> = self.engine.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn lmc_ids(&self) -> Vec<i64> {
+        let mut v: Vec<i64> = self.lmc.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn engine_meta(&self) -> serde_json::Value {
+        let m: serde_json::Map<String, serde_json::Value> = self
+            .engine
+            .iter()
+            .map(|(i, e)| {
+                (
+                    i.to_string(),
+                    serde_json::json!({"model_name": e.model_name, "world_size": e.world_size, "block_size": e.block_size, "use_mla": e.use_mla}),
+                )
+            })
+            .collect();
+        serde_json::Value::Object(m)
+    }
+
+    pub fn lmc_meta(&self) -> serde_json::Value {
+        let m: serde_json::Map<String, serde_json::Value> = self
+            .lmc
+            .iter()
+            .map(|(i, e)| {
+                let layout = if e.reg.is_mla() { "mla" } else { "NHD" };
+                (
+                    i.to_string(),
+                    serde_json::json!({"model_name": e.model_name, "world_size": e.world_size, "kv_cache_layout": layout, "device": "cpu_shm"}),
+                )
+            })
+            .collect();
+        serde_json::Value::Object(m)
+    }
+}
+
+/// Opens a cpu_shm registration from the wire's descriptors; CUDA and other device
+/// descriptors are refused with a message saying so.
+pub fn open_cpu_shm(
+    kv_cache: &[IpcData],
+    groups: &[wire::EngineGroupInfo],
+    layout_hints: &Value,
+    engine_type: &str,
+    chunk_size: usize,
+    null_block_id: i64,
+) -> Result<CpuShmRegistration, String> {
+    if kv_cache.is_empty() {
+        return Err("kv_cache is empty".into());
+    }
+    let mut tensors = Vec::with_capacity(kv_cache.len());
+    for (i, d) in kv_cache.iter().enumerate() {
+        match d {
+            IpcData::CpuShm(c) => tensors.push(ShmTensorSpec {
+                shm_name: c.shm_name.clone(),
+                nbytes: c.nbytes,
+                dtype: c.metadata.dtype.clone(),
+                shape: c.metadata.shape.clone(),
+                stride: c.metadata.stride.clone(),
+                storage_offset: c.metadata.storage_offset,
+            }),
+            IpcData::Cuda(_) | IpcData::CudaRaw(_) | IpcData::CudaVmm(_) => {
+                return Err(format!(
+                    "layer {i} is a CUDA IPC tensor: CUDA transfer is unavailable in this kvshard build; \
+                     run the worker with mp_transfer_mode=engine_driven or a cpu_shm registration"
+                ))
+            }
+            IpcData::Unsupported { tag } => return Err(format!("layer {i} has unsupported device descriptor type {tag:?}")),
+        }
+    }
+    let groups: Vec<KvGroupSpec> = groups
+        .iter()
+        .map(|g| KvGroupSpec {
+            engine_group_id: g.engine_group_id,
+            layer_indices: g.layer_indices.clone(),
+            tokens_per_block: g.tokens_per_block,
+            sw_size_tokens: g.sw_size_tokens,
+            extra_object_group_tag: g.extra_object_group_tag,
+            recurrent_state: g.recurrent_state,
+        })
+        .collect();
+    let hint = match layout_hints {
+        Value::Map(m) => m.iter().find_map(|(k, v)| match (k, v) {
+            (Value::Str(k), Value::Str(v)) if k == "kv_layout" => Some(v.clone()),
+            _ => None,
+        }),
+        _ => None,
+    };
+    if engine_type != "vllm" && engine_type != "mock" {
+        log::warn!(
+            "register_kv_cache: engine_type {engine_type:?} is treated like vllm's paged layout"
+        );
+    }
+    CpuShmRegistration::open(
+        &tensors,
+        &groups,
+        chunk_size,
+        hint.as_deref(),
+        null_block_id,
+    )
+    .map_err(|e| e.to_string())
+}

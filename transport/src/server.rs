@@ -1,0 +1,228 @@
+//! Start-up and shutdown: the L1 arena, one shard executor per core, the HTTP
+//! executor and the front thread.
+
+use std::net::ToSocketAddrs;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvshard_engine::eviction::{EvictionConfig, EvictionPolicy, PolicyKind};
+use kvshard_engine::l1::{L1Config, L1Shard};
+use kvshard_engine::slab::SlabAllocator;
+use kvshard_io::arena::{Arena, ArenaConfig};
+use kvshard_io::executor::{spawn_shard, ShardHandle};
+use kvshard_io::mailbox::{mailbox, notify_queue};
+
+use crate::config::{EvictionPolicyName, ServerConfig};
+use crate::control::ControlHandle;
+use crate::front::{Front, FrontSetup};
+use crate::http_api::{self, HttpInfo};
+use crate::shard::{run_shard, ShardConfig};
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+fn install_signal_handlers() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_signal as *const () as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGINT, &sa, std::ptr::null_mut());
+        libc::sigaction(libc::SIGTERM, &sa, std::ptr::null_mut());
+    }
+}
+
+/// Asks a running server (this process) to stop, as SIGTERM does.
+pub fn request_stop() {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// Slices of the arena per shard: (offset, max capacity, initial capacity).
+pub fn shard_slices(
+    size: u64,
+    init: u64,
+    lazy: bool,
+    align: u64,
+    n: usize,
+) -> Vec<(u64, u64, u64)> {
+    assert!(n > 0 && align.is_power_of_two());
+    let per = (size / n as u64) & !(align - 1);
+    let per_init = ((init / n as u64) & !(align - 1)).clamp(align.min(per), per);
+    (0..n as u64)
+        .map(|i| (i * per, per, if lazy { per_init } else { per }))
+        .collect()
+}
+
+fn policy_of(cfg: &ServerConfig) -> EvictionPolicy {
+    let kind = match cfg.l1.eviction_policy {
+        EvictionPolicyName::Lru => PolicyKind::Lru,
+        EvictionPolicyName::IsolatedLru => PolicyKind::IsolatedLru,
+        EvictionPolicyName::Noop => PolicyKind::Noop,
+    };
+    let mut ec = EvictionConfig::new(kind);
+    ec.trigger_watermark = cfg.l1.trigger_watermark;
+    ec.eviction_ratio = cfg.l1.eviction_ratio;
+    EvictionPolicy::new(ec)
+}
+
+/// Runs the server until SIGINT/SIGTERM. Errors are start-up failures, worded for
+/// the operator.
+pub fn run(cfg: ServerConfig) -> Result<(), String> {
+    let cfg = Arc::new(cfg);
+    install_signal_handlers();
+    let n = cfg.cores.len().max(1);
+    let align = cfg.l1.align_bytes;
+    let slices = shard_slices(
+        cfg.l1.size_bytes,
+        cfg.l1.init_size_bytes,
+        cfg.l1.use_lazy,
+        align,
+        n,
+    );
+    if slices[0].1 == 0 {
+        return Err(format!(
+            "--l1-size-gb gives {} bytes, too small for {n} shards of at least --l1-align-bytes {align}",
+            cfg.l1.size_bytes
+        ));
+    }
+    let lock_memory = kvshard_io::arena::can_lock(cfg.l1.size_bytes);
+    if !lock_memory {
+        log::warn!(
+            "RLIMIT_MEMLOCK ({:?} bytes) is below the L1 size ({} bytes): L1 memory will not be mlock'ed and may be \
+             swapped. Raise it with `ulimit -l unlimited` or LimitMEMLOCK=infinity in the systemd unit",
+            kvshard_io::arena::memlock_limit(),
+            cfg.l1.size_bytes
+        );
+    }
+    let arena = Arc::new(
+        Arena::create(&ArenaConfig {
+            size_bytes: cfg.l1.size_bytes,
+            shm_name: cfg.shm_name.clone(),
+            mlock: false,
+            populate: !cfg.l1.use_lazy,
+        })
+        .map_err(|e| format!("cannot create the L1 arena: {e}"))?,
+    );
+    if let Some(name) = arena.shm_name() {
+        log::info!(
+            "L1 arena: POSIX shm segment /{name} of {} bytes, {n} shards",
+            arena.len()
+        );
+    }
+
+    let ctx = zmq::Context::new();
+    let socket = ctx
+        .socket(zmq::ROUTER)
+        .map_err(|e| format!("zmq socket: {e}"))?;
+    socket
+        .set_router_mandatory(true)
+        .map_err(|e| format!("zmq ROUTER_MANDATORY: {e}"))?;
+    socket
+        .set_linger(0)
+        .map_err(|e| format!("zmq linger: {e}"))?;
+    // Memory backstop far above the logical frame limit the front enforces with a reply.
+    let hard_cap = (cfg.max_frame_bytes as i64).saturating_mul(4);
+    socket
+        .set_maxmsgsize(hard_cap)
+        .map_err(|e| format!("zmq maxmsgsize: {e}"))?;
+    let url = cfg.zmq_bind_url();
+    socket
+        .bind(&url)
+        .map_err(|e| format!("cannot bind the ZeroMQ server on {url}: {e}"))?;
+    log::info!("ZeroMQ ROUTER listening on {url}");
+
+    let (events_tx, events_rx) = notify_queue();
+    let mut senders = Vec::with_capacity(n);
+    let mut handles: Vec<ShardHandle> = Vec::with_capacity(n);
+    for (i, (offset, max, init)) in slices.iter().copied().enumerate() {
+        let (tx, rx) = mailbox(cfg.shard_queue_depth);
+        senders.push(tx);
+        let core = cfg.cores.get(i).copied();
+        let arena = arena.clone();
+        let replies = events_tx.clone();
+        let l1cfg = L1Config {
+            write_ttl: cfg.l1.write_ttl,
+            read_ttl: cfg.l1.read_ttl,
+            ..L1Config::default()
+        };
+        let policy = policy_of(&cfg);
+        let scfg = ShardConfig {
+            id: i,
+            max_capacity_bytes: max,
+            slice_offset: offset,
+            lock_memory,
+            eviction_interval: Duration::from_secs(1),
+        };
+        let h = spawn_shard(i, core, format!("kvshard-shard-{i}"), move || async move {
+            let alloc = SlabAllocator::new(offset, init, align);
+            let l1 = L1Shard::new(alloc, l1cfg, policy);
+            run_shard(scfg, arena, l1, rx, replies).await
+        })
+        .map_err(|e| format!("cannot start shard {i} on core {core:?}: {e}"))?;
+        handles.push(h);
+    }
+
+    start_http(&cfg, ControlHandle::new(events_tx.clone()))?;
+
+    let setup = FrontSetup {
+        shm_pool: arena.shm_name().map(|s| (s.to_owned(), arena.len())),
+        num_shards: n,
+        shard_capacity_bytes: slices.iter().map(|s| s.1).collect(),
+        arena_len: arena.len(),
+    };
+    drop(events_tx);
+    log::info!(
+        "kvshard serving: {n} shards on cores {:?}, L1 {} bytes, chunk size {}, transfer mode {:?}",
+        cfg.cores,
+        cfg.l1.size_bytes,
+        cfg.chunk_size,
+        cfg.transfer_mode
+    );
+    let mut front = Front::new(cfg.clone(), setup, socket, senders, events_rx);
+    front.run(&STOP);
+    log::info!("shutting down");
+    drop(front);
+    for h in handles {
+        let _ = h.join();
+    }
+    Ok(())
+}
+
+/// Starts the HTTP executor on its own thread; it lives until the process exits.
+fn start_http(cfg: &ServerConfig, control: ControlHandle) -> Result<(), String> {
+    let addr = (cfg.http_host.as_str(), cfg.http_port)
+        .to_socket_addrs()
+        .map_err(|e| format!("--http-host {}: {e}", cfg.http_host))?
+        .next()
+        .ok_or_else(|| format!("--http-host {} resolves to no address", cfg.http_host))?;
+    // Bind here so a busy port fails start-up, then hand the socket to the executor.
+    let std_listener = std::net::TcpListener::bind(addr)
+        .map_err(|e| format!("cannot bind the HTTP server on {addr}: {e}"))?;
+    log::info!("HTTP API listening on http://{addr}");
+    let info = HttpInfo {
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        commit_id: option_env!("KVSHARD_COMMIT_ID").unwrap_or("").to_owned(),
+        control_timeout: http_api::DEFAULT_CONTROL_TIMEOUT,
+    };
+    spawn_shard(
+        usize::MAX,
+        None,
+        "kvshard-http".into(),
+        move || async move {
+            use std::os::fd::{FromRawFd, IntoRawFd};
+            // SAFETY: the fd comes from a listener we own and give up here.
+            let listener =
+                unsafe { glommio::net::TcpListener::from_raw_fd(std_listener.into_raw_fd()) };
+            if let Err(e) = http_api::serve(listener, control, Rc::new(info)).await {
+                log::error!("HTTP server stopped: {e}");
+            }
+        },
+    )
+    .map_err(|e| format!("cannot start the HTTP executor: {e}"))?;
+    Ok(())
+}

@@ -1,0 +1,413 @@
+//! The shard side: one task per core that owns an [`L1Shard`] and executes the
+//! front end's requests for the keys routed to it.
+//!
+//! Requests arrive on the shard's mailbox in the order the front sent them, so a
+//! write finished before a lookup was sent is visible to that lookup. Replies go back
+//! on the front's notify queue tagged with the request's sequence number.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::l1::{L1Error, L1Shard, L1Stats, L1Status, WriterTag};
+use kvshard_engine::slab::Slab;
+use kvshard_io::arena::Arena;
+use kvshard_io::mailbox::{MailboxReceiver, NotifySender};
+
+use crate::cpu_shm::CpuShmRegistration;
+use crate::front::FrontEvent;
+
+/// Sequence number the front uses to match replies to requests; 0 = no reply wanted.
+pub type Seq = u64;
+
+pub struct ShardMsg {
+    pub seq: Seq,
+    pub op: ShardOp,
+}
+
+pub enum ShardOp {
+    /// Read-lock every present key `readers` times and touch the hits (LRU).
+    Lookup {
+        keys: Vec<ObjectKey>,
+        readers: u32,
+    },
+    /// Release `count` read locks on each key.
+    Release {
+        keys: Vec<ObjectKey>,
+        count: u32,
+    },
+    Touch {
+        keys: Vec<ObjectKey>,
+    },
+    /// Stage writes of `size` bytes per key under writer `tag`.
+    ReserveWrite {
+        keys: Vec<ObjectKey>,
+        size: u64,
+        tag: u64,
+    },
+    FinishWrite {
+        keys: Vec<ObjectKey>,
+        tag: u64,
+    },
+    AbortWrite {
+        keys: Vec<ObjectKey>,
+        tag: u64,
+    },
+    /// Slabs of keys that must already be read-locked (by a lookup).
+    ReadLocked {
+        keys: Vec<ObjectKey>,
+    },
+    /// lmcache_driven STORE: reserve, gather the worker's blocks, finish.
+    Store {
+        reg: Arc<CpuShmRegistration>,
+        items: Vec<(ObjectKey, Vec<i64>)>,
+        size: u64,
+        tag: u64,
+    },
+    /// lmcache_driven RETRIEVE: scatter each read-locked object, then release one lock.
+    Retrieve {
+        reg: Arc<CpuShmRegistration>,
+        items: Vec<(ObjectKey, Vec<i64>, usize)>,
+    },
+    Clear {
+        force: bool,
+    },
+    Status,
+    SetQuota {
+        cache_salt: String,
+        limit_bytes: u64,
+    },
+    RemoveQuota {
+        cache_salt: String,
+    },
+    ResetStats,
+}
+
+/// Outcome of storing one chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreOutcome {
+    Stored,
+    /// Already resident (or being written by someone else): nothing to do.
+    AlreadyPresent,
+    OutOfMemory,
+    Failed,
+}
+
+pub enum ShardReplyBody {
+    Hits(Vec<bool>),
+    Slabs(Vec<Option<Slab>>),
+    Stored(Vec<StoreOutcome>),
+    Retrieved(Vec<bool>),
+    Count(u64),
+    Status(Box<ShardReport>),
+    Done,
+}
+
+pub struct ShardReply {
+    pub seq: Seq,
+    pub shard: usize,
+    pub body: ShardReplyBody,
+}
+
+/// A shard's view for `/status` and `/metrics`.
+#[derive(Debug, Clone)]
+pub struct ShardReport {
+    pub status: L1Status,
+    pub stats: L1Stats,
+    pub capacity_max_bytes: u64,
+    pub bytes_by_salt: Vec<(String, u64)>,
+    pub mailbox_full: u64,
+}
+
+pub struct ShardConfig {
+    pub id: usize,
+    /// The most this shard's allocator may grow to (its slice of the arena).
+    pub max_capacity_bytes: u64,
+    /// Arena-global offset where this shard's slice starts.
+    pub slice_offset: u64,
+    pub lock_memory: bool,
+    pub eviction_interval: Duration,
+}
+
+struct ShardState {
+    cfg: ShardConfig,
+    arena: Arc<Arena>,
+    l1: L1Shard,
+    /// Bytes of the slice already mlock'ed (prefix of the slice).
+    locked_bytes: u64,
+    mlock_warned: bool,
+}
+
+impl ShardState {
+    fn ptr(&self, slab: &Slab) -> *mut u8 {
+        assert!(
+            slab.offset + slab.len <= self.arena.len(),
+            "slab outside the arena"
+        );
+        // SAFETY: bounds asserted above; the arena outlives the shard (Arc).
+        unsafe { self.arena.base().add(slab.offset as usize) }
+    }
+
+    /// Lazy growth: extend the allocator before eviction would kick in.
+    fn maybe_grow(&mut self, extra_bytes: u64, watermark: Option<f64>) {
+        let (used, cap) = self.l1.usage();
+        let max = self.cfg.max_capacity_bytes;
+        if cap >= max {
+            return;
+        }
+        let need_room = used + extra_bytes > cap;
+        let over_mark = watermark.is_some_and(|w| cap > 0 && used as f64 >= w * cap as f64);
+        if !need_room && !over_mark {
+            return;
+        }
+        let target = (cap.saturating_mul(2)).max(used + extra_bytes).min(max);
+        self.l1.grow(target);
+        self.lock_prefix(target);
+    }
+
+    fn lock_prefix(&mut self, upto: u64) {
+        if !self.cfg.lock_memory || upto <= self.locked_bytes {
+            return;
+        }
+        let off = self.cfg.slice_offset + self.locked_bytes;
+        match self.arena.lock_range(off, upto - self.locked_bytes) {
+            Ok(()) => self.locked_bytes = upto,
+            Err(e) => {
+                if !self.mlock_warned {
+                    self.mlock_warned = true;
+                    log::warn!(
+                        "shard {}: could not mlock L1 memory ({e}); pages may be swapped out. \
+                         Raise the limit with `ulimit -l unlimited` or LimitMEMLOCK=infinity in the systemd unit",
+                        self.cfg.id
+                    );
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, op: ShardOp) -> ShardReplyBody {
+        let now = Instant::now();
+        match op {
+            ShardOp::Lookup { keys, readers } => {
+                let res = self.l1.reserve_read(&keys, readers, now);
+                let hits: Vec<bool> = res.iter().map(|r| r.is_ok()).collect();
+                let hit_keys: Vec<ObjectKey> = keys
+                    .iter()
+                    .zip(&hits)
+                    .filter(|(_, h)| **h)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                if !hit_keys.is_empty() {
+                    self.l1.touch(&hit_keys, now);
+                }
+                ShardReplyBody::Hits(hits)
+            }
+            ShardOp::Release { keys, count } => {
+                self.l1.finish_read(&keys, count, now);
+                ShardReplyBody::Done
+            }
+            ShardOp::Touch { keys } => {
+                self.l1.touch(&keys, now);
+                ShardReplyBody::Done
+            }
+            ShardOp::ReserveWrite { keys, size, tag } => {
+                self.maybe_grow(size * keys.len() as u64, None);
+                let res = self
+                    .l1
+                    .reserve_write(&keys, size, WriterTag(tag), false, now);
+                ShardReplyBody::Slabs(res.into_iter().map(|r| r.ok()).collect())
+            }
+            ShardOp::FinishWrite { keys, tag } => {
+                self.l1.finish_write(&keys, WriterTag(tag), now);
+                ShardReplyBody::Done
+            }
+            ShardOp::AbortWrite { keys, tag } => {
+                self.l1.abort_write(&keys, WriterTag(tag));
+                ShardReplyBody::Done
+            }
+            ShardOp::ReadLocked { keys } => ShardReplyBody::Slabs(
+                keys.iter()
+                    .map(|k| self.l1.read_locked(k, now).ok())
+                    .collect(),
+            ),
+            ShardOp::Store {
+                reg,
+                items,
+                size,
+                tag,
+            } => ShardReplyBody::Stored(self.store(&reg, items, size, tag, now)),
+            ShardOp::Retrieve { reg, items } => {
+                ShardReplyBody::Retrieved(self.retrieve(&reg, items, now))
+            }
+            ShardOp::Clear { force } => ShardReplyBody::Count(self.l1.clear(force, now) as u64),
+            ShardOp::Status => ShardReplyBody::Status(Box::new(self.report(now))),
+            ShardOp::SetQuota {
+                cache_salt,
+                limit_bytes,
+            } => {
+                self.l1.policy_mut().set_quota(&cache_salt, limit_bytes);
+                ShardReplyBody::Done
+            }
+            ShardOp::RemoveQuota { cache_salt } => {
+                self.l1.policy_mut().remove_quota(&cache_salt);
+                ShardReplyBody::Done
+            }
+            ShardOp::ResetStats => {
+                self.l1.reset_stats();
+                ShardReplyBody::Done
+            }
+        }
+    }
+
+    fn store(
+        &mut self,
+        reg: &CpuShmRegistration,
+        items: Vec<(ObjectKey, Vec<i64>)>,
+        size: u64,
+        tag: u64,
+        now: Instant,
+    ) -> Vec<StoreOutcome> {
+        let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| k.clone()).collect();
+        self.maybe_grow(size * keys.len() as u64, None);
+        let tag = WriterTag(tag);
+        let reserved = self.l1.reserve_write(&keys, size, tag, false, now);
+        let mut out = Vec::with_capacity(keys.len());
+        let mut written = Vec::new();
+        let mut failed = Vec::new();
+        for ((key, blocks), res) in items.into_iter().zip(reserved) {
+            match res {
+                Ok(slab) => {
+                    // SAFETY: the slab is staged for this writer only; nobody reads it.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(self.ptr(&slab), size as usize) };
+                    match reg.gather(&blocks, dst) {
+                        Ok(()) => {
+                            written.push(key);
+                            out.push(StoreOutcome::Stored);
+                        }
+                        Err(e) => {
+                            log::error!("store of {key:?} failed in gather: {e}");
+                            failed.push(key);
+                            out.push(StoreOutcome::Failed);
+                        }
+                    }
+                }
+                Err(L1Error::OutOfMemory) => out.push(StoreOutcome::OutOfMemory),
+                Err(_) => out.push(StoreOutcome::AlreadyPresent),
+            }
+        }
+        if !written.is_empty() {
+            self.l1.finish_write(&written, tag, now);
+        }
+        if !failed.is_empty() {
+            self.l1.abort_write(&failed, tag);
+        }
+        out
+    }
+
+    fn retrieve(
+        &mut self,
+        reg: &CpuShmRegistration,
+        items: Vec<(ObjectKey, Vec<i64>, usize)>,
+        now: Instant,
+    ) -> Vec<bool> {
+        let mut out = Vec::with_capacity(items.len());
+        let mut done = Vec::with_capacity(items.len());
+        for (key, blocks, skip) in items {
+            match self.l1.read_locked(&key, now) {
+                Ok(slab) => {
+                    // SAFETY: the object is read-locked, so it is neither freed nor rewritten.
+                    let src =
+                        unsafe { std::slice::from_raw_parts(self.ptr(&slab), slab.len as usize) };
+                    let ok = match reg.scatter(
+                        &src[..reg.object_layout().bytes as usize],
+                        &blocks,
+                        skip,
+                    ) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            log::error!("retrieve of {key:?} failed in scatter: {e}");
+                            false
+                        }
+                    };
+                    out.push(ok);
+                    done.push(key);
+                }
+                Err(_) => out.push(false),
+            }
+        }
+        // One read lock per retrieved key, as the lookup reserved one per reader.
+        if !done.is_empty() {
+            self.l1.finish_read(&done, 1, now);
+        }
+        out
+    }
+
+    fn report(&self, now: Instant) -> ShardReport {
+        ShardReport {
+            status: self.l1.status(now),
+            stats: *self.l1.stats(),
+            capacity_max_bytes: self.cfg.max_capacity_bytes,
+            bytes_by_salt: self
+                .l1
+                .bytes_by_salt()
+                .map(|(s, b)| (s.to_owned(), b))
+                .collect(),
+            mailbox_full: 0,
+        }
+    }
+
+    fn tick(&mut self) {
+        let now = Instant::now();
+        self.l1.expire(now);
+        let mark = self.l1.policy().config().trigger_watermark;
+        self.maybe_grow(0, Some(mark));
+        self.l1.evict(now);
+    }
+}
+
+/// Runs one shard until its mailbox closes.
+pub async fn run_shard(
+    cfg: ShardConfig,
+    arena: Arc<Arena>,
+    l1: L1Shard,
+    mut rx: MailboxReceiver<ShardMsg>,
+    replies: NotifySender<FrontEvent>,
+) {
+    let id = cfg.id;
+    let interval = cfg.eviction_interval;
+    let initial = l1.usage().1;
+    let state = Rc::new(RefCell::new(ShardState {
+        cfg,
+        arena,
+        l1,
+        locked_bytes: 0,
+        mlock_warned: false,
+    }));
+    state.borrow_mut().lock_prefix(initial);
+
+    let ticker = {
+        let state = state.clone();
+        glommio::spawn_local(async move {
+            loop {
+                glommio::timer::sleep(interval).await;
+                state.borrow_mut().tick();
+            }
+        })
+    };
+
+    while let Some(msg) = rx.recv().await {
+        let body = state.borrow_mut().handle(msg.op);
+        if msg.seq != 0 {
+            replies.send(FrontEvent::Shard(ShardReply {
+                seq: msg.seq,
+                shard: id,
+                body,
+            }));
+        }
+    }
+    drop(ticker.cancel());
+    log::debug!("shard {id} stopped");
+}
