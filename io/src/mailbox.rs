@@ -155,6 +155,28 @@ impl<T: Send> MailboxSender<T> {
     }
 }
 
+/// A wake-up stream kept by the executor that owns a [`MailboxReceiver`]
+/// (glommio streams are `!Send`, so it cannot live in the receiver itself).
+pub struct Parker {
+    stream: glommio::net::UnixStream,
+}
+
+impl Parker {
+    async fn park(&mut self, wake_fd: RawFd) -> io::Result<()> {
+        use futures_lite::AsyncReadExt;
+        let mut byte = [0u8; 1];
+        let n = self.stream.read(&mut byte).await?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "mailbox wake socket closed",
+            ));
+        }
+        drain_fd(wake_fd);
+        Ok(())
+    }
+}
+
 /// Consumer side of a shard mailbox, polled inside a glommio executor. It is
 /// `Send` so it can be built on the main thread and moved into the shard.
 pub struct MailboxReceiver<T> {
@@ -223,6 +245,29 @@ impl<T: Send> MailboxReceiver<T> {
     /// Wait for the next message; None once every sender is dropped and the
     /// queue is empty. Must run inside a glommio executor.
     pub async fn recv(&mut self) -> Option<T> {
+        self.recv_inner(None).await
+    }
+
+    /// A [`Parker`] for this mailbox, bound to the calling executor: a shard that
+    /// parks often keeps one instead of opening a stream per park.
+    pub fn parker(&self) -> io::Result<Parker> {
+        // SAFETY: dup has no memory-safety preconditions.
+        let dup = unsafe { libc::fcntl(self.wake_rx.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+        if dup < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `dup` is a fresh fd that the stream now owns and closes.
+        Ok(Parker {
+            stream: unsafe { glommio::net::UnixStream::from_raw_fd(dup) },
+        })
+    }
+
+    /// [`MailboxReceiver::recv`] parking on `parker`.
+    pub async fn recv_with(&mut self, parker: &mut Parker) -> Option<T> {
+        self.recv_inner(Some(parker)).await
+    }
+
+    async fn recv_inner(&mut self, mut parker: Option<&mut Parker>) -> Option<T> {
         loop {
             match self.rx.try_recv() {
                 Ok(m) => return Some(m),
@@ -244,7 +289,10 @@ impl<T: Send> MailboxReceiver<T> {
                 }
                 Err(TryRecvError::Empty) => {}
             }
-            let parked = self.park().await;
+            let parked = match parker.as_deref_mut() {
+                Some(p) => p.park(self.wake_rx.as_raw_fd()).await,
+                None => self.park().await,
+            };
             // A stale wake byte may end a park without any sender clearing the
             // flag; we are awake either way.
             self.wake.sleeping.store(false, Ordering::SeqCst);

@@ -656,3 +656,346 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         })
         .collect()
 }
+
+// ------------------------------------------ engine_driven flow and scrape helpers
+//
+// Shared by tests/bad_input.rs and tests/http_api.rs: one worker's whole
+// engine_driven flow (register, prepare/commit store, lookup, prepare/commit
+// retrieve) and a Prometheus text reader.
+
+/// Tokens per chunk of `Server::start` (its `--chunk-size`).
+pub const ED_CHUNK: usize = 16;
+
+/// Bytes of one chunk object of an `ed_register`ed worker: [2, 2 layers, 16 slots, 64] f16.
+pub const ED_CHUNK_BYTES: usize = 2 * 2 * ED_CHUNK * 64 * 2;
+
+/// A token sequence of `n` tokens that differs for every seed.
+pub fn ed_tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| {
+            seed.wrapping_mul(2_654_435_761)
+                .wrapping_add(i.wrapping_mul(40_503))
+                % 60_000
+        })
+        .collect()
+}
+
+/// A key of `n_chunks` whole chunks of `toks` for one worker (`Some`) or the
+/// scheduler (`None`), one reader.
+pub fn ed_key(model: &str, worker: Option<i64>, toks: &[u32], n_chunks: usize, rid: &str) -> V {
+    ipc_key(
+        model,
+        1,
+        worker,
+        toks,
+        0,
+        (n_chunks * ED_CHUNK) as i64,
+        rid,
+        1,
+    )
+}
+
+/// Replaces field `name` of a msgpack map (adding it when absent).
+pub fn with_field(v: &V, name: &str, value: V) -> V {
+    let V::M(m) = v else {
+        panic!("with_field on a non-map: {v:?}")
+    };
+    let mut m = m.clone();
+    match m.iter_mut().find(|(k, _)| *k == s(name)) {
+        Some((_, x)) => *x = value,
+        None => m.push((s(name), value)),
+    }
+    V::M(m)
+}
+
+/// Registers an engine_driven worker of `model` (world size 1, 2 layers, hidden
+/// 64, float16); returns the pool's (shm name, size).
+pub fn ed_register(c: &mut Client, iid: i64, model: &str) -> (String, usize) {
+    let r = c
+        .call(
+            OP_REGISTER_ENGINE,
+            &[engine_ctx_payload(
+                iid,
+                model,
+                1,
+                2,
+                64,
+                false,
+                ED_CHUNK as i64,
+            )],
+        )
+        .expect("engine_driven registration answered with a payload");
+    (
+        r.get("shm_name").expect("shm_name").str().to_owned(),
+        r.get("pool_size").expect("pool_size").int() as usize,
+    )
+}
+
+/// The slots of a PREPARE_STORE reply (empty: nothing reserved).
+pub fn ed_slots(reply: &V) -> Vec<V> {
+    reply
+        .get("context")
+        .and_then(|c| c.get("slots"))
+        .unwrap_or_else(|| panic!("prepare_store reply without context.slots: {reply:?}"))
+        .arr()
+        .to_vec()
+}
+
+/// PREPARE_STORE, fill every reserved slot with a pattern, COMMIT_STORE (which
+/// must succeed). Returns the bytes written, in chunk order; an empty list when
+/// nothing needed storing.
+pub fn ed_store(c: &mut Client, pool: &mut ShmMap, key: &V, iid: i64, seed: u64) -> Vec<Vec<u8>> {
+    let r = c
+        .call(OP_PREPARE_STORE, &[key.clone(), V::I(iid)])
+        .expect("prepare_store reply");
+    let slots = ed_slots(&r);
+    if slots.is_empty() {
+        return Vec::new();
+    }
+    let mut written = Vec::new();
+    for (i, slot) in slots.iter().enumerate() {
+        let off = slot.get("offset").unwrap().int() as usize;
+        let len = slot.get("length").unwrap().int() as usize;
+        assert_eq!(len, ED_CHUNK_BYTES, "slot length");
+        let data = pattern(seed.wrapping_mul(1_000_003).wrapping_add(i as u64), len);
+        pool.bytes_mut()[off..off + len].copy_from_slice(&data);
+        written.push(data);
+    }
+    assert_eq!(
+        c.call(OP_COMMIT_STORE, &[key.clone(), V::I(iid), V::Bin(vec![])]),
+        Some(V::B(true)),
+        "commit_store after a prepare_store that reserved slots"
+    );
+    written
+}
+
+/// LOOKUP (scheduler key) and the hit prefix in chunks.
+pub fn ed_lookup(c: &mut Client, key: &V) -> i64 {
+    assert_eq!(
+        c.call(OP_LOOKUP, &[key.clone(), V::I(1)]),
+        None,
+        "lookup ack"
+    );
+    let rid = key.get("request_id").unwrap().str().to_owned();
+    c.prefetch_result(&rid)
+}
+
+/// PREPARE_RETRIEVE (must succeed), copy every slot out, COMMIT_RETRIEVE.
+pub fn ed_retrieve(c: &mut Client, pool: &ShmMap, key: &V, iid: i64) -> Vec<Vec<u8>> {
+    let r = c
+        .call(OP_PREPARE_RETRIEVE, &[key.clone(), V::I(iid)])
+        .expect("prepare_retrieve reply");
+    assert_eq!(
+        r.get("success"),
+        Some(&V::B(true)),
+        "prepare_retrieve: {r:?}"
+    );
+    let out = r
+        .get("context")
+        .unwrap()
+        .get("slots")
+        .unwrap()
+        .arr()
+        .iter()
+        .map(|slot| {
+            let off = slot.get("offset").unwrap().int() as usize;
+            let len = slot.get("length").unwrap().int() as usize;
+            pool.bytes()[off..off + len].to_vec()
+        })
+        .collect();
+    assert_eq!(
+        c.call(OP_COMMIT_RETRIEVE, &[key.clone(), V::I(iid)]),
+        Some(V::B(true))
+    );
+    out
+}
+
+static SERVING_SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// The server process is alive, answers a noop, and serves a whole engine_driven
+/// round trip (register, store, lookup hit, retrieve of the same bytes) on a
+/// fresh connection, under a model of its own.
+pub fn assert_serving(srv: &mut Server) {
+    assert!(srv.alive(), "server process exited");
+    let mut c = srv.client();
+    c.noop_ok();
+    let n = SERVING_SEQ.fetch_add(1, Ordering::Relaxed);
+    let iid = 9_000_000 + n as i64;
+    let model = "serving-check";
+    let (name, size) = ed_register(&mut c, iid, model);
+    let mut pool = ShmMap::open(&name, size);
+    let toks = ed_tokens(0x5e41_0000 + n, 3 * ED_CHUNK + 5);
+    let rid = format!("serving-{n}");
+    let stored = ed_store(
+        &mut c,
+        &mut pool,
+        &ed_key(model, Some(0), &toks, 3, &rid),
+        iid,
+        iid as u64,
+    );
+    assert_eq!(stored.len(), 3, "round trip: every chunk stored");
+    assert_eq!(
+        ed_lookup(&mut c, &ed_key(model, None, &toks, 3, &rid)),
+        3,
+        "round trip: lookup hits what was stored"
+    );
+    assert_eq!(
+        ed_retrieve(&mut c, &pool, &ed_key(model, Some(0), &toks, 3, &rid), iid),
+        stored,
+        "round trip: retrieve returns the stored bytes"
+    );
+    assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
+    assert_eq!(c.call(OP_UNREGISTER_ENGINE, &[V::I(iid)]), None);
+    assert!(srv.alive(), "server process exited");
+}
+
+/// One sample of a Prometheus text exposition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromSample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+/// Parses Prometheus text format 0.0.4 strictly: every line is a `# HELP` /
+/// `# TYPE` comment or `name{labels} value`; panics on anything else.
+pub fn parse_prometheus(text: &str) -> Vec<PromSample> {
+    let is_name = |n: &str| {
+        let mut cs = n.chars();
+        cs.next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+            && cs.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+    };
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix('#') {
+            let parts: Vec<&str> = rest.trim_start().splitn(3, ' ').collect();
+            assert!(
+                matches!(parts.first(), Some(&"HELP") | Some(&"TYPE")) && parts.len() >= 2,
+                "bad comment line {line:?}"
+            );
+            assert!(is_name(parts[1]), "bad metric name in {line:?}");
+            if parts[0] == "TYPE" {
+                assert!(
+                    matches!(
+                        parts.get(2).copied(),
+                        Some("counter" | "gauge" | "histogram" | "summary" | "untyped")
+                    ),
+                    "bad TYPE line {line:?}"
+                );
+            }
+            continue;
+        }
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("sample line without a value: {line:?}"));
+        let value: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            "NaN" => f64::NAN,
+            v => v
+                .parse()
+                .unwrap_or_else(|_| panic!("bad sample value in {line:?}")),
+        };
+        let (name, labels) = match series.split_once('{') {
+            None => (series, Vec::new()),
+            Some((name, rest)) => {
+                let body = rest
+                    .strip_suffix('}')
+                    .unwrap_or_else(|| panic!("unclosed labels in {line:?}"));
+                (name, parse_labels(body, line))
+            }
+        };
+        assert!(is_name(name), "bad metric name in {line:?}");
+        out.push(PromSample {
+            name: name.to_owned(),
+            labels,
+            value,
+        });
+    }
+    out
+}
+
+fn parse_labels(body: &str, line: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = body;
+    while !rest.is_empty() {
+        let (k, after) = rest
+            .split_once("=\"")
+            .unwrap_or_else(|| panic!("bad label in {line:?}"));
+        assert!(
+            !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "bad label name in {line:?}"
+        );
+        let mut val = String::new();
+        let mut chars = after.char_indices();
+        let end = loop {
+            match chars.next() {
+                Some((_, '\\')) => match chars.next() {
+                    Some((_, 'n')) => val.push('\n'),
+                    Some((_, c @ ('\\' | '"'))) => val.push(c),
+                    _ => panic!("bad escape in {line:?}"),
+                },
+                Some((i, '"')) => break i,
+                Some((_, c)) => val.push(c),
+                None => panic!("unterminated label value in {line:?}"),
+            }
+        };
+        out.push((k.to_owned(), val));
+        rest = &after[end + 1..];
+        rest = rest.strip_prefix(',').unwrap_or(rest);
+    }
+    out
+}
+
+impl Server {
+    /// `GET /metrics`, parsed (and so checked) as Prometheus text.
+    pub fn scrape(&self) -> Vec<PromSample> {
+        let (st, body) = self.http("GET", "/metrics", None);
+        assert_eq!(st, 200, "/metrics: {body}");
+        parse_prometheus(&body)
+    }
+
+    /// The value of the sample `name` whose labels include `labels`, if exposed.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        self.scrape()
+            .into_iter()
+            .find(|x| {
+                x.name == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| x.labels.iter().any(|(a, b)| a == k && b == v))
+            })
+            .map(|x| x.value)
+    }
+
+    /// `GET` of a JSON endpoint that must answer 200.
+    pub fn get_json(&self, path: &str) -> serde_json::Value {
+        let (st, body) = self.http("GET", path, None);
+        assert_eq!(st, 200, "GET {path}: {body}");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: not JSON ({e}): {body}"))
+    }
+}
+
+/// One lmcache_driven (cpu_shm) KV layer: vLLM NHD `[2, 8 blocks, 16 tokens,
+/// 2 heads, 32]` float16, contiguous.
+pub const LM_LAYER_SHAPE: [i64; 5] = [2, 8, 16, 2, 32];
+pub const LM_LAYER_STRIDE: [i64; 5] = [8 * 16 * 64, 16 * 64, 64, 32, 1];
+pub const LM_LAYER_BYTES: i64 = 2 * 8 * 16 * 64 * 2;
+
+/// `register_kv_cache` payloads for instance `iid` of model "lm" (world size
+/// 1, vLLM, NHD) with one layer described by `desc`.
+pub fn lm_register_frames(iid: i64, desc: V) -> Vec<V> {
+    vec![
+        V::I(iid),
+        V::A(vec![desc]),
+        s("lm"),
+        V::I(1),
+        s("vllm"),
+        map(&[("kv_layout", s("NHD"))]),
+        V::A(vec![]),
+    ]
+}

@@ -50,6 +50,10 @@ struct Inflight {
 
 enum InflightKind {
     Lookup {
+        /// The lookup's ack goes out once its L1 result is known, so the client's
+        /// first status poll finds it (the 0.5.6 bench client sleeps 50 ms after a
+        /// poll that finds the prefetch still running).
+        ack: ReplyTo,
         request_id: String,
         keys: Vec<ObjectKey>,
         num_ranks: usize,
@@ -104,9 +108,6 @@ enum Job {
 /// Limits and facts the front needs beyond the config.
 pub struct FrontSetup {
     pub shm_pool: Option<(String, u64)>,
-    pub num_shards: usize,
-    pub shard_capacity_bytes: Vec<u64>,
-    pub arena_len: u64,
 }
 
 pub struct Front {
@@ -131,6 +132,10 @@ pub struct Front {
 }
 
 const SESSION_SWEEP: Duration = Duration::from_secs(60);
+/// Objects (chunks x kv ranks) one request may address: bounds the memory and
+/// shard work of a single request (a 128k-token context of 256-token chunks at
+/// world size 8 is 4096).
+pub const MAX_OBJECTS_PER_REQUEST: usize = 1 << 18;
 
 impl Front {
     pub fn new(
@@ -299,7 +304,8 @@ impl Front {
                 frames.len()
             );
             if frames.len() == 2 {
-                let _ = self.socket.send_multipart(frames, 0);
+                let res = self.socket.send_multipart(frames, zmq::DONTWAIT);
+                self.count_undelivered(res);
             }
             return;
         }
@@ -380,17 +386,33 @@ impl Front {
     }
 
     fn reply(&mut self, to: &ReplyTo, payload: Option<Vec<u8>>) {
+        // Never block: with ROUTER_MANDATORY a blocking send waits while one peer's
+        // queue is full, so a client that stops reading its replies would stall the
+        // front for every client. That client loses its replies instead.
         let res = match payload {
             Some(p) => self
                 .socket
-                .send_multipart([to.identity.as_slice(), &to.uid, &to.op, &p], 0),
+                .send_multipart([to.identity.as_slice(), &to.uid, &to.op, &p], zmq::DONTWAIT),
             None => self
                 .socket
-                .send_multipart([to.identity.as_slice(), &to.uid, &to.op], 0),
+                .send_multipart([to.identity.as_slice(), &to.uid, &to.op], zmq::DONTWAIT),
         };
-        if let Err(e) = res {
-            // ROUTER_MANDATORY: the peer is gone (EHOSTUNREACH); nothing else to do.
-            self.metrics.reply_failures += 1;
+        self.count_undelivered(res);
+    }
+
+    fn count_undelivered(&mut self, res: Result<(), zmq::Error>) {
+        let Err(e) = res else {
+            return;
+        };
+        // EHOSTUNREACH: the peer is gone. EAGAIN: its queue is full (it is not
+        // reading). Logged at powers of two so a flood cannot flood the log.
+        self.metrics.reply_failures += 1;
+        let n = self.metrics.reply_failures;
+        if e == zmq::Error::EAGAIN && n.is_power_of_two() {
+            log::warn!(
+                "reply dropped: the client's queue is full ({n} undelivered replies so far)"
+            );
+        } else {
             log::debug!("reply not delivered: {e}");
         }
     }
@@ -417,10 +439,7 @@ impl Front {
                 self.reply(&to, None)
             }
             Request::Clear { force } => self.clear(Some(to), None, force),
-            Request::Lookup { key, .. } => {
-                self.reply(&to, None);
-                self.lookup(key, now);
-            }
+            Request::Lookup { key, .. } => self.lookup(to, key, now),
             Request::QueryPrefetchStatus { request_id } => self.query_prefetch(to, &request_id),
             Request::WaitPrefetchStatus {
                 request_id,
@@ -658,12 +677,16 @@ impl Front {
     fn complete(&mut self, seq: Seq, kind: InflightKind) {
         match kind {
             InflightKind::Lookup {
+                ack,
                 request_id,
                 keys,
                 num_ranks,
                 readers,
                 hits,
-            } => self.finish_lookup(seq, request_id, keys, num_ranks, readers, hits),
+            } => {
+                self.finish_lookup(seq, request_id, keys, num_ranks, readers, hits);
+                self.reply(&ack, None);
+            }
             InflightKind::PrepareStore {
                 to,
                 tkey,
@@ -823,10 +846,13 @@ impl Front {
     }
 
     /// Chunk hashes of `[start, end)` of `key`, through its session.
+    /// Refuses (before any work) a request that would address more than
+    /// [`MAX_OBJECTS_PER_REQUEST`] objects: chunks times kv ranks.
     fn key_hashes(
         &mut self,
         key: &IpcKey,
         from_zero: bool,
+        num_ranks: usize,
         now: Instant,
     ) -> Result<Vec<keys::ChunkHash>, String> {
         let cs = self.cfg.chunk_size;
@@ -836,19 +862,28 @@ impl Front {
             usize::try_from(key.start).map_err(|_| format!("negative start {}", key.start))?
         };
         let end = usize::try_from(key.end).map_err(|_| format!("negative end {}", key.end))?;
-        let s = self.sessions.get_or_create(&key.request_id, now);
-        s.set_tokens(&key.token_ids);
+        let objects = (end.saturating_sub(start) / cs).saturating_mul(num_ranks);
+        if objects > MAX_OBJECTS_PER_REQUEST {
+            return Err(format!(
+                "[{start}, {end}) x {num_ranks} kv ranks addresses {objects} objects, more than the \
+                 {MAX_OBJECTS_PER_REQUEST} one request may"
+            ));
+        }
+        let s = self
+            .sessions
+            .with_tokens(&key.request_id, &key.token_ids, now);
         s.hashes(cs, start, end)
             .map(|h| h.to_vec())
             .map_err(|e| e.to_string())
     }
 
-    fn lookup(&mut self, key: IpcKey, now: Instant) {
+    fn lookup(&mut self, to: ReplyTo, key: IpcKey, now: Instant) {
         self.metrics.lookups += 1;
         let rid = key.request_id.clone();
         let early = |front: &mut Front, reason: &'static str| {
             front.metrics.count_early_exit(reason);
             front.jobs.insert(rid.clone(), Job::Done { hit_chunks: 0 });
+            front.reply(&to, None);
         };
         let Some(layout) = u32::try_from(key.world_size)
             .ok()
@@ -881,7 +916,7 @@ impl Front {
                 return early(self, "bad_request");
             }
         };
-        let hashes = match self.key_hashes(&key, true, now) {
+        let hashes = match self.key_hashes(&key, true, ranks.len(), now) {
             Ok(h) => h,
             Err(e) => {
                 log::error!("lookup {rid}: {e}");
@@ -919,20 +954,24 @@ impl Front {
         let num_ranks = ranks.len();
         let objs = Self::object_keys(&key.model_name, &key.cache_salt, &hashes, &ranks);
         let parts = self.split(&objs);
+        let seq = self.next_seq;
+        // One key list per involved shard, in the order fan_out visits them.
+        let sent: Vec<Vec<ObjectKey>> = parts
+            .iter()
+            .filter(|idx| !idx.is_empty())
+            .map(|idx| idx.iter().map(|i| objs[*i].clone()).collect())
+            .collect();
         let kind = InflightKind::Lookup {
+            ack: to,
             request_id: rid.clone(),
             keys: objs,
             num_ranks,
             readers,
             hits: Vec::new(),
         };
-        let seq = self.next_seq;
-        let keys_ref: Vec<ObjectKey> = match &kind {
-            InflightKind::Lookup { keys, .. } => keys.clone(),
-            _ => unreachable!(),
-        };
-        let immediate = self.fan_out(parts, kind, |idx| ShardOp::Lookup {
-            keys: idx.iter().map(|i| keys_ref[*i].clone()).collect(),
+        let mut sent = sent.into_iter();
+        let immediate = self.fan_out(parts, kind, |_| ShardOp::Lookup {
+            keys: sent.next().unwrap_or_default(),
             readers,
         });
         debug_assert!(
@@ -1075,7 +1114,7 @@ impl Front {
         };
         let mut range_key = key.clone();
         range_key.end = hi * cs;
-        let hashes = match self.key_hashes(&range_key, false, now) {
+        let hashes = match self.key_hashes(&range_key, false, ranks.len(), now) {
             Ok(h) => h,
             Err(e) => return log::error!("free_lookup_locks {rid}: {e}"),
         };
@@ -1195,7 +1234,7 @@ impl Front {
             return Err("key has no worker_id".into());
         }
         let ranks = Self::ranks_of(key)?;
-        let hashes = self.key_hashes(key, false, now)?;
+        let hashes = self.key_hashes(key, false, ranks.len(), now)?;
         Ok(Self::object_keys(
             &key.model_name,
             &key.cache_salt,
@@ -1696,6 +1735,11 @@ impl Front {
         let used = sum(&|r| r.status.memory_used_bytes);
         let total = sum(&|r| r.status.memory_total_bytes);
         let configured = self.cfg.l1.size_bytes;
+        let usage_ratio = if total > 0 {
+            used as f64 / total as f64
+        } else {
+            0.0
+        };
         let l1_manager = json!({
             "total_object_count": sum(&|r| r.status.total_object_count as u64),
             "write_locked_count": sum(&|r| r.status.write_locked_count as u64),
@@ -1706,14 +1750,11 @@ impl Front {
             "memory_used_bytes": used,
             "memory_total_bytes": total,
             "memory_configured_bytes": configured,
+            // `lmcache describe kvcache` shows L1 use only when this is present.
+            "memory_usage_ratio": usage_ratio,
             "capacity_bytes_by_backend": {"cpu": configured},
             "num_shards": reports.len(),
         });
-        let usage_ratio = if total > 0 {
-            used as f64 / total as f64
-        } else {
-            0.0
-        };
         let mut worker_liveness = serde_json::Map::new();
         let now = Instant::now();
         for (iid, mode, last_seen, pinged) in self.registry.liveness() {
@@ -1738,7 +1779,7 @@ impl Front {
                 "l1_capacity_bytes_by_backend": {"cpu": configured},
                 "l1_manager": l1_manager,
                 "l1_eviction_controller": {
-                    "eviction_policy": format!("{:?}", self.cfg.l1.eviction_policy),
+                    "eviction_policy": self.cfg.l1.eviction_policy.as_str(),
                     "trigger_watermark": self.cfg.l1.trigger_watermark,
                     "eviction_ratio": self.cfg.l1.eviction_ratio,
                     "evicted_chunks": sum(&|r| r.stats.evicted_chunks),

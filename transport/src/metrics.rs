@@ -207,7 +207,7 @@ impl Metrics {
         }
         t.counter(
             "kvshard_reply_failures_total",
-            "Replies ZeroMQ could not deliver (peer gone)",
+            "Replies ZeroMQ could not deliver (peer gone, or its queue full)",
             self.reply_failures,
         );
         t.counter(

@@ -146,8 +146,13 @@ impl TransferKey {
         h.update(&key.end.to_le_bytes());
         h.update(&(key.cache_salt.len() as u64).to_le_bytes());
         h.update(key.cache_salt.as_bytes());
-        for t in &key.token_ids {
-            h.update(&t.to_le_bytes());
+        // Tokens go in a block at a time: per-token updates cost more than the hashing.
+        let mut buf = [0u8; 4096];
+        for block in key.token_ids.chunks(buf.len() / 4) {
+            for (i, t) in block.iter().enumerate() {
+                buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
+            }
+            h.update(&buf[..block.len() * 4]);
         }
         TransferKey {
             instance_id,
@@ -378,7 +383,26 @@ impl Registry {
             .lmc
             .iter()
             .map(|(i, e)| {
-                let layout = if e.reg.is_mla() { "mla" } else { "NHD" };
+                // 0.5.6's `GPUCacheContext.report_status()` shape: `lmcache describe
+                // kvcache` reads it as a dict (a string there crashes it).
+                let r = &e.reg;
+                let layout = serde_json::json!({
+                    "num_layers": r.num_registered_tensors(),
+                    "num_blocks": r.num_blocks(),
+                    "cache_size_per_token": r.cache_size_per_token(),
+                    "kernel_groups": [{
+                        "kernel_group_idx": 0,
+                        "engine_group_idx": 0,
+                        "object_group_idx": 0,
+                        "num_layers": r.num_layers(),
+                        "layer_indices": r.layer_indices(),
+                        "tokens_per_block": r.block_size_tokens(),
+                        "slots_per_block": r.block_size_tokens(),
+                        "dtype": format!("torch.{}", r.dtype().name()),
+                        "is_mla": r.is_mla(),
+                        "engine_kv_format": r.kv_format().name(),
+                    }],
+                });
                 (
                     i.to_string(),
                     serde_json::json!({"model_name": e.model_name, "world_size": e.world_size, "kv_cache_layout": layout, "device": "cpu_shm"}),

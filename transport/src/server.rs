@@ -171,9 +171,6 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
 
     let setup = FrontSetup {
         shm_pool: arena.shm_name().map(|s| (s.to_owned(), arena.len())),
-        num_shards: n,
-        shard_capacity_bytes: slices.iter().map(|s| s.1).collect(),
-        arena_len: arena.len(),
     };
     drop(events_tx);
     log::info!(

@@ -79,11 +79,18 @@ impl Session {
     }
 }
 
-/// All sessions, bounded in count, expired after a TTL of inactivity.
+/// Token ids all sessions may hold together (256 MiB of u32s): a few huge
+/// requests under different ids cannot grow the server without bound.
+pub const MAX_SESSION_TOKENS: usize = 1 << 26;
+
+/// All sessions, bounded in count and in tokens held, expired after a TTL of
+/// inactivity.
 pub struct Sessions {
     map: HashMap<String, Session>,
     ttl: Duration,
     max: usize,
+    max_tokens: usize,
+    total_tokens: usize,
     /// Sessions dropped because the table was full (oldest first).
     pub evicted_full: u64,
     pub expired: u64,
@@ -96,6 +103,8 @@ impl Sessions {
             map: HashMap::new(),
             ttl,
             max,
+            max_tokens: MAX_SESSION_TOKENS,
+            total_tokens: 0,
             evicted_full: 0,
             expired: 0,
         }
@@ -132,7 +141,7 @@ impl Sessions {
                     .min_by_key(|(_, s)| s.last_used)
                     .map(|(k, _)| k.clone())
                 {
-                    self.map.remove(&oldest);
+                    self.remove(&oldest);
                     self.evicted_full += 1;
                     log::warn!(
                         "session table full ({} sessions): dropped session {oldest}",
@@ -148,15 +157,54 @@ impl Sessions {
     }
 
     pub fn remove(&mut self, id: &str) -> Option<Session> {
-        self.map.remove(id)
+        let s = self.map.remove(id)?;
+        self.total_tokens -= s.tokens.len();
+        Some(s)
+    }
+
+    /// The session of `id` holding `tokens`, dropping least recently used other
+    /// sessions while the token budget would be exceeded.
+    pub fn with_tokens(&mut self, id: &str, tokens: &[u32], now: Instant) -> &mut Session {
+        let old = self.map.get(id).map_or(0, |s| s.tokens.len());
+        while self.total_tokens - old + tokens.len() > self.max_tokens {
+            let Some(oldest) = self
+                .map
+                .iter()
+                .filter(|(k, _)| k.as_str() != id)
+                .min_by_key(|(_, s)| s.last_used)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            self.remove(&oldest);
+            self.evicted_full += 1;
+        }
+        let s = self.get_or_create(id, now);
+        let before = s.tokens.len();
+        s.set_tokens(tokens);
+        let after = s.tokens.len();
+        self.total_tokens = self.total_tokens - before + after;
+        self.map.get_mut(id).expect("session just set")
+    }
+
+    /// Token ids held by all sessions.
+    pub fn total_tokens(&self) -> usize {
+        self.total_tokens
     }
 
     /// Drops sessions idle for longer than the TTL; returns how many.
     pub fn expire(&mut self, now: Instant) -> usize {
         let ttl = self.ttl;
         let before = self.map.len();
-        self.map
-            .retain(|_, s| now.duration_since(s.last_used) <= ttl);
+        let mut freed = 0;
+        self.map.retain(|_, s| {
+            let keep = now.duration_since(s.last_used) <= ttl;
+            if !keep {
+                freed += s.tokens.len();
+            }
+            keep
+        });
+        self.total_tokens -= freed;
         let n = before - self.map.len();
         self.expired += n as u64;
         n
@@ -191,6 +239,25 @@ mod tests {
             &chunk_hashes(&other, 4, 0, 16).unwrap()[..]
         );
         assert!(sess.hashes(4, 0, 20).is_err());
+    }
+
+    #[test]
+    fn token_budget_drops_oldest_sessions() {
+        let t0 = Instant::now();
+        let mut s = Sessions::new(Duration::from_secs(10), 100);
+        s.max_tokens = 10;
+        s.with_tokens("a", &[1, 2, 3, 4], t0);
+        s.with_tokens("b", &[1, 2, 3, 4], t0 + Duration::from_secs(1));
+        assert_eq!(s.total_tokens(), 8);
+        // Growing "b" past the budget drops "a", never "b" itself.
+        s.with_tokens("b", &[1, 2, 3, 4, 5, 6, 7, 8], t0 + Duration::from_secs(2));
+        assert!(s.get_mut("a").is_none());
+        assert_eq!(s.total_tokens(), 8);
+        s.remove("b");
+        assert_eq!(s.total_tokens(), 0);
+        s.with_tokens("c", &[1; 5], t0);
+        s.expire(t0 + Duration::from_secs(30));
+        assert_eq!(s.total_tokens(), 0);
     }
 
     #[test]

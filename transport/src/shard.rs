@@ -398,7 +398,16 @@ pub async fn run_shard(
         })
     };
 
-    while let Some(msg) = rx.recv().await {
+    let mut parker = rx.parker();
+    if let Err(e) = &parker {
+        log::warn!("shard {id}: no persistent wake stream ({e}); parking per message");
+    }
+    loop {
+        let next = match parker.as_mut() {
+            Ok(p) => rx.recv_with(p).await,
+            Err(_) => rx.recv().await,
+        };
+        let Some(msg) = next else { break };
         let body = state.borrow_mut().handle(msg.op);
         if msg.seq != 0 {
             replies.send(FrontEvent::Shard(ShardReply {
