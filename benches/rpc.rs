@@ -37,6 +37,37 @@ fn tokens(seed: usize) -> Vec<u32> {
         .collect()
 }
 
+/// A bare ZeroMQ ROUTER that echoes every request back: the floor any server on
+/// libzmq can reach on this machine, measured with the same client and the same
+/// frames as the server's noop.
+fn echo_baseline(n: usize) -> Histogram<u64> {
+    let port = free_port();
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let total = n + n / 10;
+    let echo = std::thread::spawn(move || {
+        for _ in 0..total {
+            let mut frames = router.recv_multipart(0).unwrap();
+            // Answer as the server does: [identity, uid, op, "OK"].
+            frames.push(vec![0xa2, b'O', b'K']);
+            router.send_multipart(frames, 0).unwrap();
+        }
+    });
+    let mut c = Client::connect(port);
+    for _ in 0..n / 10 {
+        c.noop_ok();
+    }
+    let mut h = hist();
+    for _ in 0..n {
+        let t = Instant::now();
+        c.noop_ok();
+        h.record(t.elapsed().as_nanos() as u64).unwrap();
+    }
+    echo.join().unwrap();
+    h
+}
+
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     if !full {
@@ -67,6 +98,12 @@ fn main() {
         h.record(t.elapsed().as_nanos() as u64).unwrap();
     }
     report("noop round trip", &h);
+    let base = echo_baseline(n_noop);
+    report("baseline: bare libzmq echo", &base);
+    println!(
+        "noop p50 / bare echo p50 = {:.2}",
+        h.value_at_quantile(0.5) as f64 / base.value_at_quantile(0.5) as f64
+    );
 
     // A small layout keeps the data copy out of the RPC figures.
     let reg = c
