@@ -4,56 +4,13 @@
 //! Layout of `lmcache bench server`'s default KV cache: 32 layers of
 //! [2, blocks, 16, 8, 128] float16; one 256-token chunk is 32 MiB.
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
 use kvshard_transport::cpu_shm::{CpuShmRegistration, ShmTensorSpec};
-
-struct Seg {
-    name: String,
-    ptr: *mut libc::c_void,
-    len: usize,
-}
-
-impl Seg {
-    fn new(name: String, len: usize) -> Seg {
-        let c = std::ffi::CString::new(format!("/{name}")).unwrap();
-        // SAFETY: plain POSIX calls, results checked.
-        unsafe {
-            let fd = libc::shm_open(
-                c.as_ptr(),
-                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR,
-                0o600,
-            );
-            assert!(fd >= 0, "shm_open: {}", std::io::Error::last_os_error());
-            assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
-            let ptr = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            );
-            libc::close(fd);
-            assert_ne!(ptr, libc::MAP_FAILED);
-            // Pre-fault so page faults stay out of the figures.
-            std::ptr::write_bytes(ptr as *mut u8, 0x5a, len);
-            Seg { name, ptr, len }
-        }
-    }
-}
-
-impl Drop for Seg {
-    fn drop(&mut self) {
-        let c = std::ffi::CString::new(format!("/{}", self.name)).unwrap();
-        // SAFETY: our own mapping and segment.
-        unsafe {
-            libc::munmap(self.ptr, self.len);
-            libc::shm_unlink(c.as_ptr());
-        }
-    }
-}
 
 fn gbps(bytes: usize, ns: u64) -> f64 {
     bytes as f64 / ns as f64
@@ -71,18 +28,19 @@ fn main() {
     };
     let (bs, heads, hs) = (16usize, 8usize, 128usize);
     let layer_bytes = 2 * blocks * bs * heads * hs * 2;
-    let segs: Vec<Seg> = (0..layers)
-        .map(|l| {
-            Seg::new(
-                format!("kvshard_bench_{}_{l}", std::process::id()),
-                layer_bytes,
-            )
+    let segs: Vec<(String, support::ShmMap)> = (0..layers)
+        .map(|_| {
+            let name = support::unique("kvshard_bench");
+            let mut map = support::ShmMap::create(&name, layer_bytes);
+            // Pre-fault so page faults stay out of the figures.
+            map.bytes_mut().fill(0x5a);
+            (name, map)
         })
         .collect();
     let specs: Vec<ShmTensorSpec> = segs
         .iter()
-        .map(|s| ShmTensorSpec {
-            shm_name: format!("/{}", s.name),
+        .map(|(name, _)| ShmTensorSpec {
+            shm_name: format!("/{name}"),
             nbytes: layer_bytes as u64,
             dtype: "float16".into(),
             shape: vec![2, blocks as i64, bs as i64, heads as i64, hs as i64],

@@ -1005,15 +1005,7 @@ fn register_kv_cache_with_a_missing_shm_segment() {
     let mut c = srv.client();
     let toks = ed_tokens(11, ED_CHUNK);
     // Control: the same descriptor over a segment that exists registers and stores.
-    let seg = unique("kvt_layer");
-    let _layer = ShmMap::create(&seg, LM_LAYER_BYTES as usize);
-    let good = cpu_shm_wrapper(
-        &format!("/{seg}"),
-        LM_LAYER_BYTES,
-        "float16",
-        &LM_LAYER_SHAPE,
-        &LM_LAYER_STRIDE,
-    );
+    let (_layer, good) = lm_layer("kvt_layer");
     assert_eq!(
         c.call(OP_REGISTER_KV_CACHE, &lm_register_frames(20, good)),
         None

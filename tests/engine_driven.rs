@@ -87,34 +87,7 @@ fn retrieve_all(
 ) -> Vec<Vec<u8>> {
     let end = (toks.len() / CS * CS) as i64;
     let key = ipc_key("m", ws, Some(w), toks, 0, end, rid, 1);
-    let r = c
-        .call(OP_PREPARE_RETRIEVE, &[key.clone(), V::I(iid)])
-        .expect("prepare_retrieve reply");
-    assert_eq!(
-        r.get("success"),
-        Some(&V::B(true)),
-        "prepare_retrieve: {r:?}"
-    );
-    let slots = r
-        .get("context")
-        .unwrap()
-        .get("slots")
-        .unwrap()
-        .arr()
-        .to_vec();
-    let out = slots
-        .iter()
-        .map(|slot| {
-            let off = slot.get("offset").unwrap().int() as usize;
-            let len = slot.get("length").unwrap().int() as usize;
-            pool.bytes()[off..off + len].to_vec()
-        })
-        .collect();
-    assert_eq!(
-        c.call(OP_COMMIT_RETRIEVE, &[key, V::I(iid)]),
-        Some(V::B(true))
-    );
-    out
+    ed_retrieve(c, pool, &key, iid)
 }
 
 #[test]

@@ -132,15 +132,7 @@ fn status_has_what_describe_kvcache_reads_and_reflects_state() {
     );
     assert_eq!(stored.len(), 5);
     // An lmcache_driven (cpu_shm) worker too, for cache_context_meta.
-    let seg = unique("kvt_http_layer");
-    let _layer = ShmMap::create(&seg, LM_LAYER_BYTES as usize);
-    let desc = cpu_shm_wrapper(
-        &format!("/{seg}"),
-        LM_LAYER_BYTES,
-        "float16",
-        &LM_LAYER_SHAPE,
-        &LM_LAYER_STRIDE,
-    );
+    let (_layer, desc) = lm_layer("kvt_http_layer");
     assert_eq!(
         c.call(OP_REGISTER_KV_CACHE, &lm_register_frames(20, desc)),
         None

@@ -999,3 +999,18 @@ pub fn lm_register_frames(iid: i64, desc: V) -> Vec<V> {
         V::A(vec![]),
     ]
 }
+
+/// A fresh lmcache_driven layer segment of the `LM_LAYER_*` geometry and its
+/// cpu_shm descriptor (the segment lives as long as the returned map).
+pub fn lm_layer(prefix: &str) -> (ShmMap, V) {
+    let seg = unique(prefix);
+    let map = ShmMap::create(&seg, LM_LAYER_BYTES as usize);
+    let desc = cpu_shm_wrapper(
+        &format!("/{seg}"),
+        LM_LAYER_BYTES,
+        "float16",
+        &LM_LAYER_SHAPE,
+        &LM_LAYER_STRIDE,
+    );
+    (map, desc)
+}
