@@ -58,3 +58,34 @@ run_bench lmcache_driven --start 3000 --end "$((3000 + REQUESTS))" --num-tokens 
 run_bench engine_driven --start 4000 --end "$((4000 + REQUESTS))" --num-tokens 1024 --tp-size 2 --use-mla \
     --kvcache-shape-spec "(1,1024,16,1,576):bfloat16:16"
 echo "compat: all checksums passed"
+
+# The lmcache CLI's HTTP commands against the same server.
+cli() {
+    local out
+    out=$("$VENV/bin/lmcache" "$@" --url "http://127.0.0.1:$HTTP_PORT" --format json 2>/dev/null) \
+        || { echo "compat: lmcache $* failed"; exit 1; }
+    printf '%s' "$out"
+}
+expect() { # label, text, python expression over `doc`
+    python3 - "$1" "$2" "$3" <<'PY'
+import json, sys
+label, text, cond = sys.argv[1:4]
+start = text.index("\n{") + 1 if not text.startswith("{") else 0
+doc = json.JSONDecoder().raw_decode(text[start:])[0]
+if not eval(cond, {"doc": doc, "json": json}):
+    print(f"compat: lmcache {label}: unexpected output"); print(json.dumps(doc, indent=1)); sys.exit(1)
+print(f"compat: lmcache {label}: ok")
+PY
+}
+expect "ping kvcache" "$(cli ping kvcache)" 'doc["metrics"]["status"] == "OK"'
+expect "describe kvcache" "$(cli describe kvcache)" \
+    'doc["metrics"]["health"] == "OK" and doc["metrics"]["engine_type"] == "MPCacheServer"'
+expect "quota set" "$(cli quota set tenant-a --limit-gb 1.5)" 'doc["metrics"]["status"] == "ok"'
+expect "quota get" "$(cli quota get tenant-a)" 'doc["metrics"]["limit_gb"] == 1.5 and doc["metrics"]["exists"]'
+expect "quota list" "$(cli quota list)" '"tenant-a" in json.dumps(doc["metrics"])'
+expect "quota delete" "$(cli quota delete tenant-a)" 'doc["metrics"]["status"] == "removed"'
+# `kvcache clear` has no --format option; read its text.
+"$VENV/bin/lmcache" kvcache clear --url "http://127.0.0.1:$HTTP_PORT" 2>/dev/null | grep -Eq "Status: +OK" \
+    || { echo "compat: lmcache kvcache clear failed"; exit 1; }
+echo "compat: lmcache kvcache clear: ok"
+echo "compat: lmcache CLI HTTP commands passed"

@@ -1784,6 +1784,8 @@ impl Front {
                     "eviction_ratio": self.cfg.l1.eviction_ratio,
                     "evicted_chunks": sum(&|r| r.stats.evicted_chunks),
                 },
+                // Read by `lmcache describe kvcache` (0.5.6 itself never reports it).
+                "eviction_controller": {"eviction_policy": self.cfg.l1.eviction_policy.as_str()},
             },
             "active_prefetch_jobs": self.jobs.len(),
             "registered_gpu_ids": self.registry.lmc_ids(),
