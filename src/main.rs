@@ -11,6 +11,7 @@ fn main() {
     match cli.command {
         cli::Command::Server(args) => {
             logger::init();
+            abort_on_panic();
             let (cfg, notes) = match args.into_config() {
                 Ok(v) => v,
                 Err(e) => {
@@ -28,4 +29,16 @@ fn main() {
             }
         }
     }
+}
+
+/// A panic means a broken invariant (bad input never panics): a shard that died
+/// would leave its objects unreachable and the front waiting on its mailbox, so
+/// stop the whole process loudly and let the supervisor restart it.
+fn abort_on_panic() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default(info);
+        log::error!("fatal: {info}; aborting");
+        std::process::abort();
+    }));
 }

@@ -4,12 +4,13 @@
 #
 # The client needs the full lmcache wheel (torch included, ~6 GB): it is installed once
 # into a cached venv, $KVSHARD_COMPAT_VENV (default ~/.cache/kvshard/lmcache-0.5.6).
-# Usage: tools/compat/run.sh [path/to/kvshard]   (default: target/debug/kvshard, built if missing)
+# Usage: tools/compat/run.sh [path/to/kvshard]   (default: a release build, built here; the client's
+# checksum queries time out after 5 s, which a debug build can miss on a busy machine)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 VENV="${KVSHARD_COMPAT_VENV:-$HOME/.cache/kvshard/lmcache-0.5.6}"
-BIN="${1:-target/debug/kvshard}"
+BIN="${1:-}"
 REQUESTS="${KVSHARD_COMPAT_REQUESTS:-8}"
 
 if ! "$VENV/bin/python" -c "import lmcache, msgspec, zmq" >/dev/null 2>&1; then
@@ -17,7 +18,10 @@ if ! "$VENV/bin/python" -c "import lmcache, msgspec, zmq" >/dev/null 2>&1; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --disable-pip-version-check lmcache==0.5.6
 fi
-[ -x "$BIN" ] || cargo build --bin kvshard
+if [ -z "$BIN" ]; then
+    cargo build --release --bin kvshard
+    BIN=target/release/kvshard
+fi
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 PORT=$(free_port)
