@@ -239,3 +239,48 @@ fn reaper_releases_silent_workers() {
         "reaped reservation released"
     );
 }
+
+#[test]
+fn pipelined_lookup_and_wait_prefetch_status() {
+    // A client may send WAIT_PREFETCH_STATUS right behind LOOKUP without waiting
+    // for the ack; the wait then parks on the running lookup and gets its result.
+    let srv = Server::start(&[]);
+    let mut c = srv.client();
+    let (name, size) = register(&mut c, 5, 1, false);
+    let mut pool = ShmMap::open(&name, size);
+    let toks = tokens(5, 4 * CS);
+    store_all(&mut c, &mut pool, 5, 1, 0, &toks, "w");
+    for round in 0..20 {
+        let rid = format!("pipe{round}");
+        let key = ipc_key("m", 1, None, &toks, 0, 4 * CS as i64, &rid, 1);
+        let lookup_uid = c.send_raw(vec![enc(&V::I(OP_LOOKUP)), enc(&key), enc(&V::I(1))]);
+        let wait_uid = c.send_raw(vec![
+            enc(&V::I(OP_WAIT_PREFETCH_STATUS)),
+            enc(&s(&rid)),
+            enc(&V::F(5.0)),
+        ]);
+        let ack = c.recv(lookup_uid);
+        assert_eq!(ack.payload, None, "lookup ack has no payload");
+        let waited = c.recv(wait_uid);
+        assert_eq!(
+            waited.payload,
+            Some(V::I(4)),
+            "round {round}: the wait gets the lookup's hits"
+        );
+        // The result was handed out once.
+        assert_eq!(c.call(OP_QUERY_PREFETCH_STATUS, &[s(&rid)]), Some(V::I(0)));
+        c.call(
+            OP_FREE_LOOKUP_LOCKS,
+            &[
+                ipc_key("m", 1, None, &toks, 0, 4 * CS as i64, &rid, 1),
+                V::I(1),
+            ],
+        );
+        c.call(OP_END_SESSION, &[s(&rid)]);
+    }
+    // Waiting on a request nobody looked up answers 0 at once.
+    assert_eq!(
+        c.call(OP_WAIT_PREFETCH_STATUS, &[s("nobody"), V::F(5.0)]),
+        Some(V::I(0))
+    );
+}

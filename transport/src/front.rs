@@ -121,6 +121,9 @@ pub struct Front {
     registry: Registry,
     layouts: Layouts,
     inflight: HashMap<Seq, Inflight>,
+    /// wait_prefetch_status callers parked on pending jobs (0 lets the loop skip
+    /// scanning the jobs for deadlines).
+    num_waiters: usize,
     next_seq: Seq,
     metrics: Metrics,
     unsupported_logged: HashSet<&'static str>,
@@ -165,6 +168,7 @@ impl Front {
             layouts: Layouts::default(),
             jobs: HashMap::new(),
             inflight: HashMap::new(),
+            num_waiters: 0,
             next_seq: 1,
             metrics: Metrics::default(),
             unsupported_logged: HashSet::new(),
@@ -228,7 +232,7 @@ impl Front {
     fn poll_timeout_ms(&self) -> i64 {
         let now = Instant::now();
         let mut next = self.next_session_sweep.min(self.next_reap);
-        for job in self.jobs.values() {
+        for job in self.jobs.values().filter(|_| self.num_waiters > 0) {
             if let Job::Pending { waiters, .. } = job {
                 for (_, d) in waiters {
                     next = next.min(*d);
@@ -274,6 +278,9 @@ impl Front {
             }
         }
         // wait_prefetch_status deadlines: answer with no payload (still running).
+        if self.num_waiters == 0 {
+            return;
+        }
         let mut expired = Vec::new();
         for job in self.jobs.values_mut() {
             if let Job::Pending { waiters, .. } = job {
@@ -287,8 +294,40 @@ impl Front {
                 });
             }
         }
+        self.num_waiters -= expired.len();
         for to in expired {
             self.reply(&to, None);
+        }
+    }
+
+    /// Replaces the job of `rid`. Callers waiting on a pending job it replaces
+    /// keep waiting on the new one (they asked about the request, not the lookup).
+    fn set_job(&mut self, rid: String, mut job: Job) {
+        if let Some(Job::Pending { waiters: old, .. }) = self.jobs.remove(&rid) {
+            match &mut job {
+                Job::Pending { waiters, .. } => waiters.extend(old),
+                Job::Done { .. } => self.answer_waiters(old, 0),
+            }
+        }
+        self.jobs.insert(rid, job);
+        // Unconsumed results of requests whose sessions are gone can never be asked
+        // for by a live request: drop them once they outnumber the sessions.
+        if self.jobs.len() > 2 * self.cfg.max_sessions {
+            let sessions = &self.sessions;
+            self.jobs
+                .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions_has(sessions, rid));
+        }
+    }
+
+    /// Answers parked wait_prefetch_status callers: the first gets `hits` (a result
+    /// is handed out once), the rest 0.
+    fn answer_waiters(&mut self, waiters: Vec<(ReplyTo, Instant)>, hits: i64) {
+        self.num_waiters -= waiters.len();
+        let mut first = true;
+        for (to, _) in waiters {
+            let v = if first { hits } else { 0 };
+            first = false;
+            self.reply(&to, Some(wire::encode_int(v)));
         }
     }
 
@@ -684,8 +723,12 @@ impl Front {
                 readers,
                 hits,
             } => {
-                self.finish_lookup(seq, request_id, keys, num_ranks, readers, hits);
+                let waiting = self.finish_lookup(seq, request_id, keys, num_ranks, readers, hits);
+                // The ack goes first, as it would have without the waiters.
                 self.reply(&ack, None);
+                if let Some((waiters, hits)) = waiting {
+                    self.answer_waiters(waiters, hits);
+                }
             }
             InflightKind::PrepareStore {
                 to,
@@ -882,7 +925,7 @@ impl Front {
         let rid = key.request_id.clone();
         let early = |front: &mut Front, reason: &'static str| {
             front.metrics.count_early_exit(reason);
-            front.jobs.insert(rid.clone(), Job::Done { hit_chunks: 0 });
+            front.set_job(rid.clone(), Job::Done { hit_chunks: 0 });
             front.reply(&to, None);
         };
         let Some(layout) = u32::try_from(key.world_size)
@@ -978,7 +1021,7 @@ impl Front {
             immediate.is_none(),
             "a non-empty lookup always involves a shard"
         );
-        self.jobs.insert(
+        self.set_job(
             rid,
             Job::Pending {
                 seq,
@@ -995,7 +1038,7 @@ impl Front {
         num_ranks: usize,
         readers: u32,
         hits: Vec<bool>,
-    ) {
+    ) -> Option<(Vec<(ReplyTo, Instant)>, i64)> {
         let num_chunks = keys.len() / num_ranks;
         let prefix = (0..num_chunks)
             .take_while(|c| hits[c * num_ranks..(c + 1) * num_ranks].iter().all(|h| *h))
@@ -1015,31 +1058,28 @@ impl Front {
             count: readers,
         });
         if !current {
-            return;
+            return None;
         }
         self.metrics.lookup_hit_tokens += (prefix * self.cfg.chunk_size) as u64;
         self.metrics.lookup_hit_keys += (prefix * num_ranks) as u64;
         if let Some(s) = self.sessions.get_mut(&rid) {
             s.prefetch_hit_chunks = prefix as i64;
         }
-        let waiters = match self.jobs.insert(
-            rid.clone(),
-            Job::Done {
-                hit_chunks: prefix as i64,
-            },
-        ) {
+        let waiters = match self.jobs.remove(&rid) {
             Some(Job::Pending { waiters, .. }) => waiters,
             _ => Vec::new(),
         };
-        if !waiters.is_empty() {
-            // Each result is handed out once: the first waiter consumes it.
-            self.jobs.remove(&rid);
-            let mut first = true;
-            for (to, _) in waiters {
-                let v = if first { prefix as i64 } else { 0 };
-                first = false;
-                self.reply(&to, Some(wire::encode_int(v)));
-            }
+        if waiters.is_empty() {
+            self.jobs.insert(
+                rid,
+                Job::Done {
+                    hit_chunks: prefix as i64,
+                },
+            );
+            None
+        } else {
+            // The first waiter consumes the result.
+            Some((waiters, prefix as i64))
         }
     }
 
@@ -1062,7 +1102,10 @@ impl Front {
             Duration::ZERO
         };
         match self.jobs.get_mut(rid) {
-            Some(Job::Pending { waiters, .. }) if !wait.is_zero() => waiters.push((to, now + wait)),
+            Some(Job::Pending { waiters, .. }) if !wait.is_zero() => {
+                waiters.push((to, now + wait));
+                self.num_waiters += 1;
+            }
             _ => self.query_prefetch(to, rid),
         }
     }
@@ -1126,7 +1169,13 @@ impl Front {
     }
 
     fn end_session(&mut self, rid: &str) {
-        self.jobs.remove(rid);
+        if let Some(Job::Pending { waiters, .. }) = self.jobs.remove(rid) {
+            // The request is over: its waiters get what a timed-out wait gets.
+            self.num_waiters -= waiters.len();
+            for (to, _) in waiters {
+                self.reply(&to, None);
+            }
+        }
         let Some(s) = self.sessions.remove(rid) else {
             log::debug!("end_session: session {rid} not found");
             return;
