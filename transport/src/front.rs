@@ -256,7 +256,7 @@ impl Front {
             let before = self.jobs.len();
             // Jobs of sessions that are gone can never be queried by a live request.
             self.jobs
-                .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions_has(sessions, rid));
+                .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions.contains(rid));
             let dropped = before - self.jobs.len();
             if dropped > 0 {
                 log::debug!("dropped {dropped} unconsumed prefetch results of expired sessions");
@@ -315,7 +315,7 @@ impl Front {
         if self.jobs.len() > 2 * self.cfg.max_sessions {
             let sessions = &self.sessions;
             self.jobs
-                .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions_has(sessions, rid));
+                .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions.contains(rid));
         }
     }
 
@@ -1847,10 +1847,6 @@ impl Front {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-fn sessions_has(s: &Sessions, rid: &str) -> bool {
-    s.contains(rid)
-}
 
 fn reap_interval(cfg: &ServerConfig) -> Duration {
     let t = cfg.worker_reap_timeout;
