@@ -164,9 +164,13 @@ pub struct Parker {
 impl Parker {
     async fn park(&mut self, wake_fd: RawFd) -> io::Result<()> {
         use futures_lite::AsyncReadExt;
+        // One byte fills the buffer, so glommio does not arm a follow-up poll
+        // for a stream that may be dropped next; drain_fd takes the rest.
         let mut byte = [0u8; 1];
         let n = self.stream.read(&mut byte).await?;
         if n == 0 {
+            // Cannot happen while the sender side holds the write end; report it
+            // rather than spin on a closed socket.
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 "mailbox wake socket closed",
@@ -310,31 +314,10 @@ impl<T: Send> MailboxReceiver<T> {
 
     /// Wait until the wake fd is readable, then clear every pending wake byte.
     async fn park(&self) -> io::Result<()> {
-        use futures_lite::AsyncReadExt;
         // glommio streams are !Send and would make this receiver !Send; a
-        // short-lived stream over a dup of the fd keeps it movable. This costs
+        // short-lived parker over a dup of the fd keeps it movable. This costs
         // a dup/close per park, never per message.
-        // SAFETY: dup has no memory-safety preconditions.
-        let dup = unsafe { libc::fcntl(self.wake_rx.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
-        if dup < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `dup` is a fresh fd that the stream now owns and closes.
-        let mut stream = unsafe { glommio::net::UnixStream::from_raw_fd(dup) };
-        // One byte fills the buffer, so glommio does not arm a follow-up poll
-        // for a stream we are about to drop; drain_fd takes the rest.
-        let mut byte = [0u8; 1];
-        let n = stream.read(&mut byte).await?;
-        if n == 0 {
-            // Cannot happen while `self.wake` holds the write end; report it
-            // rather than spin on a closed socket.
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "mailbox wake socket closed",
-            ));
-        }
-        drain_fd(self.wake_rx.as_raw_fd());
-        Ok(())
+        self.parker()?.park(self.wake_rx.as_raw_fd()).await
     }
 }
 

@@ -232,10 +232,12 @@ impl Front {
     fn poll_timeout_ms(&self) -> i64 {
         let now = Instant::now();
         let mut next = self.next_session_sweep.min(self.next_reap);
-        for job in self.jobs.values().filter(|_| self.num_waiters > 0) {
-            if let Job::Pending { waiters, .. } = job {
-                for (_, d) in waiters {
-                    next = next.min(*d);
+        if self.num_waiters > 0 {
+            for job in self.jobs.values() {
+                if let Job::Pending { waiters, .. } = job {
+                    for (_, d) in waiters {
+                        next = next.min(*d);
+                    }
                 }
             }
         }
@@ -252,12 +254,7 @@ impl Front {
             if n > 0 {
                 log::debug!("expired {n} idle sessions");
             }
-            let sessions = &self.sessions;
-            let before = self.jobs.len();
-            // Jobs of sessions that are gone can never be queried by a live request.
-            self.jobs
-                .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions.contains(rid));
-            let dropped = before - self.jobs.len();
+            let dropped = self.drop_orphan_jobs();
             if dropped > 0 {
                 log::debug!("dropped {dropped} unconsumed prefetch results of expired sessions");
             }
@@ -310,13 +307,20 @@ impl Front {
             }
         }
         self.jobs.insert(rid, job);
-        // Unconsumed results of requests whose sessions are gone can never be asked
-        // for by a live request: drop them once they outnumber the sessions.
+        // Bound the results nobody asks for between periodic sweeps.
         if self.jobs.len() > 2 * self.cfg.max_sessions {
-            let sessions = &self.sessions;
-            self.jobs
-                .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions.contains(rid));
+            self.drop_orphan_jobs();
         }
+    }
+
+    /// Drops finished lookup results whose session is gone: no live request can
+    /// ask for them. Returns how many.
+    fn drop_orphan_jobs(&mut self) -> usize {
+        let before = self.jobs.len();
+        let sessions = &self.sessions;
+        self.jobs
+            .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions.contains(rid));
+        before - self.jobs.len()
     }
 
     /// Answers parked wait_prefetch_status callers: the first gets `hits` (a result

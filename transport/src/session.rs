@@ -132,22 +132,13 @@ impl Sessions {
             if self.map.len() >= self.max {
                 self.expire(now);
             }
-            if self.map.len() >= self.max {
-                // Full of live sessions: drop the least recently used one. Its request
-                // loses cached hashes and lock bookkeeping; its locks still expire by TTL.
-                if let Some(oldest) = self
-                    .map
-                    .iter()
-                    .min_by_key(|(_, s)| s.last_used)
-                    .map(|(k, _)| k.clone())
-                {
-                    self.remove(&oldest);
-                    self.evicted_full += 1;
-                    log::warn!(
-                        "session table full ({} sessions): dropped session {oldest}",
-                        self.max
-                    );
-                }
+            // Full of live sessions: drop the least recently used one. Its request
+            // loses cached hashes and lock bookkeeping; its locks still expire by TTL.
+            if self.map.len() >= self.max && self.drop_oldest_except(id) {
+                log::warn!(
+                    "session table full ({} sessions): dropped the oldest",
+                    self.max
+                );
             }
             self.map.insert(id.to_owned(), Session::new(now));
         }
@@ -166,25 +157,33 @@ impl Sessions {
     /// sessions while the token budget would be exceeded.
     pub fn with_tokens(&mut self, id: &str, tokens: &[u32], now: Instant) -> &mut Session {
         let old = self.map.get(id).map_or(0, |s| s.tokens.len());
-        while self.total_tokens - old + tokens.len() > self.max_tokens {
-            let Some(oldest) = self
-                .map
-                .iter()
-                .filter(|(k, _)| k.as_str() != id)
-                .min_by_key(|(_, s)| s.last_used)
-                .map(|(k, _)| k.clone())
-            else {
-                break;
-            };
-            self.remove(&oldest);
-            self.evicted_full += 1;
-        }
+        while self.total_tokens - old + tokens.len() > self.max_tokens
+            && self.drop_oldest_except(id)
+        {}
         let s = self.get_or_create(id, now);
         let before = s.tokens.len();
         s.set_tokens(tokens);
         let after = s.tokens.len();
         self.total_tokens = self.total_tokens - before + after;
         self.map.get_mut(id).expect("session just set")
+    }
+
+    /// Drops the least recently used session other than `keep`; false if none.
+    fn drop_oldest_except(&mut self, keep: &str) -> bool {
+        let oldest = self
+            .map
+            .iter()
+            .filter(|(k, _)| k.as_str() != keep)
+            .min_by_key(|(_, s)| s.last_used)
+            .map(|(k, _)| k.clone());
+        match oldest {
+            Some(k) => {
+                self.remove(&k);
+                self.evicted_full += 1;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Token ids held by all sessions.
