@@ -10,7 +10,8 @@ use clap::{ArgAction, Args, Parser, Subcommand};
 use kvshard_io::executor::{allowed_cores, parse_core_list};
 use kvshard_transport::config::{
     auto_shm_name, gb_to_bytes, new_uuid_v4, normalize_shm_name, ConfigError, EvictionPolicyName,
-    L1Settings, LookupHashLogSettings, ServerConfig, TransferMode,
+    L1Settings, L2PrefetchPolicy, L2Settings, L2StorePolicy, LookupHashLogSettings, ServerConfig,
+    TransferMode,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -409,13 +410,15 @@ pub struct EvictionArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "L2 Policies")]
 pub struct L2PolicyArgs {
-    /// L2 store policy (default, skip_l1). Only default is supported by kvshard (no L2 yet).
+    /// L2 store policy: default (store to every adapter, keep L1) or skip_l1 (drop the
+    /// L1 copy once stored).
     #[arg(long, value_name = "POLICY", value_parser = ["default", "skip_l1"], default_value = "default")]
     pub l2_store_policy: String,
-    /// L2 prefetch policy (default, retain). Only default is supported by kvshard (no L2 yet).
+    /// L2 prefetch policy: default (chunks loaded from L2 are freed after the retrieve) or
+    /// retain (they stay in L1).
     #[arg(long, value_name = "POLICY", value_parser = ["default", "retain"], default_value = "default")]
     pub l2_prefetch_policy: String,
-    /// Maximum concurrent L2 prefetch loads. Only the default is accepted by kvshard (no L2 yet).
+    /// Maximum requests whose L2 loads run at once.
     #[arg(
         long,
         value_name = "N",
@@ -436,8 +439,10 @@ pub struct L2PolicyArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "L2 Adapters")]
 pub struct L2AdapterArgs {
-    /// L2 adapter as JSON with a "type" field (repeatable, in cascade order).
-    /// Not supported by kvshard yet.
+    /// L2 adapter as JSON with a "type" field (repeatable, in cascade order). Types: fs
+    /// ({"base_path", "relative_tmp_dir", "read_ahead_size", "use_odirect", "max_capacity_gb"}),
+    /// mock ({"max_size_gb", "mock_bandwidth_gb"}); optional "eviction": {"eviction_policy",
+    /// "trigger_watermark", "eviction_ratio"}.
     #[arg(long, value_name = "JSON")]
     pub l2_adapter: Vec<String>,
 }
@@ -705,6 +710,15 @@ pub struct KvshardArgs {
     /// is refused with the op's failure reply.
     #[arg(long, value_name = "BYTES", default_value_t = 64 << 20, allow_negative_numbers = true)]
     pub max_frame_bytes: usize,
+    /// [kvshard only] L1 bytes being written to L2 at once, server-wide, in GiB; more
+    /// stores wait their turn.
+    #[arg(
+        long,
+        value_name = "GB",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
+    pub l2_store_inflight_gb: f64,
 }
 
 /// Facts about the host that resolution depends on, separated so tests can pin them.
@@ -1219,30 +1233,44 @@ impl ServerArgs {
         };
 
         // ---- L2 ----
-        if !l2.l2_adapter.is_empty() {
-            refuse(
-                "--l2-adapter",
-                "L2 adapters are not implemented yet; kvshard runs with L1 only",
-            )?;
+        let mut adapters = Vec::with_capacity(l2.l2_adapter.len());
+        for (i, raw) in l2.l2_adapter.iter().enumerate() {
+            let spec = kvshard_engine::l2::config::parse_adapter_spec(i + 1, raw)
+                .map_err(|e| ConfigError::invalid("--l2-adapter", e))?;
+            adapters.push(spec);
         }
-        if l2_policy.l2_store_policy != "default" {
-            refuse(
+        let store_policy = match l2_policy.l2_store_policy.as_str() {
+            "skip_l1" => L2StorePolicy::SkipL1,
+            _ => L2StorePolicy::Default,
+        };
+        let prefetch_policy = match l2_policy.l2_prefetch_policy.as_str() {
+            "retain" => L2PrefetchPolicy::Retain,
+            _ => L2PrefetchPolicy::Default,
+        };
+        if store_policy == L2StorePolicy::SkipL1 && adapters.is_empty() {
+            return Err(ConfigError::invalid(
                 "--l2-store-policy",
-                "there is no L2 tier yet; only default is accepted",
-            )?;
+                "skip_l1 drops chunks from L1 once stored to L2, but no --l2-adapter is configured",
+            ));
         }
-        if l2_policy.l2_prefetch_policy != "default" {
-            refuse(
-                "--l2-prefetch-policy",
-                "there is no L2 tier yet; only default is accepted",
-            )?;
-        }
-        if l2_policy.l2_prefetch_max_in_flight != 8 {
-            refuse(
-                "--l2-prefetch-max-in-flight",
-                "there is no L2 tier yet; only the default 8 is accepted",
-            )?;
-        }
+        let prefetch_max_in_flight = usize::try_from(l2_policy.l2_prefetch_max_in_flight)
+            .ok()
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| {
+                ConfigError::invalid("--l2-prefetch-max-in-flight", "must be at least 1")
+            })?;
+        let store_inflight_bytes = gb_to_bytes(kvshard.l2_store_inflight_gb)
+            .filter(|b| *b > 0)
+            .ok_or_else(|| {
+                ConfigError::invalid("--l2-store-inflight-gb", "must be a positive number of GiB")
+            })?;
+        let l2_settings = L2Settings {
+            adapters,
+            store_policy,
+            prefetch_policy,
+            prefetch_max_in_flight,
+            store_inflight_bytes,
+        };
         if l2_policy.periodic_notifier_interval_ms != 5 {
             no_effect(
                 &mut notes,
@@ -1466,6 +1494,7 @@ impl ServerArgs {
             null_block_id: mp.null_block_id,
             kv_event_log_size,
             l1: l1_settings,
+            l2: l2_settings,
             http_host,
             http_port,
             lookup_hash_log,
@@ -1879,19 +1908,65 @@ mod tests {
     }
 
     #[test]
+    fn cli_l2_adapters_and_policies() {
+        let c = config(&[
+            "--l2-adapter",
+            r#"{"type":"fs","base_path":"/tmp/x"}"#,
+            "--l2-adapter",
+            r#"{"type":"mock","max_size_gb":1,"mock_bandwidth_gb":5}"#,
+            "--l2-store-policy",
+            "skip_l1",
+            "--l2-prefetch-policy",
+            "retain",
+            "--l2-prefetch-max-in-flight",
+            "16",
+        ]);
+        let types: Vec<&str> = c.l2.adapters.iter().map(|a| a.type_name()).collect();
+        assert_eq!(types, ["fs", "mock"], "cascade order is flag order");
+        assert_eq!(c.l2.store_policy, L2StorePolicy::SkipL1);
+        assert_eq!(c.l2.prefetch_policy, L2PrefetchPolicy::Retain);
+        assert_eq!(c.l2.prefetch_max_in_flight, 16);
+        assert_eq!(c.l2.store_inflight_bytes, 1 << 30);
+        let e = rejected(
+            &["--l2-adapter", r#"{"type":"mock"}"#],
+            "--l2-adapter",
+            false,
+        );
+        assert!(e.to_string().contains("max_size_gb"), "{e}");
+        let e = rejected(
+            &[
+                "--l2-adapter",
+                r#"{"type":"fs","base_path":"/x","bogus":1}"#,
+            ],
+            "--l2-adapter",
+            false,
+        );
+        assert!(e.to_string().contains("'bogus'"), "{e}");
+        rejected(&["--l2-adapter", "{not json"], "--l2-adapter", false);
+        rejected(
+            &["--l2-store-policy", "skip_l1"],
+            "--l2-store-policy",
+            false,
+        );
+        rejected(
+            &["--l2-prefetch-max-in-flight", "0"],
+            "--l2-prefetch-max-in-flight",
+            false,
+        );
+        rejected(
+            &["--l2-store-inflight-gb", "0"],
+            "--l2-store-inflight-gb",
+            false,
+        );
+    }
+
+    #[test]
     fn cli_rejects_unsupported_features_naming_the_flag() {
         let cases: &[(&[&str], &str)] = &[
-            (&["--l2-adapter", r#"{"type":"mock"}"#], "--l2-adapter"),
             (&["--l1-devdax-path", "/dev/dax0.0"], "--l1-devdax-path"),
             (&["--transport", "grpc"], "--transport"),
             (&["--gds-l1-path", "/nvme"], "--gds-l1-path"),
             (&["--engine-type", "blend"], "--engine-type"),
-            (&["--l2-store-policy", "skip_l1"], "--l2-store-policy"),
-            (&["--l2-prefetch-policy", "retain"], "--l2-prefetch-policy"),
-            (
-                &["--l2-prefetch-max-in-flight", "16"],
-                "--l2-prefetch-max-in-flight",
-            ),
             (&["--enable-tracing"], "--enable-tracing"),
             (
                 &["--otlp-endpoint", "http://localhost:4317"],

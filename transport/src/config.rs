@@ -9,6 +9,7 @@ use std::io::Read;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use kvshard_engine::l2::config::AdapterSpec;
 use serde::{Serialize, Serializer};
 
 /// Prefix of every L1 pool segment name; 0.5.6 enforces it so a stale-segment
@@ -159,6 +160,62 @@ pub struct L1Settings {
     pub eviction_ratio: f64,
 }
 
+/// What happens to a chunk once it is written to L1 (`--l2-store-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum L2StorePolicy {
+    /// Store to every adapter and keep the L1 copy.
+    Default,
+    /// Store to every adapter, then drop the L1 copy once stored.
+    SkipL1,
+}
+
+/// What happens to chunks loaded from L2 (`--l2-prefetch-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum L2PrefetchPolicy {
+    /// Temporary L1 objects, freed once every reader retrieved them.
+    Default,
+    /// Loaded objects stay in L1 like stored ones.
+    Retain,
+}
+
+/// The L2 tier: adapters in cascade order and the controllers' limits.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct L2Settings {
+    /// One per `--l2-adapter`, in flag order; shown as the JSON given.
+    #[serde(serialize_with = "adapters_as_json")]
+    pub adapters: Vec<AdapterSpec>,
+    pub store_policy: L2StorePolicy,
+    pub prefetch_policy: L2PrefetchPolicy,
+    /// Requests whose L2 loads may run at once, server-wide (`--l2-prefetch-max-in-flight`).
+    pub prefetch_max_in_flight: usize,
+    /// Bytes of L1 objects being stored to L2 at once, server-wide; further
+    /// stores wait (their L1 objects stay read-locked meanwhile).
+    pub store_inflight_bytes: u64,
+}
+
+impl Default for L2Settings {
+    fn default() -> Self {
+        L2Settings {
+            adapters: Vec::new(),
+            store_policy: L2StorePolicy::Default,
+            prefetch_policy: L2PrefetchPolicy::Default,
+            prefetch_max_in_flight: 8,
+            store_inflight_bytes: 1 << 30,
+        }
+    }
+}
+
+fn adapters_as_json<S: serde::Serializer>(a: &[AdapterSpec], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeSeq;
+    let mut seq = s.serialize_seq(Some(a.len()))?;
+    for spec in a {
+        seq.serialize_element(&spec.json)?;
+    }
+    seq.end()
+}
+
 /// Rotating JSONL log of chunk hashes computed by lookups (`--lookup-hash-log-*`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct LookupHashLogSettings {
@@ -200,6 +257,7 @@ pub struct ServerConfig {
     /// CPU store/eviction records kept for KV-event subscribers; 0 disables the channel.
     pub kv_event_log_size: usize,
     pub l1: L1Settings,
+    pub l2: L2Settings,
     pub http_host: String,
     pub http_port: u16,
     pub lookup_hash_log: Option<LookupHashLogSettings>,
@@ -386,6 +444,7 @@ mod tests {
                 trigger_watermark: 0.8,
                 eviction_ratio: 0.2,
             },
+            l2: L2Settings::default(),
             http_host: "127.0.0.1".into(),
             http_port: 8080,
             lookup_hash_log: None,

@@ -40,6 +40,8 @@ pub enum ControlRequest {
         chunk_size_blocks: usize,
         layerwise: bool,
     },
+    /// `GET /config/adapters`: the L2 adapters in cascade order.
+    ConfigAdapters,
     /// `GET /config`.
     Config,
 }

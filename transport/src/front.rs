@@ -23,6 +23,11 @@ use crate::metrics::{Metrics, PromText};
 use crate::registry::{EngineEntry, Layout, Layouts, LmcEntry, Registry, TransferKey};
 use crate::session::{LookupScope, Sessions};
 use crate::shard::{Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome};
+use crate::shard_l2::{FOUND_L1, FOUND_L2, FOUND_MISS};
+
+/// Writer tags of L2 loads (staged objects of a prefetch); worker instance ids
+/// use the low values.
+const LOAD_TAG_BIT: u64 = 1 << 62;
 use crate::wire::{self, IpcKey, Op, Request, RequestError};
 
 /// Everything that wakes the front besides the ROUTER socket.
@@ -58,7 +63,17 @@ enum InflightKind {
         keys: Vec<ObjectKey>,
         num_ranks: usize,
         readers: u32,
-        hits: Vec<bool>,
+        /// Bytes of one object of the request's layout (for L2 loads).
+        size: u64,
+        /// Per key: `shard_l2::FOUND_*`.
+        found: Vec<u8>,
+    },
+    /// A lookup's L2 loads.
+    Load {
+        load: PendingLoad,
+        /// Indices (into `load.keys`) of the keys being loaded, in send order.
+        loading: Vec<usize>,
+        loaded: Vec<bool>,
     },
     PrepareStore {
         to: ReplyTo,
@@ -92,6 +107,19 @@ enum InflightKind {
         responder: Responder,
         reports: Vec<Option<ShardReport>>,
     },
+}
+
+/// The second half of a lookup that found chunks of its prefix only in L2.
+struct PendingLoad {
+    request_id: String,
+    /// Sequence number of the lookup (the job it will complete).
+    job_seq: Seq,
+    /// The prefix's keys, chunk-major.
+    keys: Vec<ObjectKey>,
+    found: Vec<u8>,
+    num_ranks: usize,
+    readers: u32,
+    size: u64,
 }
 
 /// A lookup's result as `query_prefetch_status` sees it.
@@ -129,6 +157,11 @@ pub struct Front {
     unsupported_logged: HashSet<&'static str>,
     lookup_log: Option<LookupHashLog>,
     quotas: HashMap<String, f64>,
+    /// Lookups whose L2 loads are running, and those waiting for a slot
+    /// (`--l2-prefetch-max-in-flight`).
+    loads_inflight: usize,
+    load_queue: std::collections::VecDeque<PendingLoad>,
+    next_load_tag: u64,
     started: Instant,
     next_reap: Instant,
     next_session_sweep: Instant,
@@ -174,6 +207,9 @@ impl Front {
             unsupported_logged: HashSet::new(),
             lookup_log,
             quotas: HashMap::new(),
+            loads_inflight: 0,
+            load_queue: std::collections::VecDeque::new(),
+            next_load_tag: 0,
             started: now,
             next_reap: now + reap_interval(&cfg),
             next_session_sweep: now + SESSION_SWEEP,
@@ -725,12 +761,33 @@ impl Front {
                 keys,
                 num_ranks,
                 readers,
-                hits,
+                size,
+                found,
             } => {
-                let waiting = self.finish_lookup(seq, request_id, keys, num_ranks, readers, hits);
+                let waiting = self.finish_lookup(
+                    seq,
+                    PendingLoad {
+                        request_id,
+                        job_seq: seq,
+                        keys,
+                        found,
+                        num_ranks,
+                        readers,
+                        size,
+                    },
+                );
                 // The ack goes first, as it would have without the waiters.
                 self.reply(&ack, None);
                 if let Some((waiters, hits)) = waiting {
+                    self.answer_waiters(waiters, hits);
+                }
+            }
+            InflightKind::Load {
+                load,
+                loading,
+                loaded,
+            } => {
+                if let Some((waiters, hits)) = self.finish_load(load, &loading, &loaded) {
                     self.answer_waiters(waiters, hits);
                 }
             }
@@ -1008,18 +1065,21 @@ impl Front {
             .filter(|idx| !idx.is_empty())
             .map(|idx| idx.iter().map(|i| objs[*i].clone()).collect())
             .collect();
+        let size = layout.bytes;
         let kind = InflightKind::Lookup {
             ack: to,
             request_id: rid.clone(),
             keys: objs,
             num_ranks,
             readers,
-            hits: Vec::new(),
+            size,
+            found: Vec::new(),
         };
         let mut sent = sent.into_iter();
         let immediate = self.fan_out(parts, kind, |_| ShardOp::Lookup {
             keys: sent.next().unwrap_or_default(),
             readers,
+            size,
         });
         debug_assert!(
             immediate.is_none(),
@@ -1034,48 +1094,196 @@ impl Front {
         );
     }
 
+    /// First half of a finished lookup: plans the prefix from L1 and L2 hits,
+    /// releases every lock beyond it, and either concludes or starts loading
+    /// the prefix's L2 hits into L1.
     fn finish_lookup(
         &mut self,
         seq: Seq,
-        rid: String,
-        keys: Vec<ObjectKey>,
-        num_ranks: usize,
-        readers: u32,
-        hits: Vec<bool>,
+        mut p: PendingLoad,
     ) -> Option<(Vec<(ReplyTo, Instant)>, i64)> {
-        let num_chunks = keys.len() / num_ranks;
+        let nr = p.num_ranks;
+        let num_chunks = p.keys.len() / nr;
         let prefix = (0..num_chunks)
-            .take_while(|c| hits[c * num_ranks..(c + 1) * num_ranks].iter().all(|h| *h))
+            .take_while(|c| {
+                p.found[c * nr..(c + 1) * nr]
+                    .iter()
+                    .all(|f| *f != FOUND_MISS)
+            })
             .count();
-        let current = matches!(self.jobs.get(&rid), Some(Job::Pending { seq: s, .. }) if *s == seq);
+        let current = self.is_current(&p.request_id, seq);
         // Locks beyond the prefix are not needed; a superseded lookup keeps none.
-        let keep = if current { prefix * num_ranks } else { 0 };
-        let release: Vec<ObjectKey> = keys
-            .into_iter()
-            .zip(&hits)
-            .enumerate()
-            .filter(|(i, (_, h))| **h && *i >= keep)
-            .map(|(_, (k, _))| k)
-            .collect();
-        self.post(release, |keys| ShardOp::Release {
-            keys,
-            count: readers,
-        });
+        let keep = if current { prefix * nr } else { 0 };
+        self.release_found(&p.keys[keep..], &p.found[keep..], p.readers);
         if !current {
             return None;
         }
-        self.metrics.lookup_hit_tokens += (prefix * self.cfg.chunk_size) as u64;
+        p.keys.truncate(keep);
+        p.found.truncate(keep);
+        if p.found.iter().all(|f| *f == FOUND_L1) {
+            return self.conclude_lookup(&p.request_id, prefix, nr, 0);
+        }
+        if self.loads_inflight < self.cfg.l2.prefetch_max_in_flight {
+            self.start_load(p);
+        } else {
+            self.load_queue.push_back(p);
+        }
+        None
+    }
+
+    fn is_current(&self, rid: &str, seq: Seq) -> bool {
+        matches!(self.jobs.get(rid), Some(Job::Pending { seq: s, .. }) if *s == seq)
+    }
+
+    /// Releases what a lookup holds on `keys`: `readers` L1 read locks on L1
+    /// hits, one L2 lock on L2 hits.
+    fn release_found(&mut self, keys: &[ObjectKey], found: &[u8], readers: u32) {
+        let mut l1 = Vec::new();
+        let mut l2: Vec<Vec<(ObjectKey, u8)>> = vec![Vec::new(); self.shards.len()];
+        let n = self.shards.len();
+        for (k, f) in keys.iter().zip(found) {
+            match *f {
+                FOUND_MISS => {}
+                FOUND_L1 => l1.push(k.clone()),
+                code => l2[k.shard(n)].push((k.clone(), code)),
+            }
+        }
+        self.post(l1, |keys| ShardOp::Release {
+            keys,
+            count: readers,
+        });
+        for (shard, keys) in l2.into_iter().enumerate() {
+            if !keys.is_empty() {
+                self.send(
+                    shard,
+                    ShardMsg {
+                        seq: 0,
+                        op: ShardOp::UnlockL2 { keys },
+                    },
+                );
+            }
+        }
+    }
+
+    fn start_load(&mut self, p: PendingLoad) {
+        if !self.is_current(&p.request_id, p.job_seq) {
+            // Superseded or ended while queued.
+            self.release_found(&p.keys, &p.found, p.readers);
+            return self.next_load();
+        }
+        self.loads_inflight += 1;
+        let loading: Vec<usize> = (0..p.keys.len())
+            .filter(|&i| p.found[i] >= FOUND_L2)
+            .collect();
+        let lkeys: Vec<(ObjectKey, u8)> = loading
+            .iter()
+            .map(|&i| (p.keys[i].clone(), p.found[i]))
+            .collect();
+        let n = self.shards.len();
+        let mut parts = vec![Vec::new(); n];
+        for (j, (k, _)) in lkeys.iter().enumerate() {
+            parts[k.shard(n)].push(j);
+        }
+        self.next_load_tag += 1;
+        let tag = LOAD_TAG_BIT | self.next_load_tag;
+        let (size, readers) = (p.size, p.readers);
+        let kind = InflightKind::Load {
+            loaded: vec![false; lkeys.len()],
+            load: p,
+            loading,
+        };
+        let immediate = self.fan_out(parts, kind, |idx| ShardOp::Load {
+            keys: idx.iter().map(|&j| lkeys[j].clone()).collect(),
+            size,
+            readers,
+            tag,
+        });
+        debug_assert!(immediate.is_none(), "a load always involves a shard");
+    }
+
+    fn next_load(&mut self) {
+        while self.loads_inflight < self.cfg.l2.prefetch_max_in_flight {
+            let Some(p) = self.load_queue.pop_front() else {
+                return;
+            };
+            if self.is_current(&p.request_id, p.job_seq) {
+                return self.start_load(p);
+            }
+            self.release_found(&p.keys, &p.found, p.readers);
+        }
+    }
+
+    /// Second half: the prefix is what is in L1 now (hits and loaded objects).
+    fn finish_load(
+        &mut self,
+        p: PendingLoad,
+        loading: &[usize],
+        loaded: &[bool],
+    ) -> Option<(Vec<(ReplyTo, Instant)>, i64)> {
+        self.loads_inflight -= 1;
+        let nr = p.num_ranks;
+        // Per key: readable in L1 now (holding `readers` locks).
+        let mut ok: Vec<bool> = p.found.iter().map(|f| *f == FOUND_L1).collect();
+        for (&i, &l) in loading.iter().zip(loaded) {
+            ok[i] = l;
+        }
+        let num_chunks = p.keys.len() / nr;
+        let prefix = (0..num_chunks)
+            .take_while(|c| ok[c * nr..(c + 1) * nr].iter().all(|b| *b))
+            .count();
+        let current = self.is_current(&p.request_id, p.job_seq);
+        let keep = if current { prefix * nr } else { 0 };
+        let release: Vec<ObjectKey> = p.keys[keep..]
+            .iter()
+            .zip(&ok[keep..])
+            .filter(|(_, ok)| **ok)
+            .map(|(k, _)| k.clone())
+            .collect();
+        self.post(release, |keys| ShardOp::Release {
+            keys,
+            count: p.readers,
+        });
+        let failed = loaded.iter().filter(|l| !**l).count();
+        if failed > 0 {
+            log::warn!(
+                "lookup {}: {failed} objects found in L2 could not be loaded; the hit prefix is cut at the first",
+                p.request_id
+            );
+        }
+        self.next_load();
+        if !current {
+            return None;
+        }
+        let l2_chunks = (0..prefix)
+            .filter(|c| p.found[c * nr..(c + 1) * nr].iter().any(|f| *f >= FOUND_L2))
+            .count();
+        self.conclude_lookup(&p.request_id, prefix, nr, l2_chunks)
+    }
+
+    /// Records a lookup's result: `prefix` chunks hit, `l2_chunks` of them
+    /// (partly) loaded from L2.
+    fn conclude_lookup(
+        &mut self,
+        rid: &str,
+        prefix: usize,
+        num_ranks: usize,
+        l2_chunks: usize,
+    ) -> Option<(Vec<(ReplyTo, Instant)>, i64)> {
+        let cs = self.cfg.chunk_size as u64;
+        self.metrics.lookup_hit_tokens += prefix as u64 * cs;
         self.metrics.lookup_hit_keys += (prefix * num_ranks) as u64;
-        if let Some(s) = self.sessions.get_mut(&rid) {
+        self.metrics.lookup_hit_l2_tokens += l2_chunks as u64 * cs;
+        self.metrics.lookup_hit_l2_keys += (l2_chunks * num_ranks) as u64;
+        if let Some(s) = self.sessions.get_mut(rid) {
             s.prefetch_hit_chunks = prefix as i64;
         }
-        let waiters = match self.jobs.remove(&rid) {
+        let waiters = match self.jobs.remove(rid) {
             Some(Job::Pending { waiters, .. }) => waiters,
             _ => Vec::new(),
         };
         if waiters.is_empty() {
             self.jobs.insert(
-                rid,
+                rid.to_owned(),
                 Job::Done {
                     hit_chunks: prefix as i64,
                 },
@@ -1729,6 +1937,29 @@ impl Front {
                 let v = serde_json::to_value(&*self.cfg).unwrap_or(serde_json::Value::Null);
                 responder.send(ControlResponse::json(v));
             }
+            ControlRequest::ConfigAdapters => {
+                let adapters: Vec<serde_json::Value> = self
+                    .cfg
+                    .l2
+                    .adapters
+                    .iter()
+                    .enumerate()
+                    .map(|(i, spec)| {
+                        serde_json::json!({
+                            "index": i,
+                            "name": crate::shard_l2::tier_name(spec, i),
+                            "type_name": spec.type_name(),
+                            "tier": "l2",
+                            "primary": i == 0,
+                            "reconfigurable": false,
+                            "config": spec.json,
+                        })
+                    })
+                    .collect();
+                responder.send(ControlResponse::json(
+                    serde_json::json!({ "adapters": adapters }),
+                ));
+            }
         }
     }
 
@@ -1751,12 +1982,7 @@ impl Front {
                 }
             }
             ControlRequest::QuotaGet { cache_salt } => {
-                let usage: u64 = reports
-                    .iter()
-                    .flat_map(|r| r.bytes_by_salt.iter())
-                    .filter(|(s, _)| s == cache_salt)
-                    .map(|(_, b)| *b)
-                    .sum();
+                let usage = self.salt_usage(reports, cache_salt);
                 let limit = self.quotas.get(cache_salt);
                 ControlResponse::json(serde_json::json!({
                     "cache_salt": cache_salt,
@@ -1768,18 +1994,60 @@ impl Front {
             ControlRequest::QuotaList => {
                 let mut users = serde_json::Map::new();
                 for (salt, limit) in &self.quotas {
-                    let usage: u64 = reports
-                        .iter()
-                        .flat_map(|r| r.bytes_by_salt.iter())
-                        .filter(|(s, _)| s == salt)
-                        .map(|(_, b)| *b)
-                        .sum();
+                    let usage = self.salt_usage(reports, salt);
                     users.insert(salt.clone(), serde_json::json!({"limit_gb": limit, "current_usage_gb": usage as f64 / GIB}));
                 }
                 ControlResponse::json(serde_json::json!({ "users": users }))
             }
             _ => ControlResponse::error(500, "unexpected report request"),
         }
+    }
+
+    /// Bytes a cache_salt holds: in the L2 adapters (as 0.5.6 counts quota
+    /// usage), or in L1 when there is no L2 tier.
+    fn salt_usage(&self, reports: &[ShardReport], salt: &str) -> u64 {
+        if self.cfg.l2.adapters.is_empty() {
+            return reports
+                .iter()
+                .flat_map(|r| r.bytes_by_salt.iter())
+                .filter(|(s, _)| s == salt)
+                .map(|(_, b)| *b)
+                .sum();
+        }
+        reports
+            .iter()
+            .flat_map(|r| r.l2.iter())
+            .filter_map(|t| t.usage.bytes_by_salt.get(salt))
+            .sum()
+    }
+
+    /// One entry per adapter, summed over shards, with the keys
+    /// `lmcache describe kvcache` shows.
+    fn l2_status(&self, reports: &[ShardReport]) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        for (i, spec) in self.cfg.l2.adapters.iter().enumerate() {
+            let tiers: Vec<_> = reports.iter().filter_map(|r| r.l2.get(i)).collect();
+            let used: u64 = tiers.iter().map(|t| t.usage.used_bytes).sum();
+            let keys: u64 = tiers.iter().map(|t| t.usage.keys).sum();
+            let healthy = tiers
+                .iter()
+                .all(|t| t.status["adapter"]["is_healthy"].as_bool().unwrap_or(true));
+            let mut v = serde_json::json!({
+                "name": crate::shard_l2::tier_name(spec, i),
+                "type": spec.type_name(),
+                "is_healthy": healthy,
+                "stored_object_count": keys,
+                "current_size_bytes": used,
+                "max_capacity_bytes": spec.capacity_bytes(),
+                "eviction_policy": spec.eviction.as_ref().map(|e| e.policy.name()),
+                "shards": tiers.iter().map(|t| t.status.clone()).collect::<Vec<_>>(),
+            });
+            if let kvshard_engine::l2::config::AdapterKind::Fs(f) = &spec.kind {
+                v["base_path"] = serde_json::Value::String(f.base_path.clone());
+            }
+            out.push(v);
+        }
+        out
     }
 
     fn status_json(&self, reports: &[ShardReport]) -> serde_json::Value {
@@ -1826,8 +2094,15 @@ impl Front {
             "uptime_seconds": self.started.elapsed().as_secs_f64(),
             "storage_manager": {
                 "is_healthy": true,
-                "num_l2_adapters": 0,
-                "l2_adapters": [],
+                "num_l2_adapters": self.cfg.l2.adapters.len(),
+                "l2_adapters": self.l2_status(reports),
+                "l2_store_policy": self.cfg.l2.store_policy,
+                "l2_prefetch_policy": self.cfg.l2.prefetch_policy,
+                "prefetch_controller": {
+                    "max_in_flight": self.cfg.l2.prefetch_max_in_flight,
+                    "inflight_loads": self.loads_inflight,
+                    "queued_loads": self.load_queue.len(),
+                },
                 "l1_usage": usage_ratio,
                 "l1_capacity_bytes_by_backend": {"cpu": configured},
                 "l1_manager": l1_manager,
@@ -1864,12 +2139,17 @@ fn reap_interval(cfg: &ServerConfig) -> Duration {
 /// Folds one shard's reply into the request it belongs to.
 fn merge(kind: &mut InflightKind, idx: &[usize], shard: usize, body: ShardReplyBody) {
     match (kind, body) {
-        (InflightKind::Lookup { hits, keys, .. }, ShardReplyBody::Hits(h)) => {
-            if hits.is_empty() {
-                *hits = vec![false; keys.len()];
+        (InflightKind::Lookup { found, keys, .. }, ShardReplyBody::Found(f)) => {
+            if found.is_empty() {
+                *found = vec![FOUND_MISS; keys.len()];
             }
-            for (i, v) in idx.iter().zip(h) {
-                hits[*i] = v;
+            for (i, v) in idx.iter().zip(f) {
+                found[*i] = v;
+            }
+        }
+        (InflightKind::Load { loaded, .. }, ShardReplyBody::Loaded(l)) => {
+            for (i, v) in idx.iter().zip(l) {
+                loaded[*i] = v;
             }
         }
         (

@@ -8,7 +8,7 @@
 //!
 //! Differences from 0.5.6, on purpose:
 //! - 0.5.6 routes kvshard does not implement (`/cache/objects`, `/cache/prefetches`,
-//!   `/config/adapters`, `/reconfigure/...`, the debug routes `/env`, `/threads`, ...)
+//!   `/reconfigure/...`, the debug routes `/env`, `/threads`, ...)
 //!   answer 501 with a message saying so, rather than pretending to be absent.
 //!   `/run_script` is 404 for every method: kvshard never runs scripts.
 //! - Request bodies are limited to [`MAX_BODY_BYTES`] (413), and bodies and control
@@ -105,6 +105,7 @@ enum Endpoint {
     LmcVersion,
     CommitId,
     Config,
+    ConfigAdapters,
     CacheClear,
     CacheChecksums,
     /// The salt is already mapped from the `_default` sentinel.
@@ -141,6 +142,7 @@ fn path_routes(path: &str) -> Option<Vec<(Method, Endpoint)>> {
         ["lmc_version"] => get(LmcVersion),
         ["commit_id"] => get(CommitId),
         ["config"] => get(Config),
+        ["config", "adapters"] => get(ConfigAdapters),
         ["metrics"] => get(Metrics),
         ["metrics", "reset"] => post(MetricsReset),
         ["cache", "clear"] => post(CacheClear),
@@ -158,7 +160,6 @@ fn path_routes(path: &str) -> Option<Vec<(Method, Endpoint)>> {
                 (Method::DELETE, QuotaDelete(salt)),
             ]
         }
-        ["config", "adapters"] => get(NotImplemented),
         ["cache", "objects"] => vec![
             (Method::GET, NotImplemented),
             (Method::DELETE, NotImplemented),
@@ -333,6 +334,10 @@ where
         Endpoint::Config => {
             control_response(call(ctx, ControlRequest::Config).await, JsonStyle::Pretty)
         }
+        Endpoint::ConfigAdapters => control_response(
+            call(ctx, ControlRequest::ConfigAdapters).await,
+            JsonStyle::Pretty,
+        ),
         Endpoint::Metrics => {
             let r = call(ctx, ControlRequest::Metrics).await;
             let exposition = r.status == 200 && matches!(r.body, ControlBody::Text(_));
@@ -989,6 +994,7 @@ mod tests {
                 j(json!({"is_healthy": true, "engine_type": "MPCacheServer"}))
             }
             ControlRequest::Config => j(json!({"mp": {"port": 5555}})),
+            ControlRequest::ConfigAdapters => j(json!({"adapters": []})),
             ControlRequest::Metrics => ControlResponse {
                 status: 200,
                 body: ControlBody::Text("# TYPE x counter\nx_total 1\n".into()),

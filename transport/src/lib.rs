@@ -14,4 +14,5 @@ pub mod registry;
 pub mod server;
 pub mod session;
 pub mod shard;
+pub mod shard_l2;
 pub mod wire;

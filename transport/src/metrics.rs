@@ -23,6 +23,8 @@ pub struct Metrics {
     pub lookup_requested_tokens: u64,
     pub lookup_hit_tokens: u64,
     pub lookup_hit_keys: u64,
+    pub lookup_hit_l2_tokens: u64,
+    pub lookup_hit_l2_keys: u64,
     pub early_exits: BTreeMap<&'static str, u64>,
     pub submitted_stores: u64,
     pub finished_stores: u64,
@@ -99,23 +101,24 @@ impl Metrics {
         t.counter(
             "lmcache_mp_lookup_hit_l1_tokens_total",
             "Prefix tokens found in L1",
-            self.lookup_hit_tokens,
+            self.lookup_hit_tokens - self.lookup_hit_l2_tokens,
         );
         t.counter(
             "lmcache_mp_lookup_hit_l2_tokens_total",
-            "Prefix tokens found in L2",
-            0,
+            "Prefix tokens loaded from L2",
+            self.lookup_hit_l2_tokens,
         );
         t.counter(
             "lmcache_mp_lookup_hit_l1_keys_total",
             "Object keys found in L1",
-            self.lookup_hit_keys,
+            self.lookup_hit_keys - self.lookup_hit_l2_keys,
         );
         t.counter(
             "lmcache_mp_lookup_hit_l2_keys_total",
-            "Object keys found in L2",
-            0,
+            "Object keys loaded from L2",
+            self.lookup_hit_l2_keys,
         );
+        render_l2(t, shards);
         t.counter(
             "lmcache_mp_lookups_requests_total",
             "Lookup requests",
@@ -284,6 +287,11 @@ impl PromText {
         let _ = writeln!(self.out, "{name}{{{}}} {v}", fmt_labels(labels));
     }
 
+    pub fn gauge_labeled(&mut self, name: &str, help: &str, labels: &[(&str, &str)], v: f64) {
+        self.declare(name, help, "gauge");
+        let _ = writeln!(self.out, "{name}{{{}}} {v}", fmt_labels(labels));
+    }
+
     pub fn gauge(&mut self, name: &str, help: &str, v: f64) {
         self.declare(name, help, "gauge");
         let _ = writeln!(self.out, "{name} {v}");
@@ -292,6 +300,170 @@ impl PromText {
     pub fn finish(self) -> String {
         self.out
     }
+}
+
+/// The `lmcache_mp_l2_*` families, summed over shards; per-adapter series
+/// carry `l2_name` (`<type>#<flag position>`).
+fn render_l2(t: &mut PromText, shards: &[ShardReport]) {
+    let ctl = |f: &dyn Fn(&crate::shard_l2::L2CtlStats) -> u64| -> u64 {
+        shards.iter().map(|r| f(&r.l2_ctl)).sum()
+    };
+    let tiers = shards.first().map_or(0, |r| r.l2.len());
+    let tier = |i: usize, f: &dyn Fn(&kvshard_engine::l2::tier::TierStats) -> u64| -> u64 {
+        shards
+            .iter()
+            .filter_map(|r| r.l2.get(i))
+            .map(|t| f(&t.stats))
+            .sum()
+    };
+    let name = |i: usize| shards[0].l2[i].name.clone();
+    t.counter(
+        "lmcache_mp_l2_store_submitted_requests_total",
+        "Batches of L1 objects submitted to the L2 store controller",
+        ctl(&|s| s.store_submitted_requests),
+    );
+    t.counter(
+        "lmcache_mp_l2_store_submitted_objects_chunks_total",
+        "Objects submitted to the L2 store controller",
+        ctl(&|s| s.store_submitted_objects),
+    );
+    t.counter(
+        "lmcache_mp_l2_store_completed_objects_chunks_total",
+        "Objects held by at least one adapter after their store",
+        ctl(&|s| s.store_completed_objects),
+    );
+    for i in 0..tiers {
+        let n = name(i);
+        t.counter_labeled(
+            "lmcache_mp_l2_store_completed_requests_total",
+            "Store batches an adapter finished",
+            &[("l2_name", &n)],
+            ctl(&|s| s.store_completed_requests),
+        );
+        t.counter_labeled(
+            "lmcache_mp_l2_load_completed_requests_total",
+            "Objects an adapter loaded into L1",
+            &[("l2_name", &n)],
+            tier(i, &|s| s.loaded_keys),
+        );
+        t.counter_labeled(
+            "kvshard_l2_stored_bytes_total",
+            "Bytes an adapter stored",
+            &[("l2_name", &n)],
+            tier(i, &|s| s.stored_bytes),
+        );
+        t.counter_labeled(
+            "kvshard_l2_store_failed_objects_total",
+            "Objects an adapter failed to store",
+            &[("l2_name", &n)],
+            tier(i, &|s| s.store_failed_keys),
+        );
+        t.counter_labeled(
+            "kvshard_l2_loaded_bytes_total",
+            "Bytes an adapter loaded into L1",
+            &[("l2_name", &n)],
+            tier(i, &|s| s.loaded_bytes),
+        );
+        t.counter_labeled(
+            "kvshard_l2_load_failed_objects_total",
+            "Objects an adapter failed to load",
+            &[("l2_name", &n)],
+            tier(i, &|s| s.load_failed_keys),
+        );
+        t.counter_labeled(
+            "kvshard_l2_eviction_ticks_total",
+            "L2 eviction passes",
+            &[("l2_name", &n)],
+            tier(i, &|s| s.eviction_ticks),
+        );
+        let used: u64 = shards
+            .iter()
+            .filter_map(|r| r.l2.get(i))
+            .map(|t| t.usage.used_bytes)
+            .sum();
+        t.gauge_labeled(
+            "lmcache_mp_l2_usage_bytes",
+            "Bytes held by an adapter (objects this server stored or found)",
+            &[("l2_name", &n)],
+            used as f64,
+        );
+    }
+    let evicted: u64 = (0..tiers).map(|i| tier(i, &|s| s.evicted_keys)).sum();
+    t.counter(
+        "lmcache_mp_l2_evicted_objects_chunks_total",
+        "Objects evicted from L2 adapters",
+        evicted,
+    );
+    t.counter(
+        "lmcache_mp_l2_prefetch_lookup_requests_total",
+        "Lookups that asked L2",
+        ctl(&|s| s.prefetch_lookup_requests),
+    );
+    t.counter(
+        "lmcache_mp_l2_prefetch_lookup_objects_chunks_total",
+        "Objects looked up in L2",
+        ctl(&|s| s.prefetch_lookup_objects),
+    );
+    t.counter(
+        "lmcache_mp_l2_prefetch_load_submitted_requests_total",
+        "L2 load batches started",
+        ctl(&|s| s.prefetch_load_submitted_requests),
+    );
+    t.counter(
+        "lmcache_mp_l2_prefetch_load_submitted_objects_chunks_total",
+        "Objects submitted for loading from L2",
+        ctl(&|s| s.prefetch_load_submitted_objects),
+    );
+    t.counter(
+        "lmcache_mp_l2_prefetch_load_completed_chunks_total",
+        "Objects loaded from L2 into L1",
+        ctl(&|s| s.prefetch_load_completed_objects),
+    );
+    t.counter(
+        "lmcache_mp_l2_prefetch_failure_chunks_total",
+        "Objects found in L2 that could not be loaded",
+        ctl(&|s| s.prefetch_failure_objects),
+    );
+    t.counter(
+        "kvshard_l2_store_lock_expired_objects_total",
+        "Objects not stored to L2 because their L1 lock expired while waiting for the store budget",
+        ctl(&|s| s.store_lock_expired_objects),
+    );
+    t.counter(
+        "kvshard_l2_size_mismatch_objects_total",
+        "L2 objects whose size differs from the registered layout (treated as misses)",
+        ctl(&|s| s.size_mismatch_objects),
+    );
+    t.gauge(
+        "lmcache_mp_num_inflight_l2_stores",
+        "L2 store batches running",
+        ctl(&|s| s.inflight_stores) as f64,
+    );
+    t.gauge(
+        "kvshard_l2_inflight_store_bytes",
+        "Bytes of L1 objects being stored to L2",
+        ctl(&|s| s.inflight_store_bytes) as f64,
+    );
+    t.gauge(
+        "lmcache_mp_num_inflight_l2_loads",
+        "L2 load batches running",
+        ctl(&|s| s.inflight_loads) as f64,
+    );
+    t.gauge(
+        "lmcache_mp_inflight_load_memory_usage_bytes",
+        "L1 bytes reserved by L2 loads running",
+        ctl(&|s| s.inflight_load_bytes) as f64,
+    );
+    t.gauge(
+        "lmcache_mp_l2_store_adapters",
+        "L2 adapters stores go to",
+        tiers as f64,
+    );
+    t.gauge(
+        "lmcache_mp_l2_prefetch_adapters",
+        "L2 adapters lookups ask",
+        tiers as f64,
+    );
 }
 
 fn fmt_labels(labels: &[(&str, &str)]) -> String {

@@ -136,6 +136,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         .map_err(|e| format!("cannot bind the ZeroMQ server on {url}: {e}"))?;
     log::info!("ZeroMQ ROUTER listening on {url}");
 
+    check_l2_paths(&cfg)?;
     let (events_tx, events_rx) = notify_queue();
     let mut senders = Vec::with_capacity(n);
     let mut handles: Vec<ShardHandle> = Vec::with_capacity(n);
@@ -158,10 +159,11 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             lock_memory,
             eviction_interval: Duration::from_secs(1),
         };
+        let l2 = (cfg.l2.clone(), n);
         let h = spawn_shard(i, core, format!("kvshard-shard-{i}"), move || async move {
             let alloc = SlabAllocator::new(offset, init, align);
             let l1 = L1Shard::new(alloc, l1cfg, policy);
-            run_shard(scfg, arena, l1, rx, replies).await
+            run_shard(scfg, arena, l1, l2, rx, replies).await
         })
         .map_err(|e| format!("cannot start shard {i} on core {core:?}: {e}"))?;
         handles.push(h);
@@ -221,5 +223,40 @@ fn start_http(cfg: &ServerConfig, control: ControlHandle) -> Result<(), String> 
         },
     )
     .map_err(|e| format!("cannot start the HTTP executor: {e}"))?;
+    Ok(())
+}
+
+/// Creates the fs adapters' directories and checks they are writable, so a
+/// bad path stops the start with a clear error instead of failing every store.
+fn check_l2_paths(cfg: &ServerConfig) -> Result<(), String> {
+    use kvshard_engine::l2::config::AdapterKind;
+    for (i, spec) in cfg.l2.adapters.iter().enumerate() {
+        let AdapterKind::Fs(f) = &spec.kind else {
+            continue;
+        };
+        let mut dirs = vec![std::path::PathBuf::from(&f.base_path)];
+        if let Some(t) = &f.relative_tmp_dir {
+            dirs.push(std::path::Path::new(&f.base_path).join(t));
+        }
+        for d in dirs {
+            std::fs::create_dir_all(&d).map_err(|e| {
+                format!(
+                    "--l2-adapter #{}: cannot create {}: {e}",
+                    i + 1,
+                    d.display()
+                )
+            })?;
+            let probe = d.join(format!(".kvshard-write-probe.{}", std::process::id()));
+            std::fs::write(&probe, b"")
+                .and_then(|()| std::fs::remove_file(&probe))
+                .map_err(|e| {
+                    format!(
+                        "--l2-adapter #{}: {} is not writable: {e}",
+                        i + 1,
+                        d.display()
+                    )
+                })?;
+        }
+    }
     Ok(())
 }

@@ -11,13 +11,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::ObjectKey;
-use kvshard_engine::l1::{L1Error, L1Shard, L1Stats, L1Status, WriterTag};
+use kvshard_engine::l1::{Admission, L1Error, L1Shard, L1Stats, L1Status, WriterTag};
 use kvshard_engine::slab::Slab;
 use kvshard_io::arena::Arena;
 use kvshard_io::mailbox::{MailboxReceiver, NotifySender};
 
+use crate::config::L2Settings;
 use crate::cpu_shm::CpuShmRegistration;
 use crate::front::FrontEvent;
+use crate::shard_l2::{self, L2CtlStats, L2Shard, TierReport, FOUND_L1, FOUND_MISS};
 
 /// Sequence number the front uses to match replies to requests; 0 = no reply wanted.
 pub type Seq = u64;
@@ -28,10 +30,25 @@ pub struct ShardMsg {
 }
 
 pub enum ShardOp {
-    /// Read-lock every present key `readers` times and touch the hits (LRU).
+    /// Read-lock every present key `readers` times and touch the hits (LRU);
+    /// look the misses up in L2 (locking what is found there with `size`
+    /// bytes). Answers [`ShardReplyBody::Found`].
     Lookup {
         keys: Vec<ObjectKey>,
         readers: u32,
+        size: u64,
+    },
+    /// Load keys found in L2 by a lookup into L1 with `readers` read locks
+    /// each; answers [`ShardReplyBody::Loaded`].
+    Load {
+        keys: Vec<(ObjectKey, u8)>,
+        size: u64,
+        readers: u32,
+        tag: u64,
+    },
+    /// Release L2 lookup locks (keys with their `Found` code).
+    UnlockL2 {
+        keys: Vec<(ObjectKey, u8)>,
     },
     /// Release `count` read locks on each key.
     Release {
@@ -96,7 +113,9 @@ pub enum StoreOutcome {
 }
 
 pub enum ShardReplyBody {
-    Hits(Vec<bool>),
+    /// Per key: `shard_l2::FOUND_*` codes.
+    Found(Vec<u8>),
+    Loaded(Vec<bool>),
     Slabs(Vec<Option<Slab>>),
     Stored(Vec<StoreOutcome>),
     Retrieved(Vec<bool>),
@@ -119,6 +138,8 @@ pub struct ShardReport {
     pub capacity_max_bytes: u64,
     pub bytes_by_salt: Vec<(String, u64)>,
     pub mailbox_full: u64,
+    pub l2: Vec<TierReport>,
+    pub l2_ctl: L2CtlStats,
 }
 
 pub struct ShardConfig {
@@ -131,17 +152,20 @@ pub struct ShardConfig {
     pub eviction_interval: Duration,
 }
 
-struct ShardState {
+pub(crate) struct ShardState {
     cfg: ShardConfig,
     arena: Arc<Arena>,
-    l1: L1Shard,
+    pub(crate) l1: L1Shard,
     /// Bytes of the slice already mlock'ed (prefix of the slice).
     locked_bytes: u64,
     mlock_warned: bool,
+    /// Keys that became resident (not temporary) during the current message:
+    /// the store controller writes them behind to L2.
+    to_l2: Vec<ObjectKey>,
 }
 
 impl ShardState {
-    fn ptr(&self, slab: &Slab) -> *mut u8 {
+    pub(crate) fn ptr(&self, slab: &Slab) -> *mut u8 {
         assert!(
             slab.offset + slab.len <= self.arena.len(),
             "slab outside the arena"
@@ -151,7 +175,7 @@ impl ShardState {
     }
 
     /// Lazy growth: extend the allocator before eviction would kick in.
-    fn maybe_grow(&mut self, extra_bytes: u64, watermark: Option<f64>) {
+    pub(crate) fn maybe_grow(&mut self, extra_bytes: u64, watermark: Option<f64>) {
         let (used, cap) = self.l1.usage();
         let max = self.cfg.max_capacity_bytes;
         if cap >= max {
@@ -190,19 +214,11 @@ impl ShardState {
     fn handle(&mut self, op: ShardOp) -> ShardReplyBody {
         let now = Instant::now();
         match op {
-            ShardOp::Lookup { keys, readers } => {
-                let res = self.l1.reserve_read(&keys, readers, now);
-                let hits: Vec<bool> = res.iter().map(|r| r.is_ok()).collect();
-                let hit_keys: Vec<ObjectKey> = keys
-                    .iter()
-                    .zip(&hits)
-                    .filter(|(_, h)| **h)
-                    .map(|(k, _)| k.clone())
-                    .collect();
-                if !hit_keys.is_empty() {
-                    self.l1.touch(&hit_keys, now);
-                }
-                ShardReplyBody::Hits(hits)
+            ShardOp::Lookup { keys, readers, .. } => {
+                ShardReplyBody::Found(self.lookup_l1(&keys, readers, now))
+            }
+            ShardOp::Load { .. } | ShardOp::UnlockL2 { .. } => {
+                unreachable!("L2 ops are dispatched by run_shard")
             }
             ShardOp::Release { keys, count } => {
                 self.l1.finish_read(&keys, count, now);
@@ -220,7 +236,8 @@ impl ShardState {
                 ShardReplyBody::Slabs(res.into_iter().map(|r| r.ok()).collect())
             }
             ShardOp::FinishWrite { keys, tag } => {
-                self.l1.finish_write(&keys, WriterTag(tag), now);
+                let res = self.l1.finish_write(&keys, WriterTag(tag), now);
+                self.note_admitted(keys, &res);
                 ShardReplyBody::Done
             }
             ShardOp::AbortWrite { keys, tag } => {
@@ -257,6 +274,34 @@ impl ShardState {
             ShardOp::ResetStats => {
                 self.l1.reset_stats();
                 ShardReplyBody::Done
+            }
+        }
+    }
+
+    /// L1 part of a lookup: read-lock and touch the hits.
+    fn lookup_l1(&mut self, keys: &[ObjectKey], readers: u32, now: Instant) -> Vec<u8> {
+        let res = self.l1.reserve_read(keys, readers, now);
+        let found: Vec<u8> = res
+            .iter()
+            .map(|r| if r.is_ok() { FOUND_L1 } else { FOUND_MISS })
+            .collect();
+        let hit_keys: Vec<ObjectKey> = keys
+            .iter()
+            .zip(&found)
+            .filter(|(_, f)| **f == FOUND_L1)
+            .map(|(k, _)| k.clone())
+            .collect();
+        if !hit_keys.is_empty() {
+            self.l1.touch(&hit_keys, now);
+        }
+        found
+    }
+
+    /// Remembers the keys a finish_write made resident, for the store controller.
+    fn note_admitted(&mut self, keys: Vec<ObjectKey>, res: &[Result<Admission, L1Error>]) {
+        for (k, r) in keys.into_iter().zip(res) {
+            if matches!(r, Ok(Admission::Admitted)) {
+                self.to_l2.push(k);
             }
         }
     }
@@ -299,7 +344,8 @@ impl ShardState {
             }
         }
         if !written.is_empty() {
-            self.l1.finish_write(&written, tag, now);
+            let res = self.l1.finish_write(&written, tag, now);
+            self.note_admitted(written, &res);
         }
         if !failed.is_empty() {
             self.l1.abort_write(&failed, tag);
@@ -356,6 +402,8 @@ impl ShardState {
                 .map(|(s, b)| (s.to_owned(), b))
                 .collect(),
             mailbox_full: 0,
+            l2: Vec::new(),
+            l2_ctl: L2CtlStats::default(),
         }
     }
 
@@ -373,27 +421,39 @@ pub async fn run_shard(
     cfg: ShardConfig,
     arena: Arc<Arena>,
     l1: L1Shard,
+    l2: (L2Settings, usize),
     mut rx: MailboxReceiver<ShardMsg>,
     replies: NotifySender<FrontEvent>,
 ) {
     let id = cfg.id;
     let interval = cfg.eviction_interval;
     let initial = l1.usage().1;
+    let l2 = match L2Shard::new(&l2.0, id, l2.1) {
+        Ok(l2) => Rc::new(l2),
+        Err(e) => {
+            log::error!("shard {id}: {e}; the server cannot run as configured");
+            std::process::exit(2);
+        }
+    };
     let state = Rc::new(RefCell::new(ShardState {
         cfg,
         arena,
         l1,
         locked_bytes: 0,
         mlock_warned: false,
+        to_l2: Vec::new(),
     }));
     state.borrow_mut().lock_prefix(initial);
 
     let ticker = {
         let state = state.clone();
+        let l2 = l2.clone();
         glommio::spawn_local(async move {
             loop {
                 glommio::timer::sleep(interval).await;
                 state.borrow_mut().tick();
+                shard_l2::drop_stored_from_l1(&state, &l2);
+                shard_l2::tick(&l2);
             }
         })
     };
@@ -408,15 +468,88 @@ pub async fn run_shard(
             Err(_) => rx.recv().await,
         };
         let Some(msg) = next else { break };
-        let body = state.borrow_mut().handle(msg.op);
-        if msg.seq != 0 {
-            replies.send(FrontEvent::Shard(ShardReply {
-                seq: msg.seq,
-                shard: id,
-                body,
-            }));
+        let seq = msg.seq;
+        let reply = {
+            let replies = replies.clone();
+            move |body| {
+                if seq != 0 {
+                    replies.send(FrontEvent::Shard(ShardReply {
+                        seq,
+                        shard: id,
+                        body,
+                    }));
+                }
+            }
+        };
+        match msg.op {
+            ShardOp::Lookup {
+                keys,
+                readers,
+                size,
+            } => {
+                let found = state.borrow_mut().lookup_l1(&keys, readers, Instant::now());
+                if !l2.is_enabled() || found.iter().all(|f| *f == FOUND_L1) {
+                    reply(ShardReplyBody::Found(found));
+                    continue;
+                }
+                let l2 = l2.clone();
+                glommio::spawn_local(async move {
+                    let misses: Vec<usize> = (0..keys.len())
+                        .filter(|&i| found[i] == FOUND_MISS)
+                        .collect();
+                    let ask: Vec<ObjectKey> = misses.iter().map(|&i| keys[i].clone()).collect();
+                    let codes = shard_l2::lookup(&l2, &ask, size).await;
+                    let mut found = found;
+                    for (i, c) in misses.into_iter().zip(codes) {
+                        found[i] = c;
+                    }
+                    reply(ShardReplyBody::Found(found));
+                })
+                .detach();
+            }
+            ShardOp::Load {
+                keys,
+                size,
+                readers,
+                tag,
+            } => {
+                let (state, l2) = (state.clone(), l2.clone());
+                glommio::spawn_local(async move {
+                    let ok = shard_l2::load(&state, &l2, keys, size, readers, tag).await;
+                    reply(ShardReplyBody::Loaded(ok));
+                })
+                .detach();
+            }
+            ShardOp::UnlockL2 { keys } => {
+                shard_l2::unlock(&l2, &keys);
+                reply(ShardReplyBody::Done);
+            }
+            op => {
+                match &op {
+                    ShardOp::SetQuota {
+                        cache_salt,
+                        limit_bytes,
+                    } => l2.set_quota(cache_salt, *limit_bytes),
+                    ShardOp::RemoveQuota { cache_salt } => l2.remove_quota(cache_salt),
+                    ShardOp::ResetStats => l2.reset_stats(),
+                    _ => {}
+                }
+                let body = {
+                    let mut st = state.borrow_mut();
+                    let mut body = st.handle(op);
+                    if let ShardReplyBody::Status(r) = &mut body {
+                        r.l2 = l2.reports();
+                        r.l2_ctl = l2.stats();
+                    }
+                    body
+                };
+                let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
+                shard_l2::submit_store(&state, &l2, admitted);
+                reply(body);
+            }
         }
     }
     drop(ticker.cancel());
+    shard_l2::drain(&l2, Duration::from_secs(10)).await;
     log::debug!("shard {id} stopped");
 }

@@ -1,0 +1,163 @@
+//! The L2 tier: storage behind L1 that chunks are written behind to and
+//! prefetched back from.
+//!
+//! Semantics follow lmcache 0.5.6's `L2AdapterInterface`, made async and per
+//! shard: every shard drives its own adapter instances on its own executor, so
+//! nothing here is shared between threads and no future is `Send`. Adapters
+//! read from and write into L1 slab memory directly ([`ObjectBytes`]); the
+//! caller keeps the object locked in L1 until the adapter's future resolves.
+//!
+//! - [`L2Adapter`]: the trait every adapter implements (store, lookup-and-lock,
+//!   load, unlock, delete, list, status).
+//! - [`tier::L2Tier`]: one adapter plus its usage accounting (bytes by
+//!   cache_salt) and its optional eviction policy.
+//! - [`config`]: the `--l2-adapter` JSON specs.
+//! - [`mock`] and [`fs`]: the adapters.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+
+use crate::keys::ObjectKey;
+
+pub mod config;
+pub mod fs;
+pub mod mock;
+pub mod naming;
+pub mod tier;
+
+/// A boxed future local to one executor (adapters are per shard).
+pub type LocalFut<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+
+/// The bytes of one L1 object, handed to an adapter for a store (read) or a
+/// load (write).
+///
+/// It is a raw view: whoever builds one promises that the memory stays
+/// allocated, and is not written by anyone else while an adapter stores from
+/// it or read by anyone else while an adapter loads into it, until the
+/// adapter's future has resolved (the L1 read or write lock does this). It is
+/// `Send` so that blocking I/O threads may use it under the same promise.
+#[derive(Debug, Clone, Copy)]
+pub struct ObjectBytes {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: an ObjectBytes is a pointer plus a length; the constructor's
+// contract (memory stays valid and exclusively used for the adapter call)
+// makes it sound to touch from the thread that performs the I/O.
+unsafe impl Send for ObjectBytes {}
+
+impl ObjectBytes {
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes, and stay so (and
+    /// unused by others in the way described on the type) until every adapter
+    /// call that receives this value has resolved.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        ObjectBytes { ptr, len }
+    }
+
+    /// A view of a caller-owned buffer. The caller must keep `buf` alive and
+    /// untouched while an adapter uses the view (tests and benches).
+    pub fn from_mut_slice(buf: &mut [u8]) -> Self {
+        ObjectBytes {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// # Safety
+    /// See [`ObjectBytes::new`]: nobody writes the memory meanwhile.
+    pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+
+    /// # Safety
+    /// See [`ObjectBytes::new`]: nobody else reads or writes the memory meanwhile.
+    pub unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
+        std::slice::from_raw_parts_mut(self.ptr, self.len)
+    }
+}
+
+/// Per-key outcome of a store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreResult {
+    /// Written; the object occupies this many bytes in the adapter.
+    Stored(u64),
+    /// The adapter already holds the key; nothing was written.
+    Exists,
+    /// Not stored (I/O error, no room, object too large, ...). The adapter
+    /// logs the cause; no partial object is visible under the key.
+    Failed,
+}
+
+/// One page of [`L2Adapter::list`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyPage {
+    /// Keys with the size each occupies in the adapter.
+    pub keys: Vec<(ObjectKey, u64)>,
+    /// Pass back to get the next page; `None` when this is the last.
+    pub next_cursor: Option<String>,
+}
+
+/// A storage tier behind L1, driven by one shard.
+///
+/// Every method may be called while other calls on the same instance are in
+/// flight (the shard runs many requests concurrently on one thread). Batch
+/// methods answer one entry per input key, in input order.
+pub trait L2Adapter {
+    /// The adapter type, as in `--l2-adapter '{"type": ...}'`.
+    fn kind(&self) -> &'static str;
+
+    /// Bytes the adapter may hold on this shard; 0 means unbounded (no global
+    /// eviction, as 0.5.6's `max_capacity_bytes=0`).
+    fn capacity_bytes(&self) -> u64;
+
+    /// Stores each object's bytes under its key. A key the adapter already
+    /// holds is skipped ([`StoreResult::Exists`]). Concurrent stores of one key
+    /// leave exactly one complete object. An object is visible under its key
+    /// only once it is complete.
+    fn store<'a>(&'a self, items: &'a [(ObjectKey, ObjectBytes)])
+        -> LocalFut<'a, Vec<StoreResult>>;
+
+    /// For each key: `Some(size)` if the adapter holds it, in which case the
+    /// key is now locked against deletion until [`L2Adapter::unlock`]; `None`
+    /// if it is missing (nothing is locked).
+    fn lookup_and_lock<'a>(&'a self, keys: &'a [ObjectKey]) -> LocalFut<'a, Vec<Option<u64>>>;
+
+    /// Reads each key's object into its buffer. `true` only if the whole
+    /// object was read and its size equals the buffer's length.
+    fn load<'a>(&'a self, items: &'a [(ObjectKey, ObjectBytes)]) -> LocalFut<'a, Vec<bool>>;
+
+    /// Releases one lock taken by [`L2Adapter::lookup_and_lock`] per key. It
+    /// always succeeds; unknown or unlocked keys are ignored.
+    fn unlock(&self, keys: &[ObjectKey]);
+
+    /// Deletes keys that are not locked. For each key: `Some(bytes freed)`
+    /// when it was deleted, `None` when it was missing, locked or could not
+    /// be deleted.
+    fn delete<'a>(&'a self, keys: &'a [ObjectKey]) -> LocalFut<'a, Vec<Option<u64>>>;
+
+    /// Lists stored keys (of `model_name` when given), `page_size` at a time.
+    fn list<'a>(
+        &'a self,
+        model_name: Option<&'a str>,
+        page_size: usize,
+        cursor: Option<String>,
+    ) -> LocalFut<'a, io::Result<KeyPage>>;
+
+    /// Adapter-specific health and settings for `/status` (never secrets).
+    fn status(&self) -> serde_json::Value;
+}

@@ -1,0 +1,258 @@
+//! End to end: the L2 tier behind the real binary. Chunks are written behind to
+//! an fs (or mock) adapter, outlive a restart with an empty L1, and are loaded
+//! back on lookup; `skip_l1` and `retain` change what stays in L1; a kill -9 in
+//! the middle of stores never leaves a torn object under a real name.
+
+mod support;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use support::*;
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let p = std::env::temp_dir().join(unique(&format!("kvshard-l2-{tag}")));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn fs_adapter(dir: &TempDir) -> String {
+    format!(r#"{{"type":"fs","base_path":"{}"}}"#, dir.path())
+}
+
+/// Object files (real names) in `dir`, with their sizes.
+fn data_files(dir: &Path) -> Vec<(String, u64)> {
+    let mut v: Vec<(String, u64)> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.ends_with(".data")
+                .then(|| (name, e.metadata().unwrap().len()))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn l1_objects(srv: &Server) -> u64 {
+    srv.get_json("/status")["storage_manager"]["l1_manager"]["total_object_count"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Registers worker `iid`, stores `n` chunks of `toks` under request `rid`.
+fn store(srv: &Server, iid: i64, toks: &[u32], n: usize, seed: u64) -> Vec<Vec<u8>> {
+    let mut c = srv.client();
+    let (name, size) = ed_register(&mut c, iid, "m");
+    let mut pool = ShmMap::open(&name, size);
+    let key = ed_key("m", Some(0), toks, n, "store");
+    let stored = ed_store(&mut c, &mut pool, &key, iid, seed);
+    assert_eq!(stored.len(), n);
+    c.call(OP_END_SESSION, &[s("store")]);
+    stored
+}
+
+/// Registers worker `iid`, looks the request up and retrieves the hit prefix.
+fn lookup_retrieve(
+    srv: &Server,
+    iid: i64,
+    toks: &[u32],
+    n: usize,
+    rid: &str,
+) -> (i64, Vec<Vec<u8>>) {
+    let mut c = srv.client();
+    let (name, size) = ed_register(&mut c, iid, "m");
+    let pool = ShmMap::open(&name, size);
+    let hits = ed_lookup(&mut c, &ed_key("m", None, toks, n, rid));
+    let back = if hits > 0 {
+        ed_retrieve(
+            &mut c,
+            &pool,
+            &ed_key("m", Some(0), toks, hits as usize, rid),
+            iid,
+        )
+    } else {
+        Vec::new()
+    };
+    c.call(OP_END_SESSION, &[s(rid)]);
+    (hits, back)
+}
+
+#[test]
+fn fs_chunks_outlive_a_restart_and_load_back_from_l2() {
+    let dir = TempDir::new("restart");
+    let adapter = fs_adapter(&dir);
+    let toks = ed_tokens(11, 4 * ED_CHUNK + 3);
+    let stored = {
+        let srv = Server::start(&["--cores", "0,1", "--l2-adapter", &adapter]);
+        let stored = store(&srv, 1, &toks, 4, 7);
+        wait_until("4 objects written behind to fs", || {
+            data_files(&dir.0).len() == 4
+        });
+        assert!(
+            data_files(&dir.0)
+                .iter()
+                .all(|(n, len)| *len == ED_CHUNK_BYTES as u64 && n.starts_with("m@0x01000100@0@")),
+            "{:?}",
+            data_files(&dir.0)
+        );
+        let st = srv.get_json("/status");
+        assert_eq!(st["storage_manager"]["num_l2_adapters"], 1);
+        assert_eq!(st["storage_manager"]["l2_adapters"][0]["type"], "fs");
+        assert_eq!(
+            st["storage_manager"]["l2_adapters"][0]["stored_object_count"],
+            4
+        );
+        assert_eq!(
+            srv.metric("lmcache_mp_l2_store_completed_objects_chunks_total", &[]),
+            Some(4.0)
+        );
+        let ca = srv.get_json("/config/adapters");
+        assert_eq!(ca["adapters"][0]["type_name"], "fs");
+        assert_eq!(ca["adapters"][0]["config"]["base_path"], dir.path());
+        stored
+    };
+
+    // A new process with an empty L1: the lookup finds the chunks in L2, loads
+    // them and the retrieve returns the stored bytes.
+    let srv = Server::start(&["--cores", "0,1", "--l2-adapter", &adapter]);
+    assert_eq!(l1_objects(&srv), 0);
+    let (hits, back) = lookup_retrieve(&srv, 2, &toks, 4, "warm");
+    assert_eq!(hits, 4, "every chunk hits from L2");
+    assert_eq!(back, stored, "bytes loaded from L2 equal the bytes stored");
+    assert_eq!(
+        srv.metric("lmcache_mp_lookup_hit_l2_keys_total", &[]),
+        Some(4.0)
+    );
+    assert_eq!(
+        srv.metric("lmcache_mp_l2_prefetch_load_completed_chunks_total", &[]),
+        Some(4.0)
+    );
+    // Default prefetch policy: loaded objects are temporary, freed once read.
+    wait_until("temporary objects freed", || l1_objects(&srv) == 0);
+    // And they hit again (loaded again).
+    let (hits, back) = lookup_retrieve(&srv, 3, &toks, 4, "warm2");
+    assert_eq!((hits, back), (4, stored));
+
+    // A prefix that diverges after two chunks hits two.
+    let mut other = toks[..2 * ED_CHUNK].to_vec();
+    other.extend(ed_tokens(99, 3 * ED_CHUNK));
+    let (hits, _) = lookup_retrieve(&srv, 4, &other, 5, "partial");
+    assert_eq!(hits, 2);
+}
+
+#[test]
+fn retain_keeps_loaded_chunks_in_l1() {
+    let dir = TempDir::new("retain");
+    let adapter = fs_adapter(&dir);
+    let toks = ed_tokens(12, 3 * ED_CHUNK);
+    let stored = {
+        let srv = Server::start(&["--l2-adapter", &adapter]);
+        let stored = store(&srv, 1, &toks, 3, 8);
+        wait_until("3 objects in fs", || data_files(&dir.0).len() == 3);
+        stored
+    };
+    let srv = Server::start(&["--l2-adapter", &adapter, "--l2-prefetch-policy", "retain"]);
+    let (hits, back) = lookup_retrieve(&srv, 2, &toks, 3, "warm");
+    assert_eq!((hits, back), (3, stored));
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(l1_objects(&srv), 3, "retained chunks stay in L1");
+    // Now they are L1 hits: nothing more is loaded from L2.
+    let loaded = srv.metric("lmcache_mp_l2_prefetch_load_completed_chunks_total", &[]);
+    let (hits, _) = lookup_retrieve(&srv, 3, &toks, 3, "again");
+    assert_eq!(hits, 3);
+    assert_eq!(
+        srv.metric("lmcache_mp_l2_prefetch_load_completed_chunks_total", &[]),
+        loaded
+    );
+}
+
+#[test]
+fn skip_l1_keeps_l1_empty_while_hits_come_from_l2() {
+    let srv = Server::start(&[
+        "--eviction-policy",
+        "noop",
+        "--l2-store-policy",
+        "skip_l1",
+        "--l2-adapter",
+        r#"{"type":"mock","max_size_gb":0.01,"mock_bandwidth_gb":50}"#,
+    ]);
+    let toks = ed_tokens(13, 3 * ED_CHUNK);
+    let stored = store(&srv, 1, &toks, 3, 9);
+    wait_until("L1 dropped after the L2 store", || l1_objects(&srv) == 0);
+    let (hits, back) = lookup_retrieve(&srv, 2, &toks, 3, "warm");
+    assert_eq!((hits, back), (3, stored));
+    wait_until("L1 empty again after the retrieve", || {
+        l1_objects(&srv) == 0
+    });
+    assert_eq!(
+        srv.metric("lmcache_mp_lookup_hit_l2_keys_total", &[]),
+        Some(3.0)
+    );
+}
+
+#[test]
+fn kill_9_mid_store_leaves_no_torn_object() {
+    let dir = TempDir::new("crash");
+    let adapter = fs_adapter(&dir);
+    // Bigger objects widen the window in which a write is in progress.
+    let requests: Vec<Vec<u32>> = (0..60).map(|i| ed_tokens(1000 + i, 4 * ED_CHUNK)).collect();
+    let mut stored: Vec<Vec<Vec<u8>>> = Vec::new();
+    {
+        let mut srv = Server::start(&["--l2-adapter", &adapter]);
+        let mut c = srv.client();
+        let (name, size) = ed_register(&mut c, 1, "m");
+        let mut pool = ShmMap::open(&name, size);
+        for (i, toks) in requests.iter().enumerate() {
+            let key = ed_key("m", Some(0), toks, 4, &format!("s{i}"));
+            stored.push(ed_store(&mut c, &mut pool, &key, 1, 5000 + i as u64));
+            if i == 45 {
+                // Stores of the last requests are still being written behind.
+                // SAFETY: plain kill(2) of our child.
+                unsafe { libc::kill(srv.child.id() as i32, libc::SIGKILL) };
+                let _ = srv.child.wait();
+                break;
+            }
+        }
+        assert!(!srv.alive());
+    }
+    for (name, len) in data_files(&dir.0) {
+        assert_eq!(len, ED_CHUNK_BYTES as u64, "{name} is torn");
+    }
+    // Whatever made it to disk loads back with the bytes stored.
+    let srv = Server::start(&["--l2-adapter", &adapter]);
+    let mut hit_total = 0;
+    for (i, toks) in requests.iter().enumerate().take(stored.len()) {
+        let (hits, back) = lookup_retrieve(&srv, 100 + i as i64, toks, 4, &format!("r{i}"));
+        assert_eq!(back[..], stored[i][..hits as usize], "request {i}");
+        hit_total += hits;
+    }
+    assert!(
+        hit_total > 0,
+        "some stores reached the disk before the kill"
+    );
+}

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The L2 tier with the real lmcache 0.5.6 client and server:
+#  1. kvshard with an fs adapter stores through the client, restarts with an empty
+#     L1, and every warm lookup hits from L2 with every checksum passing
+#     (engine_driven and lmcache_driven);
+#  2. a directory written by `lmcache server`'s fs adapter is read by kvshard, and
+#     one written by kvshard is read by `lmcache server`;
+#  3. with --l2-store-policy skip_l1, L1 is empty once the stores are written
+#     behind, and the warm lookups hit from L2 with every checksum passing.
+# Usage: tools/compat/l2.sh [path/to/kvshard]   (run tools/compat/run.sh first: it installs the client)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+VENV="${KVSHARD_COMPAT_VENV:-$HOME/.cache/kvshard/lmcache-0.5.6}"
+BIN="${1:-}"
+N="${KVSHARD_COMPAT_L2_REQUESTS:-4}"
+TOKENS=1024 # 4 chunks of 256 tokens, 32 MiB objects with the bench's default shape
+"$VENV/bin/python" -c "import lmcache" 2>/dev/null || { echo "compat-l2: run tools/compat/run.sh first"; exit 1; }
+if [ -z "$BIN" ]; then
+    cargo build --release --bin kvshard
+    BIN=target/release/kvshard
+fi
+export LMCACHE_DISABLE_BANNER=1
+WORK=$(mktemp -d)
+LOG="$WORK/server.log"
+PID=""
+cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null; wait 2>/dev/null; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_http() {
+    python3 - "$HTTP" <<'PY' || { echo "compat-l2: server did not start"; cat "$LOG"; exit 1; }
+import sys, time, urllib.request
+for _ in range(900):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthcheck", timeout=1).read()
+        sys.exit(0)
+    except Exception:
+        time.sleep(0.2)
+sys.exit(1)
+PY
+}
+start() { # kind (kvshard|lmcache) dir [extra flags...]
+    local kind="$1" dir="$2"; shift 2
+    PORT=$(free_port); HTTP=$(free_port)
+    local adapter="{\"type\":\"fs\",\"base_path\":\"$dir\"}"
+    if [ "$kind" = kvshard ]; then
+        "$BIN" server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT" \
+            --http-port "$HTTP" --shm-name "l2c_$$_$PORT" --l2-adapter "$adapter" "$@" >"$LOG" 2>&1 &
+    else
+        "$VENV/bin/lmcache" server --l1-size-gb 2 --eviction-policy LRU --supported-transfer-mode auto \
+            --host 127.0.0.1 --port "$PORT" --http-port "$HTTP" --shm-name "l2c_$$_$PORT" --no-l1-use-lazy \
+            --l2-adapter "$adapter" "$@" >"$LOG" 2>&1 &
+    fi
+    PID=$!
+    wait_http
+}
+stop() { kill "$PID"; wait "$PID" 2>/dev/null || true; PID=""; }
+wait_files() { # dir count
+    python3 - "$1" "$2" <<'PY' || { echo "compat-l2: $2 objects did not reach $1"; ls "$1" | sort | uniq -c | sort -rn | head -3; ls "$1" | wc -l; tail -20 "$LOG"; exit 1; }
+import os, sys, time
+d, want = sys.argv[1], int(sys.argv[2])
+for _ in range(600):
+    if sum(n.endswith(".data") for n in os.listdir(d)) >= want:
+        sys.exit(0)
+    time.sleep(0.1)
+sys.exit(1)
+PY
+}
+phase() { # store|load sums mode start
+    "$VENV/bin/python" tools/compat/l2_restart.py "$1" "$2" --mode cpu --transfer-mode "$3" \
+        --rpc-url "tcp://127.0.0.1:$PORT" --url "http://127.0.0.1:$HTTP" \
+        --num-tokens "$TOKENS" --start "$4" --end "$(($4 + N))" 2>"$WORK/client.err" \
+        || { echo "compat-l2: $1 ($3) failed"; tail -20 "$WORK/client.err"; tail -30 "$LOG"; exit 1; }
+}
+metric() { # name
+    python3 - "$HTTP" "$1" <<'PY'
+import sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+print(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(sys.argv[2] + " ") or l.startswith(sys.argv[2] + "{")))
+PY
+}
+CHUNKS=$((N * TOKENS / 256)) # one kv rank
+
+# 1. kvshard -> restart -> kvshard
+for mode in engine_driven lmcache_driven; do
+    dir="$WORK/kk-$mode"; mkdir -p "$dir"
+    start kvshard "$dir"; phase store "$WORK/sums-$mode" "$mode" 100
+    wait_files "$dir" "$CHUNKS"; stop
+    start kvshard "$dir"; phase load "$WORK/sums-$mode" "$mode" 100
+    hits=$(metric lmcache_mp_lookup_hit_l2_keys_total); stop; rm -rf "$dir"
+    echo "compat-l2: kvshard restart ($mode): $N/$N requests hit from L2, checksums match ($hits keys loaded)"
+done
+
+# 2. lmcache server writes, kvshard reads; kvshard writes, lmcache server reads.
+dir="$WORK/pk"; mkdir -p "$dir"
+start lmcache "$dir"; phase store "$WORK/sums-pk" engine_driven 200; wait_files "$dir" "$CHUNKS"; stop
+start kvshard "$dir"; phase load "$WORK/sums-pk" engine_driven 200; stop; rm -rf "$dir"
+echo "compat-l2: a directory written by lmcache server is read by kvshard"
+dir="$WORK/kp"; mkdir -p "$dir"
+start kvshard "$dir"; phase store "$WORK/sums-kp" engine_driven 300; wait_files "$dir" "$CHUNKS"; stop
+start lmcache "$dir"; phase load "$WORK/sums-kp" engine_driven 300; stop; rm -rf "$dir"
+echo "compat-l2: a directory written by kvshard is read by lmcache server"
+
+# 3. skip_l1: L1 stays empty, hits come from L2 (same server, no restart).
+l1_objects() {
+    python3 - "$HTTP" <<'PY'
+import json, sys, urllib.request
+st = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/status", timeout=5))
+print(st["storage_manager"]["l1_manager"]["total_object_count"])
+PY
+}
+wait_l1_empty() {
+    for _ in $(seq 200); do [ "$(l1_objects)" = 0 ] && return 0; sleep 0.1; done
+    echo "compat-l2: skip_l1 left $(l1_objects) objects in L1"; exit 1
+}
+dir="$WORK/skip"; mkdir -p "$dir"
+start kvshard "$dir" --l2-store-policy skip_l1 --eviction-policy noop
+phase store "$WORK/sums-skip" engine_driven 400; wait_l1_empty
+phase load "$WORK/sums-skip" engine_driven 400; wait_l1_empty
+hits=$(metric lmcache_mp_lookup_hit_l2_keys_total); stop; rm -rf "$dir"
+[ "${hits%.*}" -eq "$CHUNKS" ] || { echo "compat-l2: skip_l1: $hits of $CHUNKS keys came from L2"; exit 1; }
+echo "compat-l2: skip_l1: L1 empty after stores and retrieves, $N/$N requests hit from L2 ($hits keys), checksums match"
+echo "compat-l2: all passed"

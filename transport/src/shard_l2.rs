@@ -1,0 +1,523 @@
+//! A shard's L2 controllers: the store controller (L1 -> every adapter, write
+//! behind), the prefetch side (L2 lookups and loads into L1) and the L2
+//! eviction ticks, all on the shard's own executor and adapters.
+//!
+//! - Stores run in a task queue with a smaller share than the one serving
+//!   lookups and retrieves, and the bytes being stored at once are bounded (a
+//!   semaphore counted in bytes).
+//! - An object being stored is read-locked in L1 from the moment its write
+//!   finished until every adapter is done with it, so it is neither evicted
+//!   nor rewritten while an adapter reads its memory.
+//! - Loads go into staged (write-locked) L1 objects that only become visible
+//!   when the whole object is in.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use glommio::sync::Semaphore;
+use glommio::{Latency, Shares, TaskQueueHandle};
+use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::l1::{L1Error, WriterTag};
+use kvshard_engine::l2::config::{AdapterKind, AdapterSpec};
+use kvshard_engine::l2::fs::FsAdapter;
+use kvshard_engine::l2::mock::MockAdapter;
+use kvshard_engine::l2::tier::{L2Tier, TierStats, TierUsage};
+use kvshard_engine::l2::{L2Adapter, ObjectBytes, StoreResult};
+
+use crate::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
+use crate::shard::ShardState;
+
+/// Where a lookup found a key: [`FOUND_MISS`], [`FOUND_L1`], or
+/// `FOUND_L2 + tier index` (locked in that tier).
+pub const FOUND_MISS: u8 = 0;
+pub const FOUND_L1: u8 = 1;
+pub const FOUND_L2: u8 = 2;
+
+/// Controller counters of one shard (0.5.6's `lmcache_mp_l2_*` families).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct L2CtlStats {
+    pub store_submitted_requests: u64,
+    pub store_submitted_objects: u64,
+    pub store_completed_requests: u64,
+    pub store_completed_objects: u64,
+    /// Objects not stored because their L1 read lock had expired while they
+    /// waited for the byte budget.
+    pub store_lock_expired_objects: u64,
+    pub skip_l1_deleted_objects: u64,
+    pub prefetch_lookup_requests: u64,
+    pub prefetch_lookup_objects: u64,
+    pub prefetch_load_submitted_requests: u64,
+    pub prefetch_load_submitted_objects: u64,
+    pub prefetch_load_completed_objects: u64,
+    pub prefetch_failure_objects: u64,
+    /// L2 hits whose size is not the registered object size (treated as misses).
+    pub size_mismatch_objects: u64,
+    pub inflight_stores: u64,
+    pub inflight_store_bytes: u64,
+    pub inflight_loads: u64,
+    pub inflight_load_bytes: u64,
+}
+
+/// One tier's figures for `/status` and `/metrics`.
+#[derive(Debug, Clone)]
+pub struct TierReport {
+    pub name: String,
+    pub usage: TierUsage,
+    pub stats: TierStats,
+    pub status: serde_json::Value,
+}
+
+pub struct L2Shard {
+    pub tiers: Vec<L2Tier>,
+    store_policy: L2StorePolicy,
+    prefetch_policy: L2PrefetchPolicy,
+    budget: Semaphore,
+    budget_bytes: u64,
+    queue: TaskQueueHandle,
+    stats: Cell<L2CtlStats>,
+    evicting: Cell<bool>,
+    /// Store tasks submitted and not finished (waiting for budget included).
+    pending_stores: Cell<u64>,
+    /// skip_l1: stored keys that were read-locked (a reader got to them first)
+    /// when the store finished; dropped from L1 once unlocked.
+    skip_l1_later: RefCell<Vec<ObjectKey>>,
+    size_mismatch_logged: Cell<bool>,
+}
+
+/// Tier names: `<type>#<flag position>`, e.g. `fs#1`.
+pub fn tier_name(spec: &AdapterSpec, index: usize) -> String {
+    format!("{}#{}", spec.type_name(), index + 1)
+}
+
+fn build_adapter(
+    spec: &AdapterSpec,
+    shard: usize,
+    num_shards: usize,
+) -> std::io::Result<Box<dyn L2Adapter>> {
+    Ok(match &spec.kind {
+        AdapterKind::Mock(m) => Box::new(MockAdapter::new(m, shard, num_shards)),
+        AdapterKind::Fs(f) => Box::new(FsAdapter::new(f, shard, num_shards)?),
+    })
+}
+
+impl L2Shard {
+    /// Builds this shard's adapter instances. Must run on the shard's executor.
+    pub fn new(settings: &L2Settings, shard: usize, num_shards: usize) -> Result<Self, String> {
+        let mut tiers = Vec::with_capacity(settings.adapters.len());
+        for (i, spec) in settings.adapters.iter().enumerate() {
+            let name = tier_name(spec, i);
+            let adapter = build_adapter(spec, shard, num_shards)
+                .map_err(|e| format!("L2 adapter {name}: {e}"))?;
+            tiers.push(L2Tier::new(name, adapter, spec.eviction.clone()));
+        }
+        let budget_bytes = (settings.store_inflight_bytes / num_shards.max(1) as u64).max(1);
+        let queue =
+            glommio::executor().create_task_queue(Shares::Static(100), Latency::NotImportant, "l2");
+        Ok(L2Shard {
+            tiers,
+            store_policy: settings.store_policy,
+            prefetch_policy: settings.prefetch_policy,
+            budget: Semaphore::new(budget_bytes),
+            budget_bytes,
+            queue,
+            stats: Cell::new(L2CtlStats::default()),
+            evicting: Cell::new(false),
+            pending_stores: Cell::new(0),
+            skip_l1_later: RefCell::new(Vec::new()),
+            size_mismatch_logged: Cell::new(false),
+        })
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        !self.tiers.is_empty()
+    }
+
+    pub fn stats(&self) -> L2CtlStats {
+        self.stats.get()
+    }
+
+    fn bump(&self, f: impl FnOnce(&mut L2CtlStats)) {
+        let mut s = self.stats.get();
+        f(&mut s);
+        self.stats.set(s);
+    }
+
+    pub fn reset_stats(&self) {
+        let s = self.stats.get();
+        // In-flight gauges survive a reset.
+        self.stats.set(L2CtlStats {
+            inflight_stores: s.inflight_stores,
+            inflight_store_bytes: s.inflight_store_bytes,
+            inflight_loads: s.inflight_loads,
+            inflight_load_bytes: s.inflight_load_bytes,
+            ..L2CtlStats::default()
+        });
+        for t in &self.tiers {
+            t.reset_stats();
+        }
+    }
+
+    pub fn reports(&self) -> Vec<TierReport> {
+        self.tiers
+            .iter()
+            .map(|t| TierReport {
+                name: t.name().to_owned(),
+                usage: t.usage(),
+                stats: t.stats(),
+                status: t.status(),
+            })
+            .collect()
+    }
+
+    pub fn set_quota(&self, salt: &str, limit_bytes: u64) {
+        for t in &self.tiers {
+            t.set_quota(salt, limit_bytes);
+        }
+    }
+
+    pub fn remove_quota(&self, salt: &str) {
+        for t in &self.tiers {
+            t.remove_quota(salt);
+        }
+    }
+}
+
+type State = Rc<RefCell<ShardState>>;
+
+/// Store controller: `keys` just became resident in L1 (not temporary). Locks
+/// them and writes them behind to every adapter.
+pub(crate) fn submit_store(state: &State, l2: &Rc<L2Shard>, keys: Vec<ObjectKey>) {
+    if !l2.is_enabled() || keys.is_empty() {
+        return;
+    }
+    let now = Instant::now();
+    let locked: Vec<(ObjectKey, u64)> = {
+        let mut st = state.borrow_mut();
+        let res = st.l1.reserve_read(&keys, 1, now);
+        keys.into_iter()
+            .zip(res)
+            .filter_map(|(k, r)| r.ok().map(|slab| (k, slab.len)))
+            .collect()
+    };
+    if locked.is_empty() {
+        return;
+    }
+    let bytes: u64 = locked.iter().map(|(_, b)| *b).sum();
+    l2.bump(|s| {
+        s.store_submitted_requests += 1;
+        s.store_submitted_objects += locked.len() as u64;
+    });
+    let (state, l2c) = (state.clone(), l2.clone());
+    l2.pending_stores.set(l2.pending_stores.get() + 1);
+    let spawned = glommio::spawn_local_into(
+        async move {
+            store_task(state, l2c.clone(), locked, bytes).await;
+            l2c.pending_stores.set(l2c.pending_stores.get() - 1);
+        },
+        l2.queue,
+    );
+    match spawned {
+        Ok(t) => {
+            t.detach();
+        }
+        Err(e) => {
+            // Only at shutdown; the read locks expire by TTL.
+            l2.pending_stores.set(l2.pending_stores.get() - 1);
+            log::error!("cannot start an L2 store task: {e}");
+        }
+    }
+}
+
+async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>, bytes: u64) {
+    let units = bytes.min(l2.budget_bytes);
+    if l2.budget.acquire(units).await.is_err() {
+        // Closed at shutdown: give the locks back.
+        let keys: Vec<ObjectKey> = locked.into_iter().map(|(k, _)| k).collect();
+        state.borrow_mut().l1.finish_read(&keys, 1, Instant::now());
+        return;
+    }
+    l2.bump(|s| {
+        s.inflight_stores += 1;
+        s.inflight_store_bytes += bytes;
+    });
+    // The read lock taken at submission must still be live: an object whose
+    // lock expired while waiting may have been evicted and its memory reused.
+    let now = Instant::now();
+    let mut items = Vec::with_capacity(locked.len());
+    let mut expired = Vec::new();
+    {
+        let st = state.borrow();
+        for (key, _) in locked {
+            match st.l1.read_locked(&key, now) {
+                Ok(slab) => {
+                    // SAFETY: read-locked in L1 until finish_read below, so the
+                    // memory is neither freed nor written while adapters read it.
+                    let bytes = unsafe { ObjectBytes::new(st.ptr(&slab), slab.len as usize) };
+                    items.push((key, bytes));
+                }
+                Err(_) => expired.push(key),
+            }
+        }
+    }
+    if !expired.is_empty() {
+        log::warn!(
+            "{} objects were not stored to L2: their L1 read lock expired while waiting for the L2 store budget",
+            expired.len()
+        );
+        l2.bump(|s| s.store_lock_expired_objects += expired.len() as u64);
+    }
+    let mut stored_anywhere = vec![false; items.len()];
+    for tier in &l2.tiers {
+        let res = tier.store(&items).await;
+        for (i, r) in res.iter().enumerate() {
+            if matches!(r, StoreResult::Stored(_) | StoreResult::Exists) {
+                stored_anywhere[i] = true;
+            }
+        }
+    }
+    let keys: Vec<ObjectKey> = items.into_iter().map(|(k, _)| k).collect();
+    let now = Instant::now();
+    {
+        let mut st = state.borrow_mut();
+        st.l1.finish_read(&keys, 1, now);
+        if l2.store_policy == L2StorePolicy::SkipL1 {
+            let done: Vec<ObjectKey> = keys
+                .iter()
+                .zip(&stored_anywhere)
+                .filter(|(_, s)| **s)
+                .map(|(k, _)| k.clone())
+                .collect();
+            let res = st.l1.delete(&done, false, now);
+            let n = res.iter().filter(|r| r.is_ok()).count() as u64;
+            l2.bump(|s| s.skip_l1_deleted_objects += n);
+            let mut later = l2.skip_l1_later.borrow_mut();
+            for (k, r) in done.into_iter().zip(res) {
+                if r == Err(L1Error::KeyIsLocked) {
+                    later.push(k);
+                }
+            }
+        }
+    }
+    l2.budget.signal(units);
+    l2.bump(|s| {
+        s.inflight_stores -= 1;
+        s.inflight_store_bytes -= bytes;
+        s.store_completed_requests += 1;
+        s.store_completed_objects += stored_anywhere.iter().filter(|s| **s).count() as u64;
+    });
+}
+
+/// Looks up `keys` (the L1 misses of a lookup) tier by tier; each key found is
+/// locked in the first tier that has it with the expected `size`.
+pub async fn lookup(l2: &L2Shard, keys: &[ObjectKey], size: u64) -> Vec<u8> {
+    let mut found = vec![FOUND_MISS; keys.len()];
+    l2.bump(|s| {
+        s.prefetch_lookup_requests += 1;
+        s.prefetch_lookup_objects += keys.len() as u64;
+    });
+    let mut pending: Vec<usize> = (0..keys.len()).collect();
+    for (t, tier) in l2.tiers.iter().enumerate() {
+        if pending.is_empty() {
+            break;
+        }
+        let ask: Vec<ObjectKey> = pending.iter().map(|&i| keys[i].clone()).collect();
+        let res = tier.lookup_and_lock(&ask).await;
+        let mut wrong = Vec::new();
+        let mut still = Vec::new();
+        for ((&i, key), r) in pending.iter().zip(ask).zip(res) {
+            match r {
+                Some(s) if s == size => found[i] = FOUND_L2 + t as u8,
+                Some(s) => {
+                    if !l2.size_mismatch_logged.replace(true) {
+                        log::warn!(
+                            "L2 {}: object {key:?} has {s} bytes, the registered layout needs {size}; treated as a miss (logged once)",
+                            tier.name()
+                        );
+                    }
+                    l2.bump(|st| st.size_mismatch_objects += 1);
+                    wrong.push(key);
+                    still.push(i);
+                }
+                None => still.push(i),
+            }
+        }
+        tier.unlock(&wrong);
+        pending = still;
+    }
+    found
+}
+
+/// Releases L2 lookup locks: `(key, found code)` pairs with codes >= FOUND_L2.
+pub fn unlock(l2: &L2Shard, keys: &[(ObjectKey, u8)]) {
+    for (t, tier) in l2.tiers.iter().enumerate() {
+        let mine: Vec<ObjectKey> = keys
+            .iter()
+            .filter(|(_, f)| *f == FOUND_L2 + t as u8)
+            .map(|(k, _)| k.clone())
+            .collect();
+        tier.unlock(&mine);
+    }
+}
+
+/// Loads `keys` (locked by [`lookup`] in the tier their code names) into new L1
+/// objects of `size` bytes with `readers` read locks each; releases the L2
+/// locks. Answers per key whether it is now readable in L1.
+pub(crate) async fn load(
+    state: &State,
+    l2: &L2Shard,
+    keys: Vec<(ObjectKey, u8)>,
+    size: u64,
+    readers: u32,
+    tag: u64,
+) -> Vec<bool> {
+    let now = Instant::now();
+    let tag = WriterTag(tag);
+    let temporary = l2.prefetch_policy == L2PrefetchPolicy::Default;
+    let plain: Vec<ObjectKey> = keys.iter().map(|(k, _)| k.clone()).collect();
+    l2.bump(|s| {
+        s.prefetch_load_submitted_requests += 1;
+        s.prefetch_load_submitted_objects += keys.len() as u64;
+        s.inflight_loads += 1;
+        s.inflight_load_bytes += size * keys.len() as u64;
+    });
+    let slabs = {
+        let mut st = state.borrow_mut();
+        st.maybe_grow(size * plain.len() as u64, None);
+        st.l1.reserve_write(&plain, size, tag, temporary, now)
+    };
+    let mut ok = vec![false; keys.len()];
+    // Keys that are resident already (another load or a store won the race):
+    // read-lock the resident copy instead.
+    let mut resident = Vec::new();
+    for (t, tier) in l2.tiers.iter().enumerate() {
+        let mut idx = Vec::new();
+        let mut items = Vec::new();
+        {
+            let st = state.borrow();
+            for (i, ((key, code), slab)) in keys.iter().zip(&slabs).enumerate() {
+                if *code != FOUND_L2 + t as u8 {
+                    continue;
+                }
+                match slab {
+                    Ok(slab) => {
+                        // SAFETY: staged for this tag only: invisible to readers
+                        // and not evictable until finished or aborted below.
+                        let b = unsafe { ObjectBytes::new(st.ptr(slab), size as usize) };
+                        idx.push(i);
+                        items.push((key.clone(), b));
+                    }
+                    Err(L1Error::KeyNotWritable) => resident.push(i),
+                    Err(_) => {}
+                }
+            }
+        }
+        if !items.is_empty() {
+            let res = tier.load(&items).await;
+            for (i, r) in idx.into_iter().zip(res) {
+                ok[i] = r;
+            }
+        }
+    }
+    unlock(l2, &keys);
+    let now = Instant::now();
+    let mut st = state.borrow_mut();
+    let (mut done, mut failed) = (Vec::new(), Vec::new());
+    for (i, key) in plain.iter().enumerate() {
+        if slabs[i].is_ok() {
+            if ok[i] {
+                done.push((i, key.clone()));
+            } else {
+                failed.push(key.clone());
+            }
+        }
+    }
+    let done_keys: Vec<ObjectKey> = done.iter().map(|(_, k)| k.clone()).collect();
+    let res = st
+        .l1
+        .finish_write_and_reserve_read(&done_keys, tag, readers, now);
+    for ((i, _), r) in done.iter().zip(res) {
+        ok[*i] = r.is_ok();
+    }
+    if !failed.is_empty() {
+        st.l1.abort_write(&failed, tag);
+    }
+    if !resident.is_empty() {
+        let rk: Vec<ObjectKey> = resident.iter().map(|&i| plain[i].clone()).collect();
+        for (&i, r) in resident.iter().zip(st.l1.reserve_read(&rk, readers, now)) {
+            ok[i] = r.is_ok();
+        }
+    }
+    drop(st);
+    let loaded = ok.iter().filter(|b| **b).count() as u64;
+    l2.bump(|s| {
+        s.inflight_loads -= 1;
+        s.inflight_load_bytes -= size * keys.len() as u64;
+        s.prefetch_load_completed_objects += loaded;
+        s.prefetch_failure_objects += keys.len() as u64 - loaded;
+    });
+    ok
+}
+
+/// skip_l1: drops from L1 the stored keys that were locked when their store
+/// finished, now that their readers are done (runs every tick).
+pub(crate) fn drop_stored_from_l1(state: &State, l2: &L2Shard) {
+    let keys = std::mem::take(&mut *l2.skip_l1_later.borrow_mut());
+    if keys.is_empty() {
+        return;
+    }
+    let res = state.borrow_mut().l1.delete(&keys, false, Instant::now());
+    let mut later = l2.skip_l1_later.borrow_mut();
+    let mut n = 0;
+    for (k, r) in keys.into_iter().zip(res) {
+        match r {
+            Ok(()) => n += 1,
+            Err(L1Error::KeyIsLocked) => later.push(k),
+            Err(_) => {}
+        }
+    }
+    l2.bump(|s| s.skip_l1_deleted_objects += n);
+}
+
+/// Starts an eviction pass over every tier with an eviction policy, unless
+/// the previous pass is still running.
+pub fn tick(l2: &Rc<L2Shard>) {
+    if !l2.is_enabled() || l2.evicting.get() {
+        return;
+    }
+    l2.evicting.set(true);
+    let l2c = l2.clone();
+    let spawned = glommio::spawn_local_into(
+        async move {
+            for tier in &l2c.tiers {
+                tier.evict_tick().await;
+            }
+            l2c.evicting.set(false);
+        },
+        l2.queue,
+    );
+    match spawned {
+        Ok(t) => {
+            t.detach();
+        }
+        Err(e) => {
+            l2.evicting.set(false);
+            log::error!("cannot start an L2 eviction pass: {e}");
+        }
+    }
+}
+
+/// At shutdown: waits (up to `limit`) for stores in flight to finish.
+pub async fn drain(l2: &L2Shard, limit: Duration) {
+    let until = Instant::now() + limit;
+    while l2.pending_stores.get() > 0 {
+        if Instant::now() >= until {
+            log::warn!(
+                "{} L2 store batches still pending at shutdown; their objects are not in L2",
+                l2.pending_stores.get()
+            );
+            return;
+        }
+        glommio::timer::sleep(Duration::from_millis(20)).await;
+    }
+}
