@@ -215,23 +215,74 @@ fn skip_l1_keeps_l1_empty_while_hits_come_from_l2() {
     );
 }
 
+/// Bytes of one chunk of a `big_register`ed worker: [2, 16 layers, 16 slots, 2048] f16.
+const BIG_CHUNK_BYTES: usize = 2 * 16 * ED_CHUNK * 2048 * 2;
+
+fn big_register(c: &mut Client, iid: i64) -> ShmMap {
+    let r = c
+        .call(
+            OP_REGISTER_ENGINE,
+            &[engine_ctx_payload(
+                iid,
+                "big",
+                1,
+                16,
+                2048,
+                false,
+                ED_CHUNK as i64,
+            )],
+        )
+        .expect("register reply");
+    ShmMap::open(
+        r.get("shm_name").unwrap().str(),
+        r.get("pool_size").unwrap().int() as usize,
+    )
+}
+
+/// PREPARE_STORE + fill + COMMIT_STORE of `n` chunks; returns the bytes per chunk.
+fn big_store(
+    c: &mut Client,
+    pool: &mut ShmMap,
+    iid: i64,
+    toks: &[u32],
+    n: usize,
+    seed: u64,
+) -> Vec<Vec<u8>> {
+    let key = ipc_key("big", 1, Some(0), toks, 0, (n * ED_CHUNK) as i64, "s", 1);
+    let r = c.call(OP_PREPARE_STORE, &[key.clone(), V::I(iid)]).unwrap();
+    let slots = ed_slots(&r);
+    assert_eq!(slots.len(), n);
+    let mut out = Vec::new();
+    for (i, slot) in slots.iter().enumerate() {
+        let off = slot.get("offset").unwrap().int() as usize;
+        let len = slot.get("length").unwrap().int() as usize;
+        assert_eq!(len, BIG_CHUNK_BYTES);
+        let data = pattern(seed * 16 + i as u64, len);
+        pool.bytes_mut()[off..off + len].copy_from_slice(&data);
+        out.push(data);
+    }
+    assert_eq!(
+        c.call(OP_COMMIT_STORE, &[key, V::I(iid), V::Bin(vec![])]),
+        Some(V::B(true))
+    );
+    out
+}
+
 #[test]
 fn kill_9_mid_store_leaves_no_torn_object() {
     let dir = TempDir::new("crash");
     let adapter = fs_adapter(&dir);
-    // Bigger objects widen the window in which a write is in progress.
-    let requests: Vec<Vec<u32>> = (0..60).map(|i| ed_tokens(1000 + i, 4 * ED_CHUNK)).collect();
+    // 2 MiB objects written behind while more arrive: the kill lands while
+    // some are being written.
+    let requests: Vec<Vec<u32>> = (0..40).map(|i| ed_tokens(1000 + i, 4 * ED_CHUNK)).collect();
     let mut stored: Vec<Vec<Vec<u8>>> = Vec::new();
     {
-        let mut srv = Server::start(&["--l2-adapter", &adapter]);
+        let mut srv = Server::start(&["--l1-size-gb", "1", "--l2-adapter", &adapter]);
         let mut c = srv.client();
-        let (name, size) = ed_register(&mut c, 1, "m");
-        let mut pool = ShmMap::open(&name, size);
+        let mut pool = big_register(&mut c, 1);
         for (i, toks) in requests.iter().enumerate() {
-            let key = ed_key("m", Some(0), toks, 4, &format!("s{i}"));
-            stored.push(ed_store(&mut c, &mut pool, &key, 1, 5000 + i as u64));
-            if i == 45 {
-                // Stores of the last requests are still being written behind.
+            stored.push(big_store(&mut c, &mut pool, 1, toks, 4, 5000 + i as u64));
+            if i == 30 {
                 // SAFETY: plain kill(2) of our child.
                 unsafe { libc::kill(srv.child.id() as i32, libc::SIGKILL) };
                 let _ = srv.child.wait();
@@ -240,19 +291,117 @@ fn kill_9_mid_store_leaves_no_torn_object() {
         }
         assert!(!srv.alive());
     }
-    for (name, len) in data_files(&dir.0) {
-        assert_eq!(len, ED_CHUNK_BYTES as u64, "{name} is torn");
+    let files = data_files(&dir.0);
+    let tmp = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        })
+        .count();
+    eprintln!(
+        "after the kill: {} objects under real names, {tmp} temporary files",
+        files.len()
+    );
+    for (name, len) in &files {
+        assert_eq!(*len, BIG_CHUNK_BYTES as u64, "{name} is torn");
     }
     // Whatever made it to disk loads back with the bytes stored.
-    let srv = Server::start(&["--l2-adapter", &adapter]);
+    let srv = Server::start(&["--l1-size-gb", "1", "--l2-adapter", &adapter]);
+    let mut c = srv.client();
+    let pool = big_register(&mut c, 2);
     let mut hit_total = 0;
     for (i, toks) in requests.iter().enumerate().take(stored.len()) {
-        let (hits, back) = lookup_retrieve(&srv, 100 + i as i64, toks, 4, &format!("r{i}"));
-        assert_eq!(back[..], stored[i][..hits as usize], "request {i}");
+        let rid = format!("r{i}");
+        let hits = ed_lookup(
+            &mut c,
+            &ipc_key("big", 1, None, toks, 0, 4 * ED_CHUNK as i64, &rid, 1),
+        );
+        if hits > 0 {
+            let key = ipc_key("big", 1, Some(0), toks, 0, hits * ED_CHUNK as i64, &rid, 1);
+            let back = ed_retrieve(&mut c, &pool, &key, 2);
+            assert!(
+                back[..] == stored[i][..hits as usize],
+                "request {i}: bytes differ"
+            );
+        }
+        c.call(OP_END_SESSION, &[s(&rid)]);
         hit_total += hits;
     }
     assert!(
         hit_total > 0,
         "some stores reached the disk before the kill"
+    );
+    assert!(files.len() as i64 >= hit_total);
+}
+
+#[test]
+fn fs_capacity_evicts_the_least_recently_used_objects() {
+    let dir = TempDir::new("evict");
+    // Room for 6 objects on the one shard; evict half the tracked keys at 80%.
+    let cap_gb = 6.0 * ED_CHUNK_BYTES as f64 / (1u64 << 30) as f64;
+    let adapter = format!(
+        r#"{{"type":"fs","base_path":"{}","max_capacity_gb":{cap_gb},
+            "eviction":{{"eviction_policy":"LRU","trigger_watermark":0.8,"eviction_ratio":0.5}}}}"#,
+        dir.path()
+    );
+    let srv = Server::start(&[
+        "--cores",
+        "0",
+        "--eviction-policy",
+        "noop",
+        "--l2-store-policy",
+        "skip_l1",
+        "--l2-adapter",
+        &adapter,
+    ]);
+    let reqs: Vec<Vec<u32>> = (0..4).map(|i| ed_tokens(40 + i, 2 * ED_CHUNK)).collect();
+    let mut c = srv.client();
+    let (name, size) = ed_register(&mut c, 1, "m");
+    let mut pool = ShmMap::open(&name, size);
+    for (i, toks) in reqs.iter().enumerate() {
+        let rid = format!("s{i}");
+        ed_store(
+            &mut c,
+            &mut pool,
+            &ed_key("m", Some(0), toks, 2, &rid),
+            1,
+            60 + i as u64,
+        );
+        c.call(OP_END_SESSION, &[s(&rid)]);
+        // One request at a time, so the L2 recency order is the store order.
+        wait_until("L1 copies dropped", || l1_objects(&srv) == 0);
+    }
+    // 8 objects over a capacity of 6: a tick evicts the 4 least recent.
+    wait_until("L2 eviction", || data_files(&dir.0).len() == 4);
+    assert_eq!(
+        srv.metric("lmcache_mp_l2_evicted_objects_chunks_total", &[]),
+        Some(4.0)
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        data_files(&dir.0).len(),
+        4,
+        "below the watermark nothing more goes"
+    );
+    let hits: Vec<i64> = reqs
+        .iter()
+        .enumerate()
+        .map(|(i, toks)| {
+            let rid = format!("l{i}");
+            let h = ed_lookup(&mut c, &ed_key("m", None, toks, 2, &rid));
+            c.call(
+                OP_FREE_LOOKUP_LOCKS,
+                &[ed_key("m", None, toks, 2, &rid), V::I(1)],
+            );
+            c.call(OP_END_SESSION, &[s(&rid)]);
+            h
+        })
+        .collect();
+    assert_eq!(hits, [0, 0, 2, 2], "the two oldest requests were evicted");
+    let st = srv.get_json("/status");
+    assert_eq!(
+        st["storage_manager"]["l2_adapters"][0]["stored_object_count"],
+        4
     );
 }
