@@ -264,9 +264,11 @@ fn parse_eviction(e: &Map<String, Value>, at: &str) -> Result<EvictionConfig, St
         Some("LRU") => PolicyKind::Lru,
         Some("IsolatedLRU") => PolicyKind::IsolatedLru,
         Some("noop") => PolicyKind::Noop,
-        Some("ARC") => return Err(format!(
+        Some("ARC") => {
+            return Err(format!(
             "{at}: field 'eviction.eviction_policy': ARC is not available in this build of kvshard"
-        )),
+        ))
+        }
         _ => {
             return Err(format!(
                 "{at}: field 'eviction.eviction_policy' must be 'LRU', 'IsolatedLRU' or 'noop'"
