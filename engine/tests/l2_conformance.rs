@@ -7,10 +7,6 @@
 //! succeeds. Every case starts from a fresh backing store.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::future::{poll_fn, Future};
-use std::path::{Path, PathBuf};
-use std::pin::pin;
-use std::task::Poll;
 
 use kvshard_engine::eviction::{EvictionConfig, PolicyKind};
 use kvshard_engine::keys::ObjectKey;
@@ -19,6 +15,9 @@ use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::mock::MockAdapter;
 use kvshard_engine::l2::tier::L2Tier;
 use kvshard_engine::l2::{L2Adapter, ObjectBytes, StoreResult};
+
+mod common;
+use common::{join2, payload, run, TempDir};
 
 /// Size of most test objects; capacities of eviction cases are multiples of it.
 const OBJ: usize = 4096;
@@ -60,14 +59,6 @@ impl Subject<'_> {
     }
 }
 
-fn run<T>(f: impl Future<Output = T>) -> T {
-    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-        .io_memory(512 * 1024)
-        .make()
-        .expect("glommio executor")
-        .run(f)
-}
-
 fn key(model: &str, i: u32, salt: &str) -> ObjectKey {
     let mut chunk_hash = [0u8; 32];
     for (j, b) in chunk_hash.iter_mut().enumerate() {
@@ -81,20 +72,6 @@ fn key(model: &str, i: u32, salt: &str) -> ObjectKey {
         object_group_id: 0,
         cache_salt: salt.to_owned(),
     }
-}
-
-/// Distinct bytes per (seed, position), so a load of the wrong object, or a
-/// mix of two, does not compare equal.
-fn payload(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 async fn store(t: &L2Tier, items: &[(ObjectKey, Vec<u8>)]) -> Vec<StoreResult> {
@@ -137,32 +114,6 @@ async fn touch(t: &L2Tier, k: &ObjectKey) -> Option<u64> {
     let r = t.lookup_and_lock(std::slice::from_ref(k)).await[0];
     t.unlock(std::slice::from_ref(k));
     r
-}
-
-/// Polls both futures until both are done (no extra dependency for a join).
-async fn join2<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
-    let mut a = pin!(a);
-    let mut b = pin!(b);
-    let mut ra = None;
-    let mut rb = None;
-    poll_fn(|cx| {
-        if ra.is_none() {
-            if let Poll::Ready(v) = a.as_mut().poll(cx) {
-                ra = Some(v);
-            }
-        }
-        if rb.is_none() {
-            if let Poll::Ready(v) = b.as_mut().poll(cx) {
-                rb = Some(v);
-            }
-        }
-        if ra.is_some() && rb.is_some() {
-            Poll::Ready((ra.take().unwrap(), rb.take().unwrap()))
-        } else {
-            Poll::Pending
-        }
-    })
-    .await
 }
 
 async fn conformance(s: &Subject<'_>) {
@@ -765,31 +716,6 @@ fn mock_conforms() {
         make: &make,
         failing_item: &failing_item,
     }));
-}
-
-/// Removes the directory tree when dropped (also when a case panics).
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!(
-            "kvshard-l2-conformance-{tag}-{}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("create temp dir");
-        TempDir(p)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn fs_subject_run(tag: &str, relative_tmp_dir: Option<&str>) {

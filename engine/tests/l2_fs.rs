@@ -5,12 +5,8 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs;
-use std::future::{poll_fn, Future};
-use std::path::{Path, PathBuf};
-use std::pin::pin;
+use std::path::Path;
 use std::slice::from_ref;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::Poll;
 
 use kvshard_engine::keys::{hex, ObjectKey};
 use kvshard_engine::l2::config::FsConfig;
@@ -18,42 +14,10 @@ use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::naming::{file_name, parse_file_name};
 use kvshard_engine::l2::{L2Adapter, ObjectBytes, StoreResult};
 
+mod common;
+use common::{join2, payload, run, TempDir};
+
 const GOLDEN: &str = include_str!("data/l2_golden_names.txt");
-
-fn run<T>(f: impl Future<Output = T>) -> T {
-    glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-        .io_memory(512 * 1024)
-        .make()
-        .expect("glommio executor")
-        .run(f)
-}
-
-/// A fresh directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        static SEQ: AtomicU64 = AtomicU64::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "kvshard-l2-fs-{tag}-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = fs::remove_dir_all(&p);
-        fs::create_dir_all(&p).expect("create test dir");
-        TempDir(p)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A 4096-aligned, zeroed buffer (as L1 slab memory is).
 struct Aligned {
@@ -110,18 +74,6 @@ fn key(model: &str, i: u32, salt: &str) -> ObjectKey {
         object_group_id: 0,
         cache_salt: salt.to_owned(),
     }
-}
-
-fn payload(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 fn cfg(dir: &Path) -> FsConfig {
@@ -565,7 +517,7 @@ fn concurrent_stores_of_one_key_leave_one_complete_object() {
         let b = FsAdapter::new(&cfg(dir.path()), 1, 2).unwrap();
         let k = key("m", 9, "");
         let bytes = payload(9, 1 << 20);
-        let (ra, rb) = join(
+        let (ra, rb) = join2(
             store(&a, &[(k.clone(), bytes.clone())]),
             store(&b, &[(k.clone(), bytes.clone())]),
         )
@@ -582,28 +534,4 @@ fn concurrent_stores_of_one_key_leave_one_complete_object() {
         assert_eq!(fs::read(dir.path().join(file_name(&k))).unwrap(), bytes);
         assert!(tmp_files(dir.path()).is_empty());
     });
-}
-
-/// Polls two futures together.
-async fn join<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
-    let (mut a, mut b) = (pin!(a), pin!(b));
-    let (mut ra, mut rb) = (None, None);
-    poll_fn(|cx| {
-        if ra.is_none() {
-            if let Poll::Ready(v) = a.as_mut().poll(cx) {
-                ra = Some(v);
-            }
-        }
-        if rb.is_none() {
-            if let Poll::Ready(v) = b.as_mut().poll(cx) {
-                rb = Some(v);
-            }
-        }
-        if ra.is_some() && rb.is_some() {
-            Poll::Ready((ra.take().unwrap(), rb.take().unwrap()))
-        } else {
-            Poll::Pending
-        }
-    })
-    .await
 }
