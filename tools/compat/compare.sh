@@ -16,19 +16,7 @@ export LMCACHE_DISABLE_BANNER=1
 OUT=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$OUT"' EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() {
-    python3 - "$1" <<'PY'
-import sys, time, urllib.request
-for _ in range(600):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthcheck", timeout=1).read()
-        sys.exit(0)
-    except Exception:
-        time.sleep(0.2)
-sys.exit(1)
-PY
-}
+. tools/compat/common.sh
 
 bench() { # name port http_port
     "$VENV/bin/lmcache" bench server --mode cpu --rpc-url "tcp://127.0.0.1:$2" --url "http://127.0.0.1:$3" \

@@ -27,19 +27,7 @@ PID=""
 cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null; wait 2>/dev/null; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() {
-    python3 - "$HTTP" <<'PY' || { echo "compat-l2: server did not start"; cat "$LOG"; exit 1; }
-import sys, time, urllib.request
-for _ in range(900):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthcheck", timeout=1).read()
-        sys.exit(0)
-    except Exception:
-        time.sleep(0.2)
-sys.exit(1)
-PY
-}
+. tools/compat/common.sh
 start() { # kind (kvshard|lmcache) dir [extra flags...]
     local kind="$1" dir="$2"; shift 2
     PORT=$(free_port); HTTP=$(free_port)
@@ -53,7 +41,8 @@ start() { # kind (kvshard|lmcache) dir [extra flags...]
             --l2-adapter "$adapter" "$@" >"$LOG" 2>&1 &
     fi
     PID=$!
-    wait_http
+    # lmcache server takes a while to import torch.
+    wait_http "$HTTP" 180 || { echo "compat-l2: $kind did not start"; cat "$LOG"; exit 1; }
 }
 stop() { kill "$PID"; wait "$PID" 2>/dev/null || true; PID=""; }
 wait_files() { # dir count

@@ -23,7 +23,7 @@ if [ -z "$BIN" ]; then
     BIN=target/release/kvshard
 fi
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. tools/compat/common.sh
 PORT=$(free_port)
 HTTP_PORT=$(free_port)
 LOG=$(mktemp)

@@ -416,6 +416,26 @@ impl ShardState {
     }
 }
 
+/// Where a shard's answer to one message goes; the notify queue is only
+/// cloned for the messages answered from a spawned task.
+#[derive(Clone, Copy)]
+struct ReplyAddr {
+    seq: Seq,
+    shard: usize,
+}
+
+impl ReplyAddr {
+    fn send(self, replies: &NotifySender<FrontEvent>, body: ShardReplyBody) {
+        if self.seq != 0 {
+            replies.send(FrontEvent::Shard(ShardReply {
+                seq: self.seq,
+                shard: self.shard,
+                body,
+            }));
+        }
+    }
+}
+
 /// Runs one shard until its mailbox closes.
 pub async fn run_shard(
     cfg: ShardConfig,
@@ -468,18 +488,9 @@ pub async fn run_shard(
             Err(_) => rx.recv().await,
         };
         let Some(msg) = next else { break };
-        let seq = msg.seq;
-        let reply = {
-            let replies = replies.clone();
-            move |body| {
-                if seq != 0 {
-                    replies.send(FrontEvent::Shard(ShardReply {
-                        seq,
-                        shard: id,
-                        body,
-                    }));
-                }
-            }
+        let to = ReplyAddr {
+            seq: msg.seq,
+            shard: id,
         };
         match msg.op {
             ShardOp::Lookup {
@@ -489,10 +500,10 @@ pub async fn run_shard(
             } => {
                 let found = state.borrow_mut().lookup_l1(&keys, readers, Instant::now());
                 if !l2.is_enabled() || found.iter().all(|f| *f == FOUND_L1) {
-                    reply(ShardReplyBody::Found(found));
+                    to.send(&replies, ShardReplyBody::Found(found));
                     continue;
                 }
-                let l2 = l2.clone();
+                let (l2, replies) = (l2.clone(), replies.clone());
                 glommio::spawn_local(async move {
                     let misses: Vec<usize> = (0..keys.len())
                         .filter(|&i| found[i] == FOUND_MISS)
@@ -503,7 +514,7 @@ pub async fn run_shard(
                     for (i, c) in misses.into_iter().zip(codes) {
                         found[i] = c;
                     }
-                    reply(ShardReplyBody::Found(found));
+                    to.send(&replies, ShardReplyBody::Found(found));
                 })
                 .detach();
             }
@@ -513,16 +524,16 @@ pub async fn run_shard(
                 readers,
                 tag,
             } => {
-                let (state, l2) = (state.clone(), l2.clone());
+                let (state, l2, replies) = (state.clone(), l2.clone(), replies.clone());
                 glommio::spawn_local(async move {
                     let ok = shard_l2::load(&state, &l2, keys, size, readers, tag).await;
-                    reply(ShardReplyBody::Loaded(ok));
+                    to.send(&replies, ShardReplyBody::Loaded(ok));
                 })
                 .detach();
             }
             ShardOp::UnlockL2 { keys } => {
                 shard_l2::unlock(&l2, &keys);
-                reply(ShardReplyBody::Done);
+                to.send(&replies, ShardReplyBody::Done);
             }
             op => {
                 match &op {
@@ -545,7 +556,7 @@ pub async fn run_shard(
                 };
                 let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
                 shard_l2::submit_store(&state, &l2, admitted);
-                reply(body);
+                to.send(&replies, body);
             }
         }
     }
