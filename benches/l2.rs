@@ -4,17 +4,21 @@
 //! 1. `FsAdapter` store/load throughput of 64 x 4 MiB objects with O_DIRECT
 //!    next to a raw io_uring O_DIRECT write/read of the same sizes and buffers.
 //! 2. Warm L2 prefetch of a 2048-token request through the real server (L1
-//!    empty, 8 x 4 MiB chunks loaded from fs) next to an O_DIRECT pread of the
-//!    same 8 files from this process (into heap buffers, and into a shm
-//!    segment like L1's memory).
+//!    empty and pre-faulted, so on huge pages where the kernel allows them;
+//!    8 x 4 MiB chunks loaded from fs) next to an io_uring O_DIRECT read of the
+//!    same 8 files, all in flight, from this process into huge-page heap
+//!    buffers (the disk's ceiling for that request). Also shown: the same read
+//!    into a shm segment of base pages, and plain pread one file at a time.
 //! 3. L1-hit lookup + retrieve latency while the server writes >= 1 GiB behind
-//!    to fs, next to the same loop with no flush running.
+//!    to fs, next to the same loop with no flush running and the same loop
+//!    while this process writes as many bytes to a file itself.
 //!
 //! `cargo bench --bench l2` runs the full sizes; under `cargo test` (no
 //! `--bench` argument) it runs tiny sizes and a few iterations, still checking
-//! the bytes. Files live in `target/l2-bench-<pid>` (on the real disk, not
-//! tmpfs, so O_DIRECT means something); with `KVSHARD_BENCH_DIR` set, the
-//! `l2-bench-<pid>` directory is made there instead. It is removed at the end.
+//! the bytes. `KVSHARD_BENCH_ONLY=2` runs one part. Files live in
+//! `target/l2-bench-<pid>` (on the real disk, not tmpfs, so O_DIRECT means
+//! something); with `KVSHARD_BENCH_DIR` set, the `l2-bench-<pid>` directory is
+//! made there instead. It is removed at the end.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -96,7 +100,13 @@ impl Drop for BenchDir {
     }
 }
 
-/// A heap buffer aligned for O_DIRECT.
+/// Alignment of bench buffers: 2 MiB, so that transparent huge pages can back
+/// them and a baseline read lands in physically contiguous memory (the disk's
+/// ceiling, not the scatter of 4 KiB pages).
+const BUF_ALIGN: usize = 2 << 20;
+
+/// A heap buffer aligned for O_DIRECT, on transparent huge pages where the
+/// kernel allows them.
 struct Aligned {
     ptr: *mut u8,
     len: usize,
@@ -105,10 +115,15 @@ struct Aligned {
 impl Aligned {
     fn zeroed(len: usize) -> Aligned {
         assert!(len > 0 && len % ALIGN == 0);
-        let layout = Layout::from_size_align(len, ALIGN).unwrap();
+        let layout = Layout::from_size_align(len, BUF_ALIGN).unwrap();
         // SAFETY: non-zero size; checked for null below.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = unsafe { std::alloc::alloc(layout) };
         assert!(!ptr.is_null(), "out of memory allocating {len} bytes");
+        // Advise before the first touch; a refusal only means base pages.
+        // SAFETY: the range is exactly this allocation.
+        unsafe { libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE) };
+        // SAFETY: `len` bytes were just allocated.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
         Aligned { ptr, len }
     }
 
@@ -130,7 +145,12 @@ impl Aligned {
 impl Drop for Aligned {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, Layout::from_size_align(self.len, ALIGN).unwrap()) };
+        unsafe {
+            std::alloc::dealloc(
+                self.ptr,
+                Layout::from_size_align(self.len, BUF_ALIGN).unwrap(),
+            )
+        };
     }
 }
 
@@ -151,7 +171,7 @@ fn fill(buf: &mut [u8], seed: u64) {
 /// Writes (`write`) or reads each `paths[i]` whole from/into `bufs[i]` with
 /// O_DIRECT through `ring`, `RAW_DEPTH` transfers in flight. Open and close are
 /// part of the work, as they are in the adapter.
-fn raw_uring(ring: &mut IoUring, paths: &[PathBuf], bufs: &mut [Aligned], write: bool) {
+fn raw_uring(ring: &mut IoUring, paths: &[PathBuf], bufs: &mut [&mut [u8]], write: bool) {
     let files: Vec<File> = paths
         .iter()
         .map(|p| {
@@ -173,10 +193,10 @@ fn raw_uring(ring: &mut IoUring, paths: &[PathBuf], bufs: &mut [Aligned], write:
         while in_flight < RAW_DEPTH {
             let Some(i) = queue.pop_front() else { break };
             let fd = types::Fd(files[i].as_raw_fd());
-            let n = (bufs[i].len - done[i]) as u32;
+            let n = (bufs[i].len() - done[i]) as u32;
             // SAFETY: the range lies inside bufs[i], which outlives the ring
             // work: this function waits for every request it queued.
-            let p = unsafe { bufs[i].ptr.add(done[i]) };
+            let p = unsafe { bufs[i].as_mut_ptr().add(done[i]) };
             let sqe = if write {
                 opcode::Write::new(fd, p, n).offset(done[i] as u64).build()
             } else {
@@ -205,7 +225,7 @@ fn raw_uring(ring: &mut IoUring, paths: &[PathBuf], bufs: &mut [Aligned], write:
                 io::Error::from_raw_os_error(-res)
             );
             done[i] += res as usize;
-            if done[i] < bufs[i].len {
+            if done[i] < bufs[i].len() {
                 queue.push_back(i);
             }
         }
@@ -318,10 +338,12 @@ fn adapter_throughput(dir: &Path, n_obj: usize, obj: usize, rounds: usize) {
                     }
                 } else {
                     let t = Instant::now();
-                    raw_uring(&mut ring, &raw_paths, &mut src, true);
+                    let mut bufs: Vec<&mut [u8]> = src.iter_mut().map(|b| b.bytes_mut()).collect();
+                    raw_uring(&mut ring, &raw_paths, &mut bufs, true);
                     write.push(gbps(total, t.elapsed()));
                     let t = Instant::now();
-                    raw_uring(&mut ring, &raw_paths, &mut dst, false);
+                    let mut bufs: Vec<&mut [u8]> = dst.iter_mut().map(|b| b.bytes_mut()).collect();
+                    raw_uring(&mut ring, &raw_paths, &mut bufs, false);
                     read.push(gbps(total, t.elapsed()));
                     if round == 0 {
                         for (i, (a, b)) in src.iter().zip(&dst).enumerate() {
@@ -555,11 +577,13 @@ fn read_direct_pread(paths: &[PathBuf], bufs: &mut [&mut [u8]]) {
 }
 
 fn prefetch_latency(dir: &Path, layers: i64, hidden: i64, iters: usize, warmup: usize) {
+    // A pre-faulted L1 (--no-l1-use-lazy) asks for transparent huge pages.
     let srv = Server::start(&[
         "--chunk-size",
         "256",
         "--l1-size-gb",
         "1",
+        "--no-l1-use-lazy",
         "--eviction-policy",
         "noop",
         "--l2-store-policy",
@@ -569,11 +593,17 @@ fn prefetch_latency(dir: &Path, layers: i64, hidden: i64, iters: usize, warmup: 
     ]);
     let mut w = Worker::register(srv.port, 1, layers, hidden);
     let chunk = w.chunk_bytes;
+    let l1 = &srv.get_json("/status")["storage_manager"]["l1_manager"];
+    println!(
+        "(L1 pages: {}, {} of {} bytes on huge pages at start)",
+        l1["huge_pages"], l1["huge_page_bytes_at_start"], l1["memory_configured_bytes"]
+    );
     println!(
         "== 2. warm L2 prefetch of {REQ_TOKENS} tokens ({REQ_CHUNKS} x {} KiB from fs, O_DIRECT, L1 empty): \
          LOOKUP -> WAIT_PREFETCH_STATUS == {REQ_CHUNKS}, vs this process reading the same {REQ_CHUNKS} files \
-         with O_DIRECT pread (open+pread+close, one after another) into aligned heap buffers (baseline) and \
-         into a shm segment (the kind of memory L1 is)",
+         with O_DIRECT through io_uring, all in flight, into aligned heap buffers (baseline: the disk's \
+         ceiling for this request); also into a shm segment (the kind of memory L1 is) and with plain \
+         pread one file after another",
         chunk >> 10
     );
     let toks = ed_tokens(0x12_0000, REQ_TOKENS);
@@ -609,8 +639,9 @@ fn prefetch_latency(dir: &Path, layers: i64, hidden: i64, iters: usize, warmup: 
     // Fault the pages in up front, as L1's are.
     shm.bytes_mut().fill(0);
     let mut shm_bufs: Vec<&mut [u8]> = shm.bytes_mut().chunks_exact_mut(chunk).collect();
+    let mut ring = IoUring::new(RAW_DEPTH as u32).expect("io_uring");
     for bufs in [&mut heap_bufs, &mut shm_bufs] {
-        read_direct_pread(&paths, bufs);
+        raw_uring(&mut ring, &paths, bufs, false);
         for (p, b) in paths.iter().zip(bufs.iter()) {
             assert!(
                 stored.iter().any(|x| x[..] == **b),
@@ -620,7 +651,7 @@ fn prefetch_latency(dir: &Path, layers: i64, hidden: i64, iters: usize, warmup: 
         }
     }
 
-    let (mut hp, mut hr, mut hs) = (hist(), hist(), hist());
+    let (mut hp, mut hr, mut hs, mut hq) = (hist(), hist(), hist(), hist());
     for i in 0..warmup + iters {
         wait_until("L1 to be empty again", Duration::from_secs(30), || {
             l1_objects(&srv) == 0
@@ -633,8 +664,8 @@ fn prefetch_latency(dir: &Path, layers: i64, hidden: i64, iters: usize, warmup: 
             }
         };
         // Rotate the order so that drift of the disk favours no one.
-        for step in 0..3 {
-            match (i + step) % 3 {
+        for step in 0..4 {
+            match (i + step) % 4 {
                 0 => {
                     let t = Instant::now();
                     let hits = w.lookup_wait(&toks, &rid);
@@ -647,13 +678,18 @@ fn prefetch_latency(dir: &Path, layers: i64, hidden: i64, iters: usize, warmup: 
                 }
                 1 => {
                     let t = Instant::now();
-                    read_direct_pread(&paths, &mut heap_bufs);
+                    raw_uring(&mut ring, &paths, &mut heap_bufs, false);
                     record(&mut hr, t);
+                }
+                2 => {
+                    let t = Instant::now();
+                    raw_uring(&mut ring, &paths, &mut shm_bufs, false);
+                    record(&mut hs, t);
                 }
                 _ => {
                     let t = Instant::now();
-                    read_direct_pread(&paths, &mut shm_bufs);
-                    record(&mut hs, t);
+                    read_direct_pread(&paths, &mut heap_bufs);
+                    record(&mut hq, t);
                 }
             }
         }
@@ -666,14 +702,17 @@ fn prefetch_latency(dir: &Path, layers: i64, hidden: i64, iters: usize, warmup: 
         "chunks loaded from L2"
     );
     report("warm L2 prefetch (lookup -> result)", &hp);
-    report("baseline: O_DIRECT pread into heap buffers", &hr);
-    report("(also: O_DIRECT pread into a shm segment)", &hs);
+    report("baseline: io_uring O_DIRECT into heap", &hr);
+    report("(also: io_uring O_DIRECT into shm)", &hs);
+    report("(also: O_DIRECT pread, one after another)", &hq);
     println!(
-        "prefetch / heap pread: p50 {:.2} (bar <= 1.2), p99 {:.2}; prefetch / shm pread: p50 {:.2}, p99 {:.2}",
+        "prefetch / raw io_uring into heap: p50 {:.2} (bar <= 1.2), p99 {:.2}; prefetch / raw into shm: \
+         p50 {:.2}, p99 {:.2}; prefetch / sequential pread: p50 {:.2}",
         p50_ratio(&hp, &hr),
         p99_ratio(&hp, &hr),
         p50_ratio(&hp, &hs),
-        p99_ratio(&hp, &hs)
+        p99_ratio(&hp, &hs),
+        p50_ratio(&hp, &hq)
     );
 }
 
@@ -704,7 +743,9 @@ fn hit_latency_under_flush(
     println!(
         "== 3. L1-hit lookup+wait + prepare/commit retrieve of {REQ_TOKENS} tokens ({REQ_CHUNKS} x {} KiB) \
          while a second client stores {} MiB that the server writes behind to fs (O_DIRECT, \
-         --l2-store-inflight-gb 0.25), vs the same loop with no flush (baseline)",
+         --l2-store-inflight-gb 0.25), vs the same loop with no flush (baseline) and while this \
+         process writes the same number of bytes to a file with O_DIRECT (the machine's own cost \
+         of that much disk writing)",
         chunk >> 10,
         flush_bytes >> 20
     );
@@ -753,6 +794,39 @@ fn hit_latency_under_flush(
         one(&mut w, &mut ha, true);
     }
 
+    // The same bytes written to disk outside kvshard, by a thread of this
+    // process (fill a buffer, O_DIRECT write, as the flush's client fills
+    // slots and the server writes them): what the machine itself does to the
+    // loop when a disk write of this size competes for its CPUs.
+    let done = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (path, done) = (dir.join("raw-writer.bin"), done.clone());
+        let req_bytes = REQ_CHUNKS * chunk;
+        std::thread::spawn(move || {
+            let f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&path)
+                .unwrap_or_else(|e| panic!("open {} O_DIRECT: {e}", path.display()));
+            let mut buf = Aligned::zeroed(req_bytes);
+            for r in 0..flush_requests {
+                buf.bytes_mut().fill(r as u8);
+                f.write_all_at(buf.bytes(), (r * req_bytes) as u64)
+                    .unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+            }
+            drop(f);
+            let _ = fs::remove_file(&path);
+            done.store(true, Ordering::Release);
+        })
+    };
+    let mut hw = hist();
+    while !done.load(Ordering::Acquire) {
+        one(&mut w, &mut hw, true);
+    }
+    writer.join().expect("raw writer thread");
+
     // The flush: a second client (own connection, own worker) stores as fast
     // as it can; the server writes every chunk behind to fs.
     let done = Arc::new(AtomicBool::new(false));
@@ -799,12 +873,17 @@ fn hit_latency_under_flush(
     );
 
     report("L1 hit lookup+retrieve, no flush (baseline)", &ha);
+    report("L1 hit lookup+retrieve, during a raw disk write", &hw);
     report("L1 hit lookup+retrieve, during the flush", &hb);
     println!(
-        "during flush / no flush: p50 {:.2}, p99 {:.2}; flush of {} MiB: client stores {:.2} s, \
+        "during flush / no flush: p50 {:.2}, p90 {:.2}, p99 {:.2}; during flush / during the same bytes \
+         written outside kvshard: p50 {:.2}, p99 {:.2}; flush of {} MiB: client stores {:.2} s, \
          written behind after {:.2} s ({:.2} GB/s)",
         p50_ratio(&hb, &ha),
+        hb.value_at_quantile(0.9) as f64 / ha.value_at_quantile(0.9) as f64,
         p99_ratio(&hb, &ha),
+        p50_ratio(&hb, &hw),
+        p99_ratio(&hb, &hw),
         flush_bytes >> 20,
         store_took.as_secs_f64(),
         flush_took.as_secs_f64(),
@@ -821,9 +900,16 @@ fn main() {
     let t0 = Instant::now();
     if full {
         // 8 layers x hidden 512: one 256-token chunk is 4 MiB.
-        adapter_throughput(&dir.sub("s1"), 64, 4 << 20, 3);
-        prefetch_latency(&dir.sub("s2"), 8, 512, 100, 5);
-        hit_latency_under_flush(&dir.sub("s3"), 8, 512, 1000, 32);
+        let only = std::env::var("KVSHARD_BENCH_ONLY").unwrap_or_default();
+        if only.is_empty() || only == "1" {
+            adapter_throughput(&dir.sub("s1"), 64, 4 << 20, 3);
+        }
+        if only.is_empty() || only == "2" {
+            prefetch_latency(&dir.sub("s2"), 8, 512, 100, 5);
+        }
+        if only.is_empty() || only == "3" {
+            hit_latency_under_flush(&dir.sub("s3"), 8, 512, 1000, 32);
+        }
     } else {
         // 1 layer x hidden 64: 64 KiB chunks, still O_DIRECT-aligned.
         adapter_throughput(&dir.sub("s1"), 4, 64 << 10, 3);

@@ -329,7 +329,9 @@ pub struct L1MemoryArgs {
     )]
     pub l1_align_bytes: u64,
 
-    /// Back L1 with 2 MiB hugepages. Not supported by kvshard [default: off].
+    /// Back L1 with the pre-allocated 2 MiB hugetlb pool (vm.nr_hugepages); needs the SHM pool
+    /// off (--shm-name "") and turns lazy allocation off [default: off]. Without it, a pre-faulted
+    /// L1 (--no-l1-use-lazy) asks for transparent huge pages.
     #[arg(long, overrides_with = "no_l1_use_hugepages")]
     pub l1_use_hugepages: bool,
     /// Turn --l1-use-hugepages off.
@@ -1102,12 +1104,7 @@ impl ServerArgs {
                  other --l1-* flags",
             )?;
         }
-        if l1.l1_use_hugepages && !l1.no_l1_use_hugepages {
-            refuse(
-                "--l1-use-hugepages",
-                "a hugepage-backed L1 arena is not implemented",
-            )?;
-        }
+        let use_hugepages = l1.l1_use_hugepages && !l1.no_l1_use_hugepages;
         if l1.l1_devdax_path.is_some() {
             refuse(
                 "--l1-devdax-path",
@@ -1147,7 +1144,14 @@ impl ServerArgs {
             ));
         }
         // BooleanOptionalAction: the last of --l1-use-lazy / --no-l1-use-lazy wins.
-        let use_lazy = !l1.no_l1_use_lazy;
+        let use_lazy = !l1.no_l1_use_lazy && !use_hugepages;
+        if use_hugepages && !l1.no_l1_use_lazy {
+            notes.push(
+                "--l1-use-hugepages turns lazy allocation off: the hugetlb pool is reserved at start \
+                 (as lmcache 0.5.6 does)"
+                    .to_string(),
+            );
+        }
         let init_size_bytes = match l1.l1_init_size_gb {
             None => (20u64 << 30).min(size_bytes),
             Some(gb) => {
@@ -1193,6 +1197,7 @@ impl ServerArgs {
         let l1_settings = L1Settings {
             size_bytes,
             use_lazy,
+            use_hugepages,
             init_size_bytes,
             align_bytes,
             write_ttl: Duration::from_secs(ttl.l1_write_ttl_seconds),
@@ -1231,6 +1236,15 @@ impl ServerArgs {
             }
             None
         };
+
+        if use_hugepages && shm_name.is_some() {
+            return Err(ConfigError::invalid(
+                "--l1-use-hugepages",
+                "is incompatible with the SHM pool: set --shm-name \"\" (or --supported-transfer-mode \
+                 lmcache_driven) to disable it, as lmcache 0.5.6 requires; a pre-faulted SHM pool \
+                 (--no-l1-use-lazy) gets transparent huge pages where /dev/shm is mounted with huge=advise",
+            ));
+        }
 
         // ---- L2 ----
         let mut adapters = Vec::with_capacity(l2.l2_adapter.len());
@@ -1788,7 +1802,17 @@ mod tests {
             "--isolated-ipc",
             true,
         );
-        rejected(&["--l1-use-hugepages"], "--l1-use-hugepages", true);
+        // The hugetlb pool needs the SHM pool off, and turns lazy allocation off.
+        rejected(&["--l1-use-hugepages"], "--l1-use-hugepages", false);
+        let c = config(&["--l1-use-hugepages", "--shm-name", ""]);
+        assert!(c.l1.use_hugepages && !c.l1.use_lazy);
+        let c = config(&[
+            "--l1-use-hugepages",
+            "--supported-transfer-mode",
+            "lmcache_driven",
+        ]);
+        assert!(c.l1.use_hugepages && !c.l1.use_lazy && c.shm_name.is_none());
+        assert!(!config(&[]).l1.use_hugepages);
     }
 
     #[test]

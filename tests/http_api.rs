@@ -589,3 +589,118 @@ fn isolated_lru_enforces_quotas_over_several_cycles() {
     assert!(counter(&srv, "lmcache_mp_l1_eviction_loop_triggered_total") >= 3.0);
     assert_serving(&mut srv);
 }
+
+fn l1_status(srv: &Server) -> Value {
+    let (st, text) = srv.http("GET", "/status", None);
+    assert_eq!(st, 200);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["storage_manager"]["l1_manager"].clone()
+}
+
+/// Runs `kvshard server` with `extra` and returns its stderr if it exits
+/// within 20 s; `None` (after killing it) if it is still serving.
+fn start_or_refuse(extra: &[&str]) -> Option<String> {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let (port, http_port) = (free_port().to_string(), free_port().to_string());
+    let mut args = vec![
+        "server",
+        "--l1-size-gb",
+        "0.0625",
+        "--eviction-policy",
+        "LRU",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--http-port",
+        &http_port,
+    ];
+    args.extend_from_slice(extra);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvshard"))
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvshard");
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(20) {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(!status.success(), "a refused start exits non-zero");
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return Some(err);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+#[test]
+fn l1_page_policy_is_reported_and_hugetlb_needs_its_pool_and_no_shm() {
+    // A lazy L1 keeps base pages.
+    let lazy = Server::start(&[]);
+    assert_eq!(l1_status(&lazy)["huge_pages"], "off");
+    drop(lazy);
+
+    // A pre-faulted L1 asks for transparent huge pages; engine_driven workers
+    // map the 2 MiB-aligned pool and data round-trips through it.
+    let srv = Server::start(&["--no-l1-use-lazy"]);
+    let l1 = l1_status(&srv);
+    assert_eq!(l1["huge_pages"], "transparent");
+    assert!(l1["huge_page_bytes_at_start"].is_u64(), "{l1}");
+    let mut c = srv.client();
+    let mut pool = worker(&mut c, 1);
+    let toks = ed_tokens(40, 3 * ED_CHUNK);
+    let stored = ed_store(
+        &mut c,
+        &mut pool,
+        &ed_key("m", Some(0), &toks, 3, "s"),
+        1,
+        9,
+    );
+    assert_eq!(ed_lookup(&mut c, &ed_key("m", None, &toks, 3, "l")), 3);
+    let back = ed_retrieve(&mut c, &pool, &ed_key("m", Some(0), &toks, 3, "l"), 1);
+    assert!(
+        back == stored,
+        "bytes retrieved from a transparent-huge-page pool differ"
+    );
+    drop(srv);
+
+    // The hugetlb pool cannot back the SHM pool (as lmcache 0.5.6).
+    let err = start_or_refuse(&["--l1-use-hugepages"]).expect("refused with the SHM pool on");
+    assert!(
+        err.contains("--l1-use-hugepages") && err.contains("--shm-name"),
+        "{err}"
+    );
+
+    // Without SHM: refused with the sysctl to run when the pool is short,
+    // served from hugetlb pages otherwise.
+    let free: u64 =
+        std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+    let needed = (1u64 << 26) / (2 << 20);
+    match start_or_refuse(&["--l1-use-hugepages", "--shm-name", ""]) {
+        Some(err) => {
+            assert!(
+                free < needed,
+                "refused although {free} pages were free: {err}"
+            );
+            assert!(err.contains("vm.nr_hugepages=32"), "{err}");
+        }
+        None => assert!(
+            free >= needed,
+            "started with only {free} free hugetlb pages"
+        ),
+    }
+}

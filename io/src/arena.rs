@@ -7,6 +7,13 @@
 //!
 //! Pages are allocated on first touch (tmpfs and anonymous memory are sparse),
 //! which is what keeps a lazily used arena cheap; `populate` pre-faults it.
+//!
+//! Huge pages matter beyond TLB misses: a transfer into memory made of 4 KiB
+//! pages touched one at a time is a scatter list of up to one segment per
+//! page, and block devices split requests at their segment limit (254 on a
+//! virtio disk), so O_DIRECT reads from L2 into such memory run as several
+//! times more requests than into 2 MiB pages. [`HugePages`] picks how the
+//! arena gets them.
 
 use std::ffi::CString;
 use std::fmt;
@@ -25,6 +32,39 @@ pub struct ArenaConfig {
     pub mlock: bool,
     /// Pre-fault every page at creation instead of on first touch.
     pub populate: bool,
+    /// Page size policy.
+    pub huge_pages: HugePages,
+}
+
+/// Size of the huge pages the arena asks for (x86-64 and aarch64 PMD size).
+pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// How the arena is backed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HugePages {
+    /// Base pages only.
+    Off,
+    /// Transparent huge pages where the kernel allows them: the mapping is
+    /// 2 MiB-aligned and `MADV_HUGEPAGE`d before it is populated. Anonymous
+    /// memory gets them when `/sys/kernel/mm/transparent_hugepage/enabled` is
+    /// `always` or `madvise`; a shm segment when /dev/shm is mounted with
+    /// `huge=advise`, `within_size` or `always`. Never an error: without
+    /// kernel support the arena is simply made of base pages.
+    Transparent,
+    /// The pre-allocated 2 MiB hugetlb pool (`vm.nr_hugepages`), as lmcache
+    /// 0.5.6's `--l1-use-hugepages`: anonymous arenas only, always populated,
+    /// refused when the pool has too few free pages.
+    Hugetlb,
+}
+
+impl HugePages {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HugePages::Off => "off",
+            HugePages::Transparent => "transparent",
+            HugePages::Hugetlb => "hugetlb",
+        }
+    }
 }
 
 /// Why an arena could not be created or locked.
@@ -55,6 +95,12 @@ pub enum ArenaError {
         len: u64,
         memlock_limit: Option<u64>,
         source: io::Error,
+    },
+    /// The 2 MiB hugetlb pool has fewer free pages than the arena needs.
+    HugePagesShort {
+        size_bytes: u64,
+        needed_pages: u64,
+        free_pages: Option<u64>,
     },
     /// A range does not lie inside the arena.
     OutOfRange {
@@ -134,6 +180,20 @@ impl fmt::Display for ArenaError {
                  LimitMEMLOCK=infinity in the systemd unit",
                 fmt_limit(*memlock_limit)
             ),
+            ArenaError::HugePagesShort {
+                size_bytes,
+                needed_pages,
+                free_pages,
+            } => write!(
+                f,
+                "an L1 arena of {size_bytes} bytes on hugetlb pages needs {needed_pages} free 2 MiB pages \
+                 but the pool has {}; grow it (sysctl vm.nr_hugepages={needed_pages}, or more if other \
+                 processes use it) or drop --l1-use-hugepages",
+                match free_pages {
+                    Some(n) => n.to_string(),
+                    None => "none readable (/sys/kernel/mm/hugepages/hugepages-2048kB)".to_string(),
+                }
+            ),
             ArenaError::OutOfRange {
                 offset,
                 len,
@@ -159,7 +219,10 @@ impl std::error::Error for ArenaError {
 pub struct Arena {
     base: NonNull<u8>,
     len: usize,
+    /// Length of the mapping: `len` rounded up to the page size in use.
+    map_len: usize,
     shm_name: Option<String>,
+    huge_pages: HugePages,
 }
 
 // SAFETY: `Arena` only holds the address of a mapping that stays valid until
@@ -177,6 +240,7 @@ impl fmt::Debug for Arena {
             .field("base", &self.base)
             .field("len", &self.len)
             .field("shm_name", &self.shm_name)
+            .field("huge_pages", &self.huge_pages)
             .finish()
     }
 }
@@ -289,6 +353,124 @@ impl Drop for Fd {
     }
 }
 
+/// Maps `len` bytes with `flags` (and `fd`, or -1). With `huge_aligned` the
+/// mapping starts on a 2 MiB boundary, which transparent huge pages need:
+/// a larger PROT_NONE region is reserved and the mapping placed inside it.
+fn map_region(
+    len: usize,
+    flags: libc::c_int,
+    fd: libc::c_int,
+    huge_aligned: bool,
+) -> io::Result<NonNull<u8>> {
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    if !huge_aligned {
+        // SAFETY: a fresh mapping (no MAP_FIXED) aliases nothing of ours.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(last_os_error());
+        }
+        return Ok(NonNull::new(p.cast()).expect("mmap returned NULL without MAP_FIXED"));
+    }
+    let span = len + HUGE_PAGE_BYTES;
+    // SAFETY: a fresh inaccessible reservation.
+    let r = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if r == libc::MAP_FAILED {
+        return Err(last_os_error());
+    }
+    let start = r as usize;
+    let aligned = start.next_multiple_of(HUGE_PAGE_BYTES);
+    // SAFETY: `[aligned, aligned + len)` lies inside the reservation we own.
+    let p = unsafe {
+        libc::mmap(
+            aligned as *mut libc::c_void,
+            len,
+            prot,
+            flags | libc::MAP_FIXED,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        let e = last_os_error();
+        // SAFETY: unmapping our own reservation.
+        unsafe { libc::munmap(r, span) };
+        return Err(e);
+    }
+    // Give back the parts of the reservation around the mapping.
+    let end = aligned + len.next_multiple_of(page_size());
+    // SAFETY: both ranges are pieces of our reservation outside the mapping.
+    unsafe {
+        if aligned > start {
+            libc::munmap(r, aligned - start);
+        }
+        if start + span > end {
+            libc::munmap(end as *mut libc::c_void, start + span - end);
+        }
+    }
+    Ok(NonNull::new(p.cast()).expect("MAP_FIXED at a non-null address"))
+}
+
+/// Free pages in the 2 MiB hugetlb pool.
+fn free_huge_pages() -> Option<u64> {
+    std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Sums the huge-page fields of the smaps entry whose range holds `addr`.
+fn smaps_huge_bytes(smaps: &str, addr: usize) -> Option<u64> {
+    let mut inside = false;
+    let mut found = false;
+    let mut kb = 0u64;
+    for line in smaps.lines() {
+        let first = line.split_ascii_whitespace().next().unwrap_or("");
+        if let Some((lo, hi)) = first.split_once('-') {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                if found {
+                    break;
+                }
+                inside = lo <= addr && addr < hi;
+                found = inside;
+                continue;
+            }
+        }
+        if !inside {
+            continue;
+        }
+        let Some((field, rest)) = line.split_once(':') else {
+            continue;
+        };
+        if matches!(
+            field,
+            "AnonHugePages"
+                | "ShmemPmdMapped"
+                | "FilePmdMapped"
+                | "Shared_Hugetlb"
+                | "Private_Hugetlb"
+        ) {
+            kb += rest
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0);
+        }
+    }
+    found.then_some(kb * 1024)
+}
+
 impl Arena {
     /// Map a new arena as `cfg` describes. A named arena replaces any stale
     /// segment of the same name (as lmcache 0.5.6 does) and is unlinked when the
@@ -309,19 +491,32 @@ impl Arena {
         }
         let len = usize::try_from(cfg.size_bytes)
             .ok()
-            .filter(|l| l.checked_add(page_size()).is_some() && *l <= isize::MAX as usize)
+            .filter(|l| l.checked_add(2 * HUGE_PAGE_BYTES).is_some() && *l <= isize::MAX as usize)
             .ok_or_else(|| invalid("size does not fit in the address space".into()))?;
         let populate = cfg.populate || cfg.mlock;
-        let arena = match &cfg.shm_name {
-            None => Self::map_anonymous(cfg, len, populate)?,
-            Some(name) => {
+        let arena = match (&cfg.shm_name, cfg.huge_pages) {
+            (Some(_), HugePages::Hugetlb) => return Err(invalid(
+                "hugetlb pages cannot back a POSIX shm segment: disable shm (--shm-name \"\") as \
+                     lmcache 0.5.6 requires, or pre-fault the shm arena (--no-l1-use-lazy) for \
+                     transparent huge pages where /dev/shm allows them"
+                    .into(),
+            )),
+            (None, HugePages::Hugetlb) => Self::map_hugetlb(cfg, len)?,
+            (None, _) => Self::map_anonymous(cfg, len, populate)?,
+            (Some(name), _) => {
                 validate_shm_name(name).map_err(invalid)?;
                 Self::map_named(cfg, name, len, populate)?
             }
         };
         // Core dumps of a cache this size help nobody; the failure is harmless.
         // SAFETY: the range is exactly our mapping.
-        unsafe { libc::madvise(arena.base.as_ptr().cast(), arena.len, libc::MADV_DONTDUMP) };
+        unsafe {
+            libc::madvise(
+                arena.base.as_ptr().cast(),
+                arena.map_len,
+                libc::MADV_DONTDUMP,
+            )
+        };
         if cfg.mlock {
             // On failure `arena` drops here, which unmaps and unlinks.
             arena.lock_range(0, cfg.size_bytes)?;
@@ -330,33 +525,72 @@ impl Arena {
     }
 
     fn map_anonymous(cfg: &ArenaConfig, len: usize, populate: bool) -> Result<Arena, ArenaError> {
+        let thp = cfg.huge_pages == HugePages::Transparent;
         let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
-        if populate {
+        if populate && !thp {
             flags |= libc::MAP_POPULATE;
         }
-        // SAFETY: a fresh anonymous mapping aliases nothing.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                -1,
-                0,
-            )
+        let os_err = |op: &'static str, source: io::Error| ArenaError::Os {
+            op,
+            name: None,
+            size_bytes: cfg.size_bytes,
+            source,
         };
-        if p == libc::MAP_FAILED {
-            return Err(ArenaError::Os {
-                op: "mmap",
-                name: None,
-                size_bytes: cfg.size_bytes,
-                source: last_os_error(),
-            });
-        }
-        Ok(Arena {
-            base: NonNull::new(p.cast()).expect("mmap returned NULL without MAP_FIXED"),
+        let base = map_region(len, flags, -1, thp).map_err(|e| os_err("mmap", e))?;
+        let arena = Arena {
+            base,
             len,
+            map_len: len.next_multiple_of(page_size()),
             shm_name: None,
+            huge_pages: cfg.huge_pages,
+        };
+        if thp {
+            arena.advise_huge();
+            if populate {
+                arena
+                    .populate_write()
+                    .map_err(|e| os_err("madvise(MADV_POPULATE_WRITE)", e))?;
+            }
+        }
+        Ok(arena)
+    }
+
+    fn map_hugetlb(cfg: &ArenaConfig, len: usize) -> Result<Arena, ArenaError> {
+        let map_len = len.next_multiple_of(HUGE_PAGE_BYTES);
+        let needed_pages = (map_len / HUGE_PAGE_BYTES) as u64;
+        let short = || ArenaError::HugePagesShort {
+            size_bytes: cfg.size_bytes,
+            needed_pages,
+            free_pages: free_huge_pages(),
+        };
+        if free_huge_pages().is_none_or(|free| free < needed_pages) {
+            return Err(short());
+        }
+        // A private hugetlb mapping reserves its pages at mmap time, so a pool
+        // that shrank since the check above fails here, not with SIGBUS later.
+        let flags = libc::MAP_PRIVATE
+            | libc::MAP_ANONYMOUS
+            | libc::MAP_HUGETLB
+            | libc::MAP_HUGE_2MB
+            | libc::MAP_POPULATE;
+        let base = map_region(map_len, flags, -1, false).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ENOMEM) {
+                short()
+            } else {
+                ArenaError::Os {
+                    op: "mmap(MAP_HUGETLB)",
+                    name: None,
+                    size_bytes: cfg.size_bytes,
+                    source: e,
+                }
+            }
+        })?;
+        Ok(Arena {
+            base,
+            len,
+            map_len,
+            shm_name: None,
+            huge_pages: HugePages::Hugetlb,
         })
     }
 
@@ -418,7 +652,11 @@ impl Arena {
         if unsafe { libc::ftruncate(fd.0, cfg.size_bytes as libc::off_t) } != 0 {
             return Err(fail("ftruncate", last_os_error()));
         }
-        if populate {
+        let thp = cfg.huge_pages == HugePages::Transparent;
+        // With transparent huge pages the pages are allocated through the
+        // mapping after MADV_HUGEPAGE (fallocate has no mapping to consult, so
+        // under `huge=advise` it would allocate base pages).
+        if populate && !thp {
             // Reserve the tmpfs pages now: ENOSPC here beats SIGBUS later.
             // SAFETY: `fd` is an open shm fd.
             let rc = unsafe { libc::fallocate(fd.0, 0, 0, cfg.size_bytes as libc::off_t) };
@@ -427,29 +665,81 @@ impl Arena {
             }
         }
         let mut flags = libc::MAP_SHARED;
-        if populate {
+        if populate && !thp {
             flags |= libc::MAP_POPULATE;
         }
-        // SAFETY: mapping a file we own; nothing else in this process aliases it.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                fd.0,
-                0,
+        let base = map_region(len, flags, fd.0, thp).map_err(|e| fail("mmap", e))?;
+        drop(fd); // the mapping keeps the segment alive
+                  // From here on dropping `arena` unmaps and unlinks.
+        let arena = Arena {
+            base,
+            len,
+            map_len: len.next_multiple_of(page_size()),
+            shm_name: Some(name.to_string()),
+            huge_pages: cfg.huge_pages,
+        };
+        if thp {
+            arena.advise_huge();
+            if populate {
+                arena
+                    .populate_write()
+                    .map_err(|e| os_err("madvise(MADV_POPULATE_WRITE)", e))?;
+            }
+        }
+        Ok(arena)
+    }
+
+    /// Asks for transparent huge pages on the whole mapping. A kernel without
+    /// THP refuses with EINVAL; the arena then keeps base pages.
+    fn advise_huge(&self) {
+        // SAFETY: the range is exactly our mapping.
+        let rc =
+            unsafe { libc::madvise(self.base.as_ptr().cast(), self.map_len, libc::MADV_HUGEPAGE) };
+        if rc != 0 {
+            log::info!(
+                "MADV_HUGEPAGE on the L1 arena refused ({}): base pages only",
+                last_os_error()
+            );
+        }
+    }
+
+    /// Faults every page in for writing, so the kernel allocates them now and
+    /// as huge pages where it can.
+    fn populate_write(&self) -> io::Result<()> {
+        // SAFETY: the range is exactly our mapping.
+        let rc = unsafe {
+            libc::madvise(
+                self.base.as_ptr().cast(),
+                self.map_len,
+                libc::MADV_POPULATE_WRITE,
             )
         };
-        if p == libc::MAP_FAILED {
-            return Err(fail("mmap", last_os_error()));
+        if rc == 0 {
+            return Ok(());
         }
-        drop(fd); // the mapping keeps the segment alive
-        Ok(Arena {
-            base: NonNull::new(p.cast()).expect("mmap returned NULL without MAP_FIXED"),
-            len,
-            shm_name: Some(name.to_string()),
-        })
+        let e = last_os_error();
+        if e.raw_os_error() != Some(libc::EINVAL) {
+            return Err(e);
+        }
+        // Kernels before 5.14 lack MADV_POPULATE_WRITE: touch every page.
+        // Nobody else can see the arena yet and its bytes are all zero.
+        for off in (0..self.map_len).step_by(page_size()) {
+            // SAFETY: `off` lies inside our writable mapping.
+            unsafe { std::ptr::write_volatile(self.base.as_ptr().add(off), 0) };
+        }
+        Ok(())
+    }
+
+    /// The page size policy the arena was created with.
+    pub fn huge_pages(&self) -> HugePages {
+        self.huge_pages
+    }
+
+    /// Bytes of the arena the kernel currently backs with huge pages (from
+    /// /proc/self/smaps), or `None` when that cannot be read.
+    pub fn huge_page_bytes(&self) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        smaps_huge_bytes(&smaps, self.base.as_ptr() as usize)
     }
 
     /// Start of the mapping.
@@ -543,7 +833,7 @@ impl Drop for Arena {
     fn drop(&mut self) {
         // SAFETY: unmapping exactly the mapping created in `create`; no slice
         // can outlive `self`.
-        if unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) } != 0 {
+        if unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_len) } != 0 {
             log::warn!(
                 "munmap of the L1 arena failed: {}",
                 io::Error::last_os_error()
@@ -610,6 +900,7 @@ mod tests {
             shm_name: Some(name.to_string()),
             mlock: false,
             populate: false,
+            huge_pages: HugePages::Off,
         }
     }
 
@@ -659,6 +950,7 @@ mod tests {
                 shm_name: None,
                 mlock: false,
                 populate,
+                huge_pages: HugePages::Off,
             })
             .unwrap();
             assert_eq!(arena.shm_name(), None);
@@ -679,6 +971,7 @@ mod tests {
             shm_name: Some(name.clone()),
             mlock: true,
             populate: true,
+            huge_pages: HugePages::Off,
         })
         .unwrap();
         let meta = std::fs::metadata(shm_path(&name)).unwrap();
@@ -697,6 +990,7 @@ mod tests {
             shm_name: None,
             mlock: false,
             populate: false,
+            huge_pages: HugePages::Off,
         })
         .unwrap();
         if can_lock(8192) {
@@ -762,5 +1056,146 @@ mod tests {
         } else if let Some(limit) = memlock_limit() {
             assert!(!can_lock(limit + 1));
         }
+    }
+
+    /// Whether the running kernel hands out transparent huge pages for
+    /// madvised anonymous memory, or for madvised shm on /dev/shm.
+    fn thp_allowed(shm: bool) -> bool {
+        if shm {
+            let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+            let opts = mounts
+                .lines()
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split(' ').collect();
+                    (f.len() > 3 && f[1] == "/dev/shm").then(|| f[3].to_string())
+                })
+                .next_back()
+                .unwrap_or_default();
+            let forced =
+                std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+                    .is_ok_and(|v| v.contains("[force]"));
+            forced
+                || opts
+                    .split(',')
+                    .any(|o| matches!(o, "huge=advise" | "huge=within_size" | "huge=always"))
+        } else {
+            std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+                .is_ok_and(|v| v.contains("[always]") || v.contains("[madvise]"))
+        }
+    }
+
+    #[test]
+    fn transparent_arena_is_aligned_and_gets_huge_pages_where_allowed() {
+        let size = 8 * HUGE_PAGE_BYTES as u64 + 4096;
+        let anon = Arena::create(&ArenaConfig {
+            size_bytes: size,
+            shm_name: None,
+            mlock: false,
+            populate: true,
+            huge_pages: HugePages::Transparent,
+        })
+        .unwrap();
+        let name = unique_name("thp");
+        let named = Arena::create(&ArenaConfig {
+            size_bytes: size,
+            shm_name: Some(name.clone()),
+            mlock: false,
+            populate: true,
+            huge_pages: HugePages::Transparent,
+        })
+        .unwrap();
+        for (arena, shm) in [(&anon, false), (&named, true)] {
+            assert_eq!(
+                arena.base() as usize % HUGE_PAGE_BYTES,
+                0,
+                "2 MiB-aligned base"
+            );
+            assert_eq!(arena.huge_pages(), HugePages::Transparent);
+            unsafe {
+                assert!(arena.slice(0, size).iter().all(|b| *b == 0));
+                arena.slice_mut(size - 3, 3).copy_from_slice(&[1, 2, 3]);
+                assert_eq!(arena.slice(size - 3, 3), &[1, 2, 3]);
+            }
+            let huge = arena.huge_page_bytes().expect("smaps entry of the arena");
+            if thp_allowed(shm) {
+                assert!(
+                    huge >= 4 * HUGE_PAGE_BYTES as u64,
+                    "shm={shm}: only {huge} bytes on huge pages although the kernel allows them"
+                );
+            }
+        }
+        // A client mapping of the transparent shm arena shares its bytes.
+        let client = client_map(&name, size as usize);
+        unsafe {
+            assert_eq!(
+                std::slice::from_raw_parts(client.add(size as usize - 3), 3),
+                &[1, 2, 3]
+            );
+            libc::munmap(client.cast(), size as usize);
+        }
+        drop(named);
+        assert!(!shm_path(&name).exists());
+    }
+
+    #[test]
+    fn hugetlb_arena_needs_the_pool_and_no_shm() {
+        let err = Arena::create(&ArenaConfig {
+            size_bytes: 1 << 20,
+            shm_name: Some(unique_name("hugetlb")),
+            mlock: false,
+            populate: true,
+            huge_pages: HugePages::Hugetlb,
+        })
+        .unwrap_err();
+        assert!(matches!(err, ArenaError::InvalidConfig { .. }), "{err}");
+        assert!(err.to_string().contains("--shm-name"), "{err}");
+
+        // One page more than the pool has free is refused with the fix named.
+        let free = free_huge_pages().unwrap_or(0);
+        let too_big = (free + 1) * HUGE_PAGE_BYTES as u64;
+        let err = Arena::create(&ArenaConfig {
+            size_bytes: too_big,
+            shm_name: None,
+            mlock: false,
+            populate: true,
+            huge_pages: HugePages::Hugetlb,
+        })
+        .unwrap_err();
+        assert!(matches!(err, ArenaError::HugePagesShort { .. }), "{err}");
+        assert!(err.to_string().contains("vm.nr_hugepages"), "{err}");
+
+        // Where the pool has a free page, a small arena is rounded up to it.
+        if free >= 1 {
+            let arena = Arena::create(&ArenaConfig {
+                size_bytes: 4096,
+                shm_name: None,
+                mlock: false,
+                populate: true,
+                huge_pages: HugePages::Hugetlb,
+            })
+            .unwrap();
+            unsafe { arena.slice_mut(0, 4096).fill(7) };
+            assert_eq!(arena.huge_page_bytes(), Some(HUGE_PAGE_BYTES as u64));
+        }
+    }
+
+    #[test]
+    fn smaps_fields_of_the_entry_holding_the_address_are_summed() {
+        let smaps = "\
+7f0000000000-7f0000400000 rw-s 00000000 00:1a 77 /dev/shm/x
+Size:               4096 kB
+AnonHugePages:         0 kB
+ShmemPmdMapped:     2048 kB
+FilePmdMapped:         0 kB
+Shared_Hugetlb:        0 kB
+Private_Hugetlb:       0 kB
+VmFlags: rd wr sh mr mw me ms hg
+7f0000400000-7f0000800000 rw-p 00000000 00:00 0
+AnonHugePages:      4096 kB
+";
+        assert_eq!(smaps_huge_bytes(smaps, 0x7f00_0000_0000), Some(2 << 20));
+        assert_eq!(smaps_huge_bytes(smaps, 0x7f00_0010_0000), Some(2 << 20));
+        assert_eq!(smaps_huge_bytes(smaps, 0x7f00_0040_0000), Some(4 << 20));
+        assert_eq!(smaps_huge_bytes(smaps, 0x1000), None);
     }
 }

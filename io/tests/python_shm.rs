@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use kvshard_io::arena::{Arena, ArenaConfig};
+use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
 
 const SCRIPT: &str = r#"
 import sys
@@ -33,6 +33,7 @@ fn python_shared_memory_client_sees_the_arena() {
         shm_name: Some(name.clone()),
         mlock: false,
         populate: false,
+        huge_pages: HugePages::Off,
     })
     .unwrap();
     unsafe { arena.slice_mut(100, 5) }.copy_from_slice(b"hello");

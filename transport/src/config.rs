@@ -145,6 +145,8 @@ pub struct L1Settings {
     pub size_bytes: u64,
     /// Grow lazily instead of pre-faulting the whole arena (`--l1-use-lazy`).
     pub use_lazy: bool,
+    /// Back the arena with the 2 MiB hugetlb pool (`--l1-use-hugepages`).
+    pub use_hugepages: bool,
     /// First allocation when lazy (`--l1-init-size-gb`), already clamped to `size_bytes`.
     pub init_size_bytes: u64,
     /// Slab alignment; a power of two >= 64 (`--l1-align-bytes`).
@@ -436,6 +438,7 @@ mod tests {
             l1: L1Settings {
                 size_bytes: 1 << 30,
                 use_lazy: true,
+                use_hugepages: false,
                 init_size_bytes: 1 << 30,
                 align_bytes: 4096,
                 write_ttl: Duration::from_secs(600),

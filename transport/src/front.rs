@@ -136,6 +136,9 @@ enum Job {
 /// Limits and facts the front needs beyond the config.
 pub struct FrontSetup {
     pub shm_pool: Option<(String, u64)>,
+    /// The L1 arena's page policy and the bytes on huge pages at start.
+    pub huge_pages: kvshard_io::arena::HugePages,
+    pub huge_page_bytes: Option<u64>,
 }
 
 pub struct Front {
@@ -2075,6 +2078,8 @@ impl Front {
             "memory_usage_ratio": usage_ratio,
             "capacity_bytes_by_backend": {"cpu": configured},
             "num_shards": reports.len(),
+            "huge_pages": self.setup.huge_pages.as_str(),
+            "huge_page_bytes_at_start": self.setup.huge_page_bytes,
         });
         let mut worker_liveness = serde_json::Map::new();
         let now = Instant::now();

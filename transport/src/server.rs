@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvshard_engine::eviction::{EvictionConfig, EvictionPolicy, PolicyKind};
 use kvshard_engine::l1::{L1Config, L1Shard};
 use kvshard_engine::slab::SlabAllocator;
-use kvshard_io::arena::{Arena, ArenaConfig};
+use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
 use kvshard_io::executor::{spawn_shard, ShardHandle};
 use kvshard_io::mailbox::{mailbox, notify_queue};
 
@@ -105,6 +105,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             shm_name: cfg.shm_name.clone(),
             mlock: false,
             populate: !cfg.l1.use_lazy,
+            huge_pages: huge_pages_of(&cfg),
         })
         .map_err(|e| format!("cannot create the L1 arena: {e}"))?,
     );
@@ -114,6 +115,8 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             arena.len()
         );
     }
+    let huge_page_bytes = arena.huge_page_bytes();
+    log_huge_pages(&arena, huge_page_bytes);
 
     let ctx = zmq::Context::new();
     let socket = ctx
@@ -173,6 +176,8 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
 
     let setup = FrontSetup {
         shm_pool: arena.shm_name().map(|s| (s.to_owned(), arena.len())),
+        huge_pages: arena.huge_pages(),
+        huge_page_bytes,
     };
     drop(events_tx);
     log::info!(
@@ -190,6 +195,45 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         let _ = h.join();
     }
     Ok(())
+}
+
+/// The arena's page policy: the hugetlb pool when asked; transparent huge
+/// pages when the arena is pre-faulted at start anyway (the page faults, and
+/// any compaction they need, then happen before serving, never on a request);
+/// base pages for a lazy arena.
+fn huge_pages_of(cfg: &ServerConfig) -> HugePages {
+    if cfg.l1.use_hugepages {
+        HugePages::Hugetlb
+    } else if !cfg.l1.use_lazy {
+        HugePages::Transparent
+    } else {
+        HugePages::Off
+    }
+}
+
+fn log_huge_pages(arena: &Arena, huge_bytes: Option<u64>) {
+    let policy = arena.huge_pages();
+    let Some(huge) = huge_bytes else {
+        log::info!("L1 arena pages: {}", policy.as_str());
+        return;
+    };
+    log::info!(
+        "L1 arena pages: {}, {huge} of {} bytes on 2 MiB pages",
+        policy.as_str(),
+        arena.len()
+    );
+    if policy == HugePages::Transparent && huge < arena.len() / 2 {
+        let hint = if arena.shm_name().is_some() {
+            "mount /dev/shm with huge=advise (mount -o remount,huge=advise /dev/shm)"
+        } else {
+            "set /sys/kernel/mm/transparent_hugepage/enabled to madvise"
+        };
+        log::warn!(
+            "the pre-faulted L1 arena got few huge pages ({huge} of {} bytes): O_DIRECT loads from L2 \
+             into scattered base pages split into many more disk requests; {hint}",
+            arena.len()
+        );
+    }
 }
 
 /// Starts the HTTP executor on its own thread; it lives until the process exits.
