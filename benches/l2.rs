@@ -422,9 +422,13 @@ impl Worker {
             c,
             pool: ShmMap::open(&name, size),
             iid,
-            // [2, layers, chunk, hidden] float16
-            chunk_bytes: (2 * layers * CHUNK_TOKENS as i64 * hidden * 2) as usize,
+            chunk_bytes: Self::chunk_bytes(layers, hidden),
         }
+    }
+
+    /// Bytes of one chunk: [2, layers, chunk, hidden] float16.
+    fn chunk_bytes(layers: i64, hidden: i64) -> usize {
+        (2 * layers * CHUNK_TOKENS as i64 * hidden * 2) as usize
     }
 
     fn key(&self, toks: &[u32], rid: &str, worker: bool) -> V {
@@ -718,6 +722,103 @@ fn prefetch_latency(dir: &Path, layers: i64, hidden: i64, iters: usize, warmup: 
 
 // --------------------------------------- 3. L1 hits while an L2 flush runs
 
+/// The measured request: an L1-hit lookup (+ wait) and a retrieve of `toks`.
+struct HitLoop {
+    w: Worker,
+    toks: Vec<u32>,
+    stored: Vec<Vec<u8>>,
+    seq: usize,
+}
+
+impl HitLoop {
+    /// Registers a worker on `srv`, stores the request's chunks and waits
+    /// until `settled` says the server is quiet again.
+    fn new(srv: &Server, layers: i64, hidden: i64, settled: impl Fn() -> bool) -> HitLoop {
+        let mut w = Worker::register(srv.port, 1, layers, hidden);
+        let toks = ed_tokens(0x13_0000, REQ_TOKENS);
+        let mut stored = Vec::new();
+        w.store(&toks, "store", |i, slot| {
+            fill(slot, chunk_seed(2, i));
+            stored.push(slot.to_vec());
+        });
+        wait_until(
+            "the first request to settle",
+            Duration::from_secs(60),
+            settled,
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        let mut l = HitLoop {
+            w,
+            toks,
+            stored,
+            seq: 0,
+        };
+        l.check("check-before");
+        l
+    }
+
+    fn one(&mut self, h: Option<&mut Histogram<u64>>) {
+        let rid = format!("h{}", self.seq);
+        self.seq += 1;
+        let t = Instant::now();
+        let hits = self.w.lookup_wait(&self.toks, &rid);
+        assert_eq!(hits, REQ_CHUNKS as i64, "{rid}: L1 hit of every chunk");
+        self.w.retrieve(&self.toks, &rid, false);
+        let ns = t.elapsed().as_nanos() as u64;
+        self.w.c.call(OP_END_SESSION, &[s(&rid)]);
+        if let Some(h) = h {
+            h.record(ns).unwrap();
+        }
+    }
+
+    /// Runs the request until `done` holds; returns the histogram.
+    fn until(&mut self, mut done: impl FnMut() -> bool) -> Histogram<u64> {
+        let mut h = hist();
+        let t0 = Instant::now();
+        while !done() {
+            self.one(Some(&mut h));
+            assert!(
+                t0.elapsed() < Duration::from_secs(300),
+                "the background work did not finish in 5 minutes"
+            );
+        }
+        h
+    }
+
+    fn check(&mut self, rid: &str) {
+        assert_eq!(self.w.lookup_wait(&self.toks, rid), REQ_CHUNKS as i64);
+        assert!(
+            self.w.retrieve(&self.toks, rid, true) == self.stored,
+            "retrieved bytes differ from the stored ones"
+        );
+        self.w.c.call(OP_END_SESSION, &[s(rid)]);
+    }
+}
+
+/// A second client (own connection, own worker) storing `requests` requests
+/// as fast as it can; sets `done` when its last store is committed.
+fn spawn_storer(
+    port: u16,
+    layers: i64,
+    hidden: i64,
+    requests: usize,
+    done: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<Duration> {
+    std::thread::spawn(move || {
+        let mut w2 = Worker::register(port, 2, layers, hidden);
+        let t = Instant::now();
+        for r in 0..requests {
+            let toks = ed_tokens(0x14_0000 + r as u32, REQ_TOKENS);
+            w2.store(&toks, &format!("flush{r}"), |i, slot| {
+                slot.fill((r * REQ_CHUNKS + i) as u8)
+            });
+        }
+        let took = t.elapsed();
+        done.store(true, Ordering::Release);
+        took
+    })
+}
+
 fn hit_latency_under_flush(
     dir: &Path,
     layers: i64,
@@ -725,83 +826,51 @@ fn hit_latency_under_flush(
     iters: usize,
     flush_requests: usize,
 ) {
-    let srv = Server::start(&[
-        "--chunk-size",
-        "256",
-        "--l1-size-gb",
-        "2",
-        "--eviction-policy",
-        "LRU",
-        "--l2-store-inflight-gb",
-        "0.25",
-        "--l2-adapter",
-        &fs_adapter_json(dir),
-    ]);
-    let mut w = Worker::register(srv.port, 1, layers, hidden);
-    let chunk = w.chunk_bytes;
-    let flush_bytes = flush_requests * REQ_CHUNKS * chunk;
+    let args = |l2: bool| {
+        let mut a: Vec<String> = [
+            "--chunk-size",
+            "256",
+            "--l1-size-gb",
+            "2",
+            "--eviction-policy",
+            "LRU",
+        ]
+        .map(String::from)
+        .to_vec();
+        if l2 {
+            a.extend(["--l2-store-inflight-gb".into(), "0.25".into()]);
+            a.extend(["--l2-adapter".into(), fs_adapter_json(dir)]);
+        }
+        a
+    };
+    let req_bytes = REQ_CHUNKS * Worker::chunk_bytes(layers, hidden);
+    let flush_bytes = flush_requests * req_bytes;
     println!(
-        "== 3. L1-hit lookup+wait + prepare/commit retrieve of {REQ_TOKENS} tokens ({REQ_CHUNKS} x {} KiB) \
-         while a second client stores {} MiB that the server writes behind to fs (O_DIRECT, \
-         --l2-store-inflight-gb 0.25), vs the same loop with no flush (baseline) and while this \
-         process writes the same number of bytes to a file with O_DIRECT (the machine's own cost \
-         of that much disk writing)",
-        chunk >> 10,
+        "== 3. L1-hit lookup+wait + prepare/commit retrieve of {REQ_TOKENS} tokens ({REQ_CHUNKS} x {} KiB), \
+         alone (baseline); while this process writes {} MiB to a file with O_DIRECT (the machine's own \
+         cost of that much disk writing); while a second client stores {} MiB into a server with no L2 \
+         (the cost of serving the stores); and while the same client stores them into a server that \
+         writes them behind to fs (O_DIRECT, --l2-store-inflight-gb 0.25): the flush",
+        (req_bytes / REQ_CHUNKS) >> 10,
+        flush_bytes >> 20,
         flush_bytes >> 20
     );
-    let toks = ed_tokens(0x13_0000, REQ_TOKENS);
-    let mut stored = Vec::new();
-    w.store(&toks, "store", |i, slot| {
-        fill(slot, chunk_seed(2, i));
-        stored.push(slot.to_vec());
-    });
-    wait_until(
-        "the first request's L2 store",
-        Duration::from_secs(60),
-        || l2_stores_settled(&srv),
-    );
-    std::thread::sleep(Duration::from_millis(200));
 
-    let mut seq = 0usize;
-    let mut one = |w: &mut Worker, h: &mut Histogram<u64>, record: bool| {
-        let rid = format!("h{seq}");
-        seq += 1;
-        let t = Instant::now();
-        let hits = w.lookup_wait(&toks, &rid);
-        assert_eq!(hits, REQ_CHUNKS as i64, "{rid}: L1 hit of every chunk");
-        w.retrieve(&toks, &rid, false);
-        let ns = t.elapsed().as_nanos() as u64;
-        w.c.call(OP_END_SESSION, &[s(&rid)]);
-        if record {
-            h.record(ns).unwrap();
-        }
-    };
-    let check = |w: &mut Worker, rid: &str| {
-        assert_eq!(w.lookup_wait(&toks, rid), REQ_CHUNKS as i64);
-        assert!(
-            w.retrieve(&toks, rid, true) == stored,
-            "retrieved bytes differ from the stored ones"
-        );
-        w.c.call(OP_END_SESSION, &[s(rid)]);
-    };
-    check(&mut w, "check-before");
-
-    let mut ha = hist();
+    // Server without L2: baseline, raw disk write, stores without a flush.
+    let a = args(false);
+    let plain = Server::start(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut lp = HitLoop::new(&plain, layers, hidden, || true);
     for _ in 0..iters / 10 {
-        one(&mut w, &mut ha, false);
+        lp.one(None);
     }
+    let mut ha = hist();
     for _ in 0..iters {
-        one(&mut w, &mut ha, true);
+        lp.one(Some(&mut ha));
     }
 
-    // The same bytes written to disk outside kvshard, by a thread of this
-    // process (fill a buffer, O_DIRECT write, as the flush's client fills
-    // slots and the server writes them): what the machine itself does to the
-    // loop when a disk write of this size competes for its CPUs.
     let done = Arc::new(AtomicBool::new(false));
     let writer = {
         let (path, done) = (dir.join("raw-writer.bin"), done.clone());
-        let req_bytes = REQ_CHUNKS * chunk;
         std::thread::spawn(move || {
             let f = OpenOptions::new()
                 .write(true)
@@ -821,50 +890,38 @@ fn hit_latency_under_flush(
             done.store(true, Ordering::Release);
         })
     };
-    let mut hw = hist();
-    while !done.load(Ordering::Acquire) {
-        one(&mut w, &mut hw, true);
-    }
+    let hw = lp.until(|| done.load(Ordering::Acquire));
     writer.join().expect("raw writer thread");
 
-    // The flush: a second client (own connection, own worker) stores as fast
-    // as it can; the server writes every chunk behind to fs.
     let done = Arc::new(AtomicBool::new(false));
-    let storer = {
-        let (port, done) = (srv.port, done.clone());
-        std::thread::spawn(move || {
-            let mut w2 = Worker::register(port, 2, layers, hidden);
-            let t = Instant::now();
-            for r in 0..flush_requests {
-                let toks = ed_tokens(0x14_0000 + r as u32, REQ_TOKENS);
-                w2.store(&toks, &format!("flush{r}"), |i, slot| {
-                    slot.fill((r * REQ_CHUNKS + i) as u8)
-                });
-            }
-            let took = t.elapsed();
-            done.store(true, Ordering::Release);
-            took
-        })
-    };
+    let storer = spawn_storer(plain.port, layers, hidden, flush_requests, done.clone());
+    let hs = lp.until(|| done.load(Ordering::Acquire));
+    let plain_store_took = storer.join().expect("storer thread");
+    lp.check("check-after");
+    drop(lp);
+    drop(plain);
+
+    // Server with the fs adapter: the flush.
+    let a = args(true);
+    let srv = Server::start(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut lf = HitLoop::new(&srv, layers, hidden, || l2_stores_settled(&srv));
+    for _ in 0..iters / 10 {
+        lf.one(None);
+    }
+    let done = Arc::new(AtomicBool::new(false));
+    let storer = spawn_storer(srv.port, layers, hidden, flush_requests, done.clone());
     let t_flush = Instant::now();
-    let mut hb = hist();
     let mut last_poll = Instant::now();
-    loop {
-        one(&mut w, &mut hb, true);
+    let hb = lf.until(|| {
         if done.load(Ordering::Acquire) && last_poll.elapsed() >= Duration::from_millis(50) {
             last_poll = Instant::now();
-            if l2_stores_settled(&srv) {
-                break;
-            }
+            return l2_stores_settled(&srv);
         }
-        assert!(
-            t_flush.elapsed() < Duration::from_secs(300),
-            "the flush did not finish in 5 minutes"
-        );
-    }
+        false
+    });
     let flush_took = t_flush.elapsed();
     let store_took = storer.join().expect("storer thread");
-    check(&mut w, "check-after");
+    lf.check("check-after");
     let written = metric(&srv, "lmcache_mp_l2_store_completed_objects_chunks_total") as usize;
     assert_eq!(
         written,
@@ -872,20 +929,32 @@ fn hit_latency_under_flush(
         "every stored chunk was written to L2"
     );
 
-    report("L1 hit lookup+retrieve, no flush (baseline)", &ha);
-    report("L1 hit lookup+retrieve, during a raw disk write", &hw);
-    report("L1 hit lookup+retrieve, during the flush", &hb);
+    let q = |h: &Histogram<u64>, x: f64| h.value_at_quantile(x) as f64;
+    let ratios = |a: &Histogram<u64>, b: &Histogram<u64>| {
+        format!(
+            "p50 {:.2}, p90 {:.2}, p99 {:.2}",
+            q(a, 0.5) / q(b, 0.5),
+            q(a, 0.9) / q(b, 0.9),
+            q(a, 0.99) / q(b, 0.99)
+        )
+    };
+    report("L1 hit lookup+retrieve, alone (baseline)", &ha);
+    report("  ... during a raw disk write", &hw);
+    report("  ... during stores, no L2", &hs);
+    report("  ... during stores + L2 flush", &hb);
     println!(
-        "during flush / no flush: p50 {:.2}, p90 {:.2}, p99 {:.2}; during flush / during the same bytes \
-         written outside kvshard: p50 {:.2}, p99 {:.2}; flush of {} MiB: client stores {:.2} s, \
-         written behind after {:.2} s ({:.2} GB/s)",
-        p50_ratio(&hb, &ha),
-        hb.value_at_quantile(0.9) as f64 / ha.value_at_quantile(0.9) as f64,
-        p99_ratio(&hb, &ha),
-        p50_ratio(&hb, &hw),
-        p99_ratio(&hb, &hw),
+        "during flush / alone: {}; during flush / during stores with no L2: {}; during raw disk write / \
+         alone: {}",
+        ratios(&hb, &ha),
+        ratios(&hb, &hs),
+        ratios(&hw, &ha)
+    );
+    println!(
+        "flush of {} MiB: client stores {:.2} s (into the server with no L2: {:.2} s), written behind \
+         after {:.2} s ({:.2} GB/s)",
         flush_bytes >> 20,
         store_took.as_secs_f64(),
+        plain_store_took.as_secs_f64(),
         flush_took.as_secs_f64(),
         gbps(flush_bytes, flush_took)
     );
