@@ -1,0 +1,1 @@
+//! Placeholder target so cargo accepts the manifest; never compiled.
