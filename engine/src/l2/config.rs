@@ -38,10 +38,72 @@ pub struct FsConfig {
     pub max_capacity_gb: f64,
 }
 
+/// A credential that never appears in `Debug` output, logs or `/config`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("\"***\"")
+    }
+}
+
+/// What `/config/adapters` shows in place of a secret.
+pub const REDACTED: &str = "***";
+
+/// `{"type":"s3", "s3_endpoint", "s3_region", ...}`: one object per chunk in
+/// a bucket, named as lmcache 0.5.6's s3 adapter names them. The fields of
+/// 0.5.6 keep its names and defaults; the `s3_*` fields marked kvshard are
+/// ours.
+#[derive(Debug, Clone, PartialEq)]
+pub struct S3Config {
+    /// `s3_endpoint`: `s3://bucket`, `s3://bucket.host[:port]` or
+    /// `bucket.host[:port]` (virtual-hosted, Host sent verbatim); with
+    /// `s3_endpoint_url`, just the bucket.
+    pub endpoint: String,
+    /// `s3_region`: the SigV4 region.
+    pub region: String,
+    /// `s3_num_io_threads` (64): connections to the bucket, split over shards.
+    pub num_io_threads: u32,
+    /// `s3_prefer_http2` (true): offer h2 by ALPN (h2c over plain HTTP).
+    pub prefer_http2: bool,
+    /// `s3_enable_s3express` (false): S3 Express session auth for directory
+    /// buckets.
+    pub enable_s3express: bool,
+    /// `disable_tls` (false): plain HTTP.
+    pub disable_tls: bool,
+    /// `aws_access_key_id` + `aws_secret_access_key`, both or neither; without
+    /// them the AWS credential chain (environment, profile files, ...).
+    pub static_credentials: Option<(String, Secret)>,
+    /// `max_capacity_gb` (0 = no aggregate capacity).
+    pub max_capacity_gb: f64,
+    /// kvshard `s3_endpoint_url`: an explicit `http[s]://host[:port]`
+    /// endpoint, path-style addressing (MinIO-like stores); falls back to
+    /// `AWS_ENDPOINT_URL` when unset.
+    pub endpoint_url: Option<String>,
+    /// kvshard `s3_ca_bundle`: extra PEM roots (else `AWS_CA_BUNDLE`).
+    pub ca_bundle: Option<String>,
+    /// kvshard `s3_key_prefix` (""): objects are `<prefix>/<name>`.
+    pub key_prefix: String,
+    /// kvshard `s3_request_timeout_secs` (30): deadline of one request.
+    pub request_timeout_secs: f64,
+    /// kvshard `s3_max_inflight_requests` (= `s3_num_io_threads`): requests
+    /// in flight at once, whole server.
+    pub max_inflight_requests: u32,
+    /// kvshard `s3_seed_usage_on_start` (false): list the bucket at start to
+    /// count what it already holds toward usage and eviction.
+    pub seed_usage_on_start: bool,
+    /// `s3_breaker_initial_cooldown_s` (5.0) and `s3_breaker_max_cooldown_s`
+    /// (300.0): the circuit breaker's cooldown, doubling per re-trip.
+    pub breaker_initial_cooldown_s: f64,
+    pub breaker_max_cooldown_s: f64,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum AdapterKind {
     Mock(MockConfig),
     Fs(FsConfig),
+    S3(S3Config),
 }
 
 /// One `--l2-adapter` flag, validated.
@@ -59,6 +121,7 @@ impl AdapterSpec {
         match self.kind {
             AdapterKind::Mock(_) => "mock",
             AdapterKind::Fs(_) => "fs",
+            AdapterKind::S3(_) => "s3",
         }
     }
 
@@ -67,16 +130,16 @@ impl AdapterSpec {
         match &self.kind {
             AdapterKind::Mock(m) => (m.max_size_gb * GIB) as u64,
             AdapterKind::Fs(f) => (f.max_capacity_gb * GIB) as u64,
+            AdapterKind::S3(c) => (c.max_capacity_gb * GIB) as u64,
         }
     }
 }
 
 /// Adapter types this build has.
-pub const KNOWN_TYPES: &[&str] = &["fs", "mock"];
+pub const KNOWN_TYPES: &[&str] = &["fs", "mock", "s3"];
 
 /// Adapter types of lmcache 0.5.6 that kvshard does not build (yet).
 const UNBUILT_TYPES: &[&str] = &[
-    "s3",
     "fs_native",
     "nixl_store",
     "nixl_store_dynamic",
@@ -131,6 +194,7 @@ pub fn parse_adapter_spec(index: usize, raw: &str) -> Result<AdapterSpec, String
             "use_odirect",
             "max_capacity_gb",
         ],
+        "s3" => S3_FIELDS,
         t if UNBUILT_TYPES.contains(&t) => {
             return Err(format!(
                 "{at}: adapter type '{t}' is not available in this build of kvshard (available: {KNOWN_TYPES:?})"
@@ -165,11 +229,19 @@ pub fn parse_adapter_spec(index: usize, raw: &str) -> Result<AdapterSpec, String
             return Err(format!("{at}: field 'persist_enabled' must be a boolean"));
         }
     }
+    let mut json = json.clone();
     let kind = match type_name {
         "mock" => AdapterKind::Mock(MockConfig {
             max_size_gb: positive(obj, "max_size_gb", &at)?,
             mock_bandwidth_gb: positive(obj, "mock_bandwidth_gb", &at)?,
         }),
+        "s3" => {
+            let c = parse_s3(obj, &at)?;
+            if let Some(v) = json.get_mut("aws_secret_access_key") {
+                *v = Value::String(REDACTED.into());
+            }
+            AdapterKind::S3(c)
+        }
         _ => {
             let base_path = match obj.get("base_path") {
                 Some(Value::String(s)) if !s.is_empty() => s.clone(),
@@ -240,7 +312,7 @@ pub fn parse_adapter_spec(index: usize, raw: &str) -> Result<AdapterSpec, String
     let spec = AdapterSpec {
         kind,
         eviction,
-        json: json.clone(),
+        json,
     };
     if let Some(ev) = &spec.eviction {
         if ev.policy == PolicyKind::Lru && spec.capacity_bytes() == 0 {
@@ -250,6 +322,143 @@ pub fn parse_adapter_spec(index: usize, raw: &str) -> Result<AdapterSpec, String
         }
     }
     Ok(spec)
+}
+
+const S3_FIELDS: &[&str] = &[
+    "s3_endpoint",
+    "s3_region",
+    "s3_num_io_threads",
+    "s3_prefer_http2",
+    "s3_enable_s3express",
+    "disable_tls",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "max_capacity_gb",
+    "s3_endpoint_url",
+    "s3_ca_bundle",
+    "s3_key_prefix",
+    "s3_request_timeout_secs",
+    "s3_max_inflight_requests",
+    "s3_seed_usage_on_start",
+    "s3_breaker_initial_cooldown_s",
+    "s3_breaker_max_cooldown_s",
+];
+
+fn parse_s3(obj: &Map<String, Value>, at: &str) -> Result<S3Config, String> {
+    let string = |k: &str, required: bool| -> Result<Option<String>, String> {
+        match obj.get(k) {
+            None | Some(Value::Null) if !required => Ok(None),
+            Some(Value::String(s)) if !s.is_empty() => Ok(Some(s.clone())),
+            _ => Err(format!("{at}: field '{k}' must be a non-empty string")),
+        }
+    };
+    let boolean = |k: &str, default: bool| -> Result<bool, String> {
+        match obj.get(k) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => Err(format!("{at}: field '{k}' must be a boolean")),
+        }
+    };
+    // 0.5.6 refuses floats and booleans for its integer fields.
+    let count = |k: &str, default: Option<u32>| -> Result<Option<u32>, String> {
+        match obj.get(k) {
+            None => Ok(default),
+            Some(v) => match v.as_u64() {
+                Some(n) if n > 0 && n <= u32::MAX as u64 => Ok(Some(n as u32)),
+                _ => Err(format!("{at}: field '{k}' must be a positive integer")),
+            },
+        }
+    };
+    let seconds = |k: &str, default: f64| -> Result<f64, String> {
+        match obj.get(k) {
+            None => Ok(default),
+            Some(v) if !v.is_boolean() => match v.as_f64() {
+                Some(x) if x > 0.0 && x.is_finite() => Ok(x),
+                _ => Err(format!(
+                    "{at}: field '{k}' must be a positive number of seconds"
+                )),
+            },
+            Some(_) => Err(format!(
+                "{at}: field '{k}' must be a positive number of seconds"
+            )),
+        }
+    };
+    let endpoint = string("s3_endpoint", true)?.expect("required");
+    let region = string("s3_region", true)?.expect("required");
+    let disable_tls = boolean("disable_tls", false)?;
+    let endpoint_url = string("s3_endpoint_url", false)?;
+    // The endpoint is resolved now so that a malformed one stops the start.
+    kvshard_s3_raw::addressing::resolve_bucket(&kvshard_s3_raw::addressing::AddressingConfig {
+        bucket_url: &endpoint,
+        region: &region,
+        endpoint_url: endpoint_url.as_deref(),
+        disable_tls,
+    })
+    .map_err(|e| format!("{at}: field 's3_endpoint' {endpoint:?}: {e}"))?;
+    let static_credentials = match (
+        string("aws_access_key_id", false)?,
+        string("aws_secret_access_key", false)?,
+    ) {
+        (Some(id), Some(secret)) => Some((id, Secret(secret))),
+        (None, None) => None,
+        _ => {
+            return Err(format!(
+                "{at}: fields 'aws_access_key_id' and 'aws_secret_access_key' go together: set both, or \
+                 neither to use the AWS credential chain"
+            ))
+        }
+    };
+    let max_capacity_gb = match obj.get("max_capacity_gb") {
+        None => 0.0,
+        Some(v) => match v.as_f64() {
+            Some(x) if x >= 0.0 && x.is_finite() && !v.is_boolean() => x,
+            _ => {
+                return Err(format!(
+                    "{at}: field 'max_capacity_gb' must be a non-negative number"
+                ))
+            }
+        },
+    };
+    let key_prefix = match obj.get("s3_key_prefix") {
+        None => String::new(),
+        Some(Value::String(p)) => {
+            if p.starts_with('/') || p.ends_with('/') {
+                return Err(format!(
+                    "{at}: field 's3_key_prefix' must not start or end with '/' (got {p:?})"
+                ));
+            }
+            p.clone()
+        }
+        Some(_) => return Err(format!("{at}: field 's3_key_prefix' must be a string")),
+    };
+    let num_io_threads = count("s3_num_io_threads", Some(64))?.expect("defaulted");
+    let breaker_initial_cooldown_s = seconds("s3_breaker_initial_cooldown_s", 5.0)?;
+    let breaker_max_cooldown_s = seconds("s3_breaker_max_cooldown_s", 300.0)?;
+    if breaker_max_cooldown_s < breaker_initial_cooldown_s {
+        return Err(format!(
+            "{at}: field 's3_breaker_max_cooldown_s' ({breaker_max_cooldown_s}) is below \
+             's3_breaker_initial_cooldown_s' ({breaker_initial_cooldown_s})"
+        ));
+    }
+    Ok(S3Config {
+        endpoint,
+        region,
+        num_io_threads,
+        prefer_http2: boolean("s3_prefer_http2", true)?,
+        enable_s3express: boolean("s3_enable_s3express", false)?,
+        disable_tls,
+        static_credentials,
+        max_capacity_gb,
+        endpoint_url,
+        ca_bundle: string("s3_ca_bundle", false)?,
+        key_prefix,
+        request_timeout_secs: seconds("s3_request_timeout_secs", 30.0)?,
+        max_inflight_requests: count("s3_max_inflight_requests", Some(num_io_threads))?
+            .expect("defaulted"),
+        seed_usage_on_start: boolean("s3_seed_usage_on_start", false)?,
+        breaker_initial_cooldown_s,
+        breaker_max_cooldown_s,
+    })
 }
 
 fn parse_eviction(e: &Map<String, Value>, at: &str) -> Result<EvictionConfig, String> {
@@ -363,7 +572,7 @@ mod tests {
         assert!(err("[1]").contains("expected a JSON object"));
         assert!(err(r#"{"base_path":"/x"}"#).contains("'type'"));
         assert!(err(r#"{"type":"disk"}"#).contains("unknown adapter type 'disk'"));
-        assert!(err(r#"{"type":"s3"}"#).contains("not available"));
+        assert!(err(r#"{"type":"nixl_store"}"#).contains("not available"));
         assert!(err(r#"{"type":"mock","max_size_gb":1}"#).contains("'mock_bandwidth_gb'"));
         assert!(
             err(r#"{"type":"mock","max_size_gb":-1,"mock_bandwidth_gb":1}"#)
@@ -389,6 +598,99 @@ mod tests {
         .contains("'eviction.ratio'"));
         assert!(
             err(r#"{"type":"fs","base_path":"/x","serde":{"type":"fp8"}}"#).contains("'serde'")
+        );
+    }
+
+    #[test]
+    fn parses_the_seed_s3_spec_with_0_5_6_defaults() {
+        // The MP example of the S3 backend documentation.
+        let spec = parse_adapter_spec(
+            2,
+            r#"{"type":"s3","s3_endpoint":"s3://my-bucket","s3_region":"us-east-1",
+                "s3_num_io_threads":64,"s3_prefer_http2":true,"s3_enable_s3express":false,
+                "disable_tls":false,"max_capacity_gb":500,
+                "eviction":{"eviction_policy":"LRU","trigger_watermark":0.85,"eviction_ratio":0.2}}"#,
+        )
+        .unwrap();
+        assert_eq!(spec.type_name(), "s3");
+        assert_eq!(spec.capacity_bytes(), 500 << 30);
+        let AdapterKind::S3(c) = &spec.kind else {
+            panic!("{spec:?}")
+        };
+        assert_eq!(c.endpoint, "s3://my-bucket");
+        assert_eq!((c.num_io_threads, c.max_inflight_requests), (64, 64));
+        assert!(c.prefer_http2 && !c.enable_s3express && !c.disable_tls);
+        assert_eq!(c.static_credentials, None);
+        assert_eq!(c.request_timeout_secs, 30.0);
+        assert_eq!(
+            (c.breaker_initial_cooldown_s, c.breaker_max_cooldown_s),
+            (5.0, 300.0)
+        );
+        let ev = spec.eviction.unwrap();
+        assert_eq!((ev.trigger_watermark, ev.eviction_ratio), (0.85, 0.2));
+
+        // Minimal form: only the two required fields.
+        let spec = parse_adapter_spec(
+            1,
+            r#"{"type":"s3","s3_endpoint":"kvbkt.localhost:9000","s3_region":"us-east-1"}"#,
+        )
+        .unwrap();
+        assert_eq!(spec.capacity_bytes(), 0);
+    }
+
+    #[test]
+    fn s3_secrets_are_redacted_and_checked() {
+        let spec = parse_adapter_spec(
+            1,
+            r#"{"type":"s3","s3_endpoint":"bkt.localhost:1","s3_region":"r",
+                "aws_access_key_id":"AKID","aws_secret_access_key":"very-secret"}"#,
+        )
+        .unwrap();
+        let AdapterKind::S3(c) = &spec.kind else {
+            panic!()
+        };
+        assert_eq!(
+            c.static_credentials,
+            Some(("AKID".into(), Secret("very-secret".into())))
+        );
+        assert_eq!(spec.json["aws_secret_access_key"], REDACTED);
+        assert_eq!(spec.json["aws_access_key_id"], "AKID");
+        let shown = format!("{spec:?} {}", spec.json);
+        assert!(!shown.contains("very-secret"), "{shown}");
+        assert!(err(
+            r#"{"type":"s3","s3_endpoint":"bkt.localhost:1","s3_region":"r","aws_access_key_id":"A"}"#
+        )
+        .contains("go together"));
+    }
+
+    #[test]
+    fn s3_errors_name_the_field() {
+        let s3 = |extra: &str| {
+            err(&format!(
+                r#"{{"type":"s3","s3_endpoint":"bkt.localhost:9000","s3_region":"us-east-1"{extra}}}"#
+            ))
+        };
+        assert!(err(r#"{"type":"s3","s3_region":"r"}"#).contains("'s3_endpoint'"));
+        assert!(err(r#"{"type":"s3","s3_endpoint":"bkt.h"}"#).contains("'s3_region'"));
+        assert!(s3(r#","s3_num_io_threads":0"#).contains("'s3_num_io_threads'"));
+        assert!(s3(r#","s3_num_io_threads":2.5"#).contains("'s3_num_io_threads'"));
+        assert!(s3(r#","s3_num_io_threads":true"#).contains("'s3_num_io_threads'"));
+        assert!(s3(r#","s3_prefer_http2":"yes""#).contains("'s3_prefer_http2'"));
+        assert!(s3(r#","disable_tls":1"#).contains("'disable_tls'"));
+        assert!(s3(r#","max_capacity_gb":-1"#).contains("'max_capacity_gb'"));
+        assert!(s3(r#","s3_key_prefix":"/a""#).contains("'s3_key_prefix'"));
+        assert!(s3(r#","s3_request_timeout_secs":0"#).contains("'s3_request_timeout_secs'"));
+        assert!(s3(r#","s3_breaker_max_cooldown_s":1"#).contains("'s3_breaker_max_cooldown_s'"));
+        assert!(s3(r#","s3_bucket":"x""#).contains("unknown field 's3_bucket'"));
+        assert!(s3(r#","serde":{"type":"fp8"}"#).contains("'serde'"));
+        // A malformed endpoint stops the start.
+        assert!(
+            err(r#"{"type":"s3","s3_endpoint":"http://bkt.h","s3_region":"r"}"#)
+                .contains("'s3_endpoint'")
+        );
+        assert!(
+            err(r#"{"type":"s3","s3_endpoint":"bkt.h:notaport","s3_region":"r"}"#)
+                .contains("'s3_endpoint'")
         );
     }
 }

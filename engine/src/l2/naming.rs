@@ -1,5 +1,7 @@
-//! Object file names of lmcache 0.5.6's fs adapter.
+//! Object names of lmcache 0.5.6's fs adapter (file names) and s3 adapter
+//! (object names).
 //!
+//! fs:
 //! `<model>@0x<kv_rank, 8 hex digits>@<group hex>@<chunk hash hex>[@<salt>].data`
 //! with every `/` of the model name written as `-SEP-`. 0.5.6 forbids `@` in
 //! model names and `@ / \ NUL` in salts, which makes splitting on `@`
@@ -78,6 +80,56 @@ pub fn parse_file_name(name: &str) -> Option<ObjectKey> {
     };
     // Rejects leading zeros and any other spelling that differs from ours.
     if file_name(&key) != name {
+        return None;
+    }
+    Some(key)
+}
+
+/// The object name 0.5.6's s3 adapter gives `key`:
+/// `<model>@<kv_rank, 8 hex digits>@<group hex>@<chunk hash hex>[@<salt>]`,
+/// the model name as it is (a `/` in it is a "directory" in the bucket). The
+/// request path is `/` + the name percent-encoded once (`-_.~/` kept), which
+/// the signer does.
+pub fn s3_object_name(key: &ObjectKey) -> String {
+    let mut s = format!(
+        "{}@{:08x}@{:x}@{}",
+        key.model_name,
+        key.kv_rank,
+        key.object_group_id,
+        crate::keys::hex(&key.chunk_hash)
+    );
+    if !key.cache_salt.is_empty() {
+        s.push(KEY_SEP);
+        s.push_str(&key.cache_salt);
+    }
+    s
+}
+
+/// The key of an s3 object name, or `None` for anything [`s3_object_name`]
+/// does not write exactly (other objects in a shared bucket are skipped,
+/// as 0.5.6 skips names it cannot parse).
+pub fn parse_s3_object_name(name: &str) -> Option<ObjectKey> {
+    let mut parts = name.split(KEY_SEP);
+    let model = parts.next()?;
+    let rank = parts.next()?;
+    let group = parts.next()?;
+    let hash = parts.next()?;
+    let salt = match parts.next() {
+        None => "",
+        Some("") => return None,
+        Some(s) => s,
+    };
+    if parts.next().is_some() || rank.len() < 8 {
+        return None;
+    }
+    let key = ObjectKey {
+        chunk_hash: parse_hash(hash)?,
+        model_name: model.to_string(),
+        kv_rank: parse_lower_hex_u32(rank)?,
+        object_group_id: parse_lower_hex_u32(group)?,
+        cache_salt: salt.to_string(),
+    };
+    if check_cache_salt(salt).is_err() || s3_object_name(&key) != name {
         return None;
     }
     Some(key)
@@ -186,6 +238,35 @@ mod tests {
             ".data".into(),
         ] {
             assert_eq!(parse_file_name(&bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn s3_names_round_trip_and_strangers_are_skipped() {
+        let k = key("org/model-7B", 0x0100_0100, 10, "t");
+        let h = crate::keys::hex(&k.chunk_hash);
+        assert_eq!(s3_object_name(&k), format!("org/model-7B@01000100@a@{h}@t"));
+        for k in [
+            k.clone(),
+            key("org/model-7B", 0, 0, ""),
+            key("a//b/", u32::MAX, u32::MAX, "s.t-u_v"),
+            key("", 1, 0x10, &"z".repeat(128)),
+        ] {
+            assert_eq!(parse_s3_object_name(&s3_object_name(&k)), Some(k));
+        }
+        for bad in [
+            format!("m@1@0@{h}"),
+            format!("m@0x00000001@0@{h}"),
+            format!("m@00000001@00@{h}"),
+            format!("m@00000001@A@{h}"),
+            format!("m@00000001@0@{}", h.to_uppercase()),
+            format!("m@00000001@0@{h}@"),
+            format!("m@00000001@0@{h}@a@b"),
+            format!("m@00000001@0@{h}@{}", "s".repeat(129)),
+            "_lmcache_lru_index.json".into(),
+            String::new(),
+        ] {
+            assert_eq!(parse_s3_object_name(&bad), None, "{bad}");
         }
     }
 
