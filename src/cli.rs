@@ -80,6 +80,11 @@ pub struct ServerArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "MP Server")]
 pub struct MpServerArgs {
+    /// kvshard: an lmcache YAML configuration of an S3 backend (remote_url: s3://..., extra_config)
+    /// mapped onto these flags and one s3 L2 adapter; flags given after it win.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<String>,
+
     /// Stable identity of this server (coordinator key, telemetry service.instance.id)
     /// [default: a random UUID v4 minted at start]
     #[arg(long, value_name = "ID")]

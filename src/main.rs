@@ -3,15 +3,26 @@
 
 mod cli;
 mod logger;
+mod yaml_config;
 
 use clap::Parser;
 
 fn main() {
-    let cli = cli::Cli::parse();
+    let (argv, config_notes) = match yaml_config::expand_args(std::env::args().collect()) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("kvshard server: {e}");
+            std::process::exit(2);
+        }
+    };
+    let cli = cli::Cli::parse_from(argv);
     match cli.command {
         cli::Command::Server(args) => {
             logger::init();
             abort_on_panic();
+            for n in config_notes {
+                log::info!("{n}");
+            }
             let (cfg, notes) = match args.into_config() {
                 Ok(v) => v,
                 Err(e) => {
