@@ -535,3 +535,54 @@ fn concurrent_stores_of_one_key_leave_one_complete_object() {
         assert!(tmp_files(dir.path()).is_empty());
     });
 }
+
+#[test]
+fn usage_is_seeded_from_what_the_directory_holds() {
+    use kvshard_engine::l2::tier::L2Tier;
+    let dir = TempDir::new("seed");
+    run(async {
+        let a = FsAdapter::new(&cfg(dir.path()), 0, 1).unwrap();
+        let items: Vec<(ObjectKey, Vec<u8>)> = (0..2500)
+            .map(|i| {
+                (
+                    key("m", i, if i % 2 == 0 { "" } else { "t" }),
+                    payload(i as u64, 100),
+                )
+            })
+            .collect();
+        assert!(store(&a, &items)
+            .await
+            .iter()
+            .all(|r| *r == StoreResult::Stored(100)));
+        // A restarted server with two shards: each adopts the keys it owns,
+        // over several listing pages; together they count everything once.
+        let mut total_keys = 0;
+        let mut total_bytes = 0;
+        for shard in 0..2 {
+            let tier = L2Tier::new(
+                "fs#1".into(),
+                Box::new(FsAdapter::new(&cfg(dir.path()), shard, 2).unwrap()),
+                None,
+            );
+            assert_eq!(tier.usage().keys, 0);
+            let adopted = tier.seed_usage(shard, 2).await.unwrap();
+            let own = items.iter().filter(|(k, _)| k.shard(2) == shard).count() as u64;
+            assert_eq!(adopted, own);
+            let u = tier.usage();
+            assert_eq!((u.keys, u.used_bytes), (own, own * 100));
+            assert_eq!(
+                u.bytes_by_salt.get("t").copied().unwrap_or(0),
+                items
+                    .iter()
+                    .filter(|(k, _)| k.shard(2) == shard && k.cache_salt == "t")
+                    .count() as u64
+                    * 100
+            );
+            // Seeding again adopts nothing new.
+            assert_eq!(tier.seed_usage(shard, 2).await.unwrap(), 0);
+            total_keys += u.keys;
+            total_bytes += u.used_bytes;
+        }
+        assert_eq!((total_keys, total_bytes), (2500, 250_000));
+    });
+}

@@ -344,6 +344,36 @@ impl L2Tier {
         self.adapter.list(model_name, page_size, cursor).await
     }
 
+    /// Counts what the adapter already holds toward usage and eviction: pages
+    /// through [`L2Tier::list`] and adopts the keys this shard owns (every
+    /// shard lists the whole store and keeps its own). Returns the keys
+    /// adopted; a listing error stops the scan with what was adopted so far.
+    pub async fn seed_usage(&self, shard: usize, num_shards: usize) -> std::io::Result<u64> {
+        const PAGE: usize = 1000;
+        let mut cursor = None;
+        let mut adopted_total = 0;
+        loop {
+            let page = self.adapter.list(None, PAGE, cursor).await?;
+            let mut adopted = Vec::new();
+            {
+                let mut book = self.book.borrow_mut();
+                for (key, size) in page.keys {
+                    if key.shard(num_shards) == shard && book.add(&key, size) {
+                        adopted.push(key);
+                    }
+                }
+            }
+            adopted_total += adopted.len() as u64;
+            if let Some(p) = self.policy.borrow_mut().as_mut() {
+                p.on_keys_created(adopted.iter());
+            }
+            match page.next_cursor {
+                Some(c) => cursor = Some(c),
+                None => return Ok(adopted_total),
+            }
+        }
+    }
+
     /// Sets this shard's share of `salt`'s quota (IsolatedLRU).
     pub fn set_quota(&self, salt: &str, limit_bytes: u64) {
         if let Some(p) = self.policy.borrow_mut().as_mut() {
