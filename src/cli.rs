@@ -1256,13 +1256,7 @@ impl ServerArgs {
         for (i, raw) in l2.l2_adapter.iter().enumerate() {
             let spec = kvshard_engine::l2::config::parse_adapter_spec(i + 1, raw)
                 .map_err(|e| ConfigError::invalid("--l2-adapter", e))?;
-            if spec.type_name() == "s3" {
-                refuse(
-                    "--l2-adapter",
-                    "the s3 adapter's spec is checked, but the adapter is not wired to its S3 \
-                     client in this build yet; use fs or mock",
-                )?;
-            }
+
             adapters.push(spec);
         }
         let store_policy = match l2_policy.l2_store_policy.as_str() {

@@ -754,3 +754,56 @@ fn fs_conforms() {
 fn fs_with_tmp_dir_conforms() {
     fs_subject_run("fs-tmp", Some("tmp"));
 }
+
+#[path = "../../tests/support/s3s.rs"]
+#[allow(dead_code)]
+mod s3s;
+
+#[test]
+fn s3_conforms() {
+    use kvshard_engine::l2::config::S3Config;
+    use kvshard_engine::l2::s3::{S3Adapter, S3Store};
+    use std::rc::Rc;
+    let server = s3s::S3sFs::start(&["conformance"]);
+    // Every case gets its own key prefix in the bucket: a fresh, empty store.
+    let cfg = |case: &str, capacity: Option<u64>| S3Config {
+        endpoint: format!("conformance.localhost:{}", server.port),
+        region: "us-east-1".into(),
+        num_io_threads: 16,
+        prefer_http2: false,
+        enable_s3express: false,
+        disable_tls: true,
+        static_credentials: Some((
+            s3s::S3_ACCESS_KEY.into(),
+            kvshard_engine::l2::config::Secret(s3s::S3_SECRET_KEY.into()),
+        )),
+        max_capacity_gb: capacity.map_or(0.0, |c| c as f64 / GIB),
+        endpoint_url: None,
+        ca_bundle: None,
+        key_prefix: format!("suite/{case}"),
+        request_timeout_secs: 10.0,
+        max_inflight_requests: 16,
+        seed_usage_on_start: false,
+        breaker_initial_cooldown_s: 5.0,
+        breaker_max_cooldown_s: 300.0,
+    };
+    let adapter = |c: &S3Config| -> Box<dyn L2Adapter> {
+        let store = S3Store::connect(c, 1).expect("S3 client");
+        Box::new(S3Adapter::new(c, Rc::new(store), 0, 1))
+    };
+    let make = |case: &str, capacity: Option<u64>| {
+        let c = cfg(case, capacity);
+        Backing {
+            adapter: adapter(&c),
+            twin: Some(adapter(&c)),
+        }
+    };
+    // A model name whose object name is one path component longer than the
+    // server's file system allows (NAME_MAX): the PUT fails.
+    let failing_item = || (key(&"x".repeat(300), 1, ""), payload(7777, OBJ));
+    run(conformance(&Subject {
+        kind: "s3",
+        make: &make,
+        failing_item: &failing_item,
+    }));
+}

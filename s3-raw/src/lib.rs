@@ -1,6 +1,7 @@
-//! kvshard-s3-raw: the pieces of an S3 client that need no network, written
-//! directly against the wire formats.
+//! kvshard-s3-raw: an S3 client with no AWS SDK, written directly against
+//! the wire formats, for one glommio shard.
 //!
+//! Pieces that need no network:
 //! - [`sigv4`]: AWS Signature Version 4 for request headers, with S3's
 //!   encoding rules, the S3 Express session-token header, and a signer that
 //!   caches derived keys and reuses its buffers.
@@ -15,11 +16,35 @@
 //!   writer.
 //! - [`time`]: `x-amz-date` formatting and RFC 3339 parsing.
 //!
-//! Each module has its own error type. Nothing here does I/O except
-//! [`credentials`] reading the AWS profile files.
+//! The client on top of them:
+//! - [`net`]: TCP connect, rustls configuration, hyper IO over glommio.
+//! - [`http`]: per-endpoint connections, HTTP/2 multiplexed or an HTTP/1.1
+//!   keep-alive pool.
+//! - [`client`]: [`S3Client`]: HEAD, GET into caller memory (ranged and
+//!   parallel), PUT from caller memory (multipart above a threshold),
+//!   DELETE, ListObjectsV2; deadlines, retries, counters.
+//! - [`region`]: the caller-memory types ([`SendRegion`], [`RecvRegion`]).
+//! - [`retry`]: decorrelated-jitter backoff and the retry budget.
+//! - [`breaker`]: the circuit breaker.
+//! - [`express`]: S3 Express sessions.
+//! - [`error`]: [`S3Error`] and its semantic [`ErrorKind`].
 
 pub mod addressing;
+pub mod breaker;
+pub mod client;
 pub mod credentials;
+pub mod error;
+pub mod express;
+pub mod http;
+pub mod net;
+pub mod region;
+pub mod retry;
 pub mod sigv4;
 pub mod time;
 pub mod xml;
+
+pub use client::{
+    ClientStats, ConfigError, CredentialsConfig, Outcome, PayloadSigning, S3Client, S3ClientConfig,
+};
+pub use error::{ErrorKind, Op, S3Error};
+pub use region::{RecvRegion, SendRegion};

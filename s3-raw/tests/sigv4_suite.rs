@@ -35,8 +35,13 @@ const SKIPPED: &[(&str, &str)] = &[(
 
 fn suite_dir() -> PathBuf {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
-    let dir = common::package_dir(&manifest, "aws-sigv4", &["--offline"])
-        .unwrap_or_else(|e| panic!("cannot locate the aws-sigv4 package: {e}"));
+    let host = common::host_triple();
+    let dir = common::package_dir(
+        &manifest,
+        "aws-sigv4",
+        &["--offline", "--filter-platform", &host],
+    )
+    .unwrap_or_else(|e| panic!("cannot locate the aws-sigv4 package: {e}"));
     let suite = dir.join("aws-signing-test-suite").join("v4");
     assert!(
         suite.is_dir(),

@@ -1014,3 +1014,9 @@ pub fn lm_layer(prefix: &str) -> (ShmMap, V) {
     );
     (map, desc)
 }
+
+// ------------------------------------------------------------------ s3s-fs
+
+mod s3s;
+#[allow(unused_imports)]
+pub use s3s::*;

@@ -2045,8 +2045,30 @@ impl Front {
                 "eviction_policy": spec.eviction.as_ref().map(|e| e.policy.name()),
                 "shards": tiers.iter().map(|t| t.status.clone()).collect::<Vec<_>>(),
             });
-            if let kvshard_engine::l2::config::AdapterKind::Fs(f) = &spec.kind {
-                v["base_path"] = serde_json::Value::String(f.base_path.clone());
+            match &spec.kind {
+                kvshard_engine::l2::config::AdapterKind::Fs(f) => {
+                    v["base_path"] = serde_json::Value::String(f.base_path.clone());
+                }
+                kvshard_engine::l2::config::AdapterKind::S3(c) => {
+                    // 0.5.6's report_status keys, summed over shards.
+                    let shard_client = |k: &str| {
+                        tiers
+                            .iter()
+                            .filter_map(|t| t.status["adapter"]["client"][k].as_u64())
+                            .sum::<u64>()
+                    };
+                    let disabled = tiers
+                        .iter()
+                        .any(|t| t.status["adapter"]["client"]["breaker_open"] == true);
+                    v["endpoint"] = serde_json::Value::String(c.endpoint.clone());
+                    v["region"] = serde_json::Value::String(c.region.clone());
+                    v["connection_failures"] = shard_client("connection_failures").into();
+                    v["connection_disabled"] = disabled.into();
+                    if disabled {
+                        v["is_healthy"] = false.into();
+                    }
+                }
+                kvshard_engine::l2::config::AdapterKind::Mock(_) => {}
             }
             out.push(v);
         }

@@ -449,7 +449,11 @@ pub async fn run_shard(
     let interval = cfg.eviction_interval;
     let initial = l1.usage().1;
     let l2 = match L2Shard::new(&l2.0, id, l2.1) {
-        Ok(l2) => Rc::new(l2),
+        Ok(built) => {
+            let built = Rc::new(built);
+            built.seed_usage(&l2.0, id, l2.1);
+            built
+        }
         Err(e) => {
             log::error!("shard {id}: {e}; the server cannot run as configured");
             std::process::exit(2);

@@ -98,9 +98,13 @@ fn build_adapter(
     Ok(match &spec.kind {
         AdapterKind::Mock(m) => Box::new(MockAdapter::new(m, shard, num_shards)),
         AdapterKind::Fs(f) => Box::new(FsAdapter::new(f, shard, num_shards)?),
-        AdapterKind::S3(_) => {
-            return Err(std::io::Error::other(
-                "the s3 adapter is not wired to its S3 client in this build yet",
+        AdapterKind::S3(c) => {
+            let store = kvshard_engine::l2::s3::S3Store::connect(c, num_shards)?;
+            Box::new(kvshard_engine::l2::s3::S3Adapter::new(
+                c,
+                Rc::new(store),
+                shard,
+                num_shards,
             ))
         }
     })
@@ -132,6 +136,39 @@ impl L2Shard {
             skip_l1_later: RefCell::new(Vec::new()),
             size_mismatch_logged: Cell::new(false),
         })
+    }
+
+    /// Starts counting what the adapters that ask for it (`s3_seed_usage_on_start`)
+    /// already hold, in the background on the L2 task queue.
+    pub fn seed_usage(self: &Rc<Self>, settings: &L2Settings, shard: usize, num_shards: usize) {
+        for (t, spec) in settings.adapters.iter().enumerate() {
+            if !spec.seed_usage_on_start() {
+                continue;
+            }
+            let l2 = self.clone();
+            let spawned = glommio::spawn_local_into(
+                async move {
+                    let tier = &l2.tiers[t];
+                    match tier.seed_usage(shard, num_shards).await {
+                        Ok(n) => log::info!(
+                            "shard {shard}: {}: counted {n} objects already stored ({} bytes)",
+                            tier.name(),
+                            tier.usage().used_bytes
+                        ),
+                        Err(e) => {
+                            log::warn!("shard {shard}: {}: usage seeding stopped: {e}", tier.name())
+                        }
+                    }
+                },
+                self.queue,
+            );
+            match spawned {
+                Ok(task) => {
+                    task.detach();
+                }
+                Err(e) => log::warn!("shard {shard}: cannot start usage seeding: {e}"),
+            }
+        }
     }
 
     pub fn is_enabled(&self) -> bool {

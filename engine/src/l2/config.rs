@@ -125,6 +125,11 @@ impl AdapterSpec {
         }
     }
 
+    /// Whether usage is counted from what the adapter holds at start.
+    pub fn seed_usage_on_start(&self) -> bool {
+        matches!(&self.kind, AdapterKind::S3(c) if c.seed_usage_on_start)
+    }
+
     /// Capacity of the whole adapter (all shards) in bytes; 0 = unbounded.
     pub fn capacity_bytes(&self) -> u64 {
         match &self.kind {

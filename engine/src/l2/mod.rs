@@ -12,7 +12,7 @@
 //! - [`tier::L2Tier`]: one adapter plus its usage accounting (bytes by
 //!   cache_salt) and its optional eviction policy.
 //! - [`config`]: the `--l2-adapter` JSON specs.
-//! - [`mock`] and [`fs`]: the adapters.
+//! - [`mock`], [`fs`] and [`s3`]: the adapters.
 
 use std::future::Future;
 use std::io;
@@ -24,6 +24,7 @@ pub mod config;
 pub mod fs;
 pub mod mock;
 pub mod naming;
+pub mod s3;
 pub mod tier;
 
 /// A boxed future local to one executor (adapters are per shard).

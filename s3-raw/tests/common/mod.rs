@@ -11,6 +11,24 @@ pub fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_owned())
 }
 
+/// The host target triple (`rustc -vV`), for `cargo metadata
+/// --filter-platform`: without it cargo wants every platform's packages
+/// (macOS and Windows TLS crates included) downloaded, which `--offline`
+/// cannot do.
+pub fn host_triple() -> String {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".to_owned());
+    let output = Command::new(rustc)
+        .arg("-vV")
+        .output()
+        .expect("run rustc -vV");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .expect("rustc -vV prints the host triple")
+        .trim()
+        .to_owned()
+}
+
 /// Runs `cargo metadata` on `manifest` and returns the directory of package
 /// `name`, or the reason it could not.
 pub fn package_dir(manifest: &Path, name: &str, extra_args: &[&str]) -> Result<PathBuf, String> {

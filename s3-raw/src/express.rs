@@ -1,0 +1,183 @@
+//! S3 Express One Zone session auth for directory buckets.
+//!
+//! `CreateSession` (`GET /?session` on the bucket's zonal host, signed with
+//! the base credentials under service `s3express`) returns credentials
+//! valid for five minutes. Data-plane requests are signed with them under
+//! [`crate::sigv4::SigningSettings::s3_express_data_plane`]: service
+//! `s3express`, token in `x-amz-s3session-token`, never
+//! `x-amz-security-token`.
+//!
+//! The cache keeps one session per bucket. A request uses the cached
+//! session while it has more than [`ExpressConfig::expiry_margin`] left (the
+//! CRT's 5 s). When it has less than [`ExpressConfig::refresh_before`] left
+//! (the CRT's 60 s), the request still uses it and starts one background
+//! CreateSession, so no request waits for a refresh while a valid session
+//! exists. Only when no usable session exists does a request wait, and
+//! concurrent requests then share one CreateSession. A request refused with
+//! `ExpiredToken`/`InvalidToken` drops the session, and its retry creates a
+//! new one.
+
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::time::{Duration, SystemTime};
+
+use glommio::sync::Semaphore;
+
+use crate::client::ClientInner;
+use crate::credentials::Credentials;
+use crate::error::{Cause, Failure, S3Error};
+
+/// Session refresh settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpressConfig {
+    /// Start a background refresh when the session has less than this left.
+    /// Default 60 s.
+    pub refresh_before: Duration,
+    /// Do not use a session with less than this left. Default 5 s.
+    pub expiry_margin: Duration,
+}
+
+impl Default for ExpressConfig {
+    fn default() -> Self {
+        ExpressConfig {
+            refresh_before: Duration::from_secs(60),
+            expiry_margin: Duration::from_secs(5),
+        }
+    }
+}
+
+impl ExpressConfig {
+    /// Checks the settings; the message names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.refresh_before <= self.expiry_margin {
+            return Err(format!(
+                "express refresh_before ({:?}) must exceed expiry_margin ({:?})",
+                self.refresh_before, self.expiry_margin
+            ));
+        }
+        Ok(())
+    }
+}
+
+struct Session {
+    creds: Rc<Credentials>,
+    expires_at: SystemTime,
+}
+
+/// The session of the client's bucket (the client serves one bucket).
+pub(crate) struct SessionCache {
+    cfg: ExpressConfig,
+    session: RefCell<Option<Session>>,
+    refreshing: Cell<bool>,
+    create_lock: Rc<Semaphore>,
+}
+
+impl SessionCache {
+    pub fn new(cfg: ExpressConfig) -> SessionCache {
+        SessionCache {
+            cfg,
+            session: RefCell::new(None),
+            refreshing: Cell::new(false),
+            create_lock: Rc::new(Semaphore::new(1)),
+        }
+    }
+
+    /// A session usable now, if cached. Starts a background refresh when
+    /// it is close to expiry.
+    fn usable(&self, client: &Rc<ClientInner>) -> Option<Rc<Credentials>> {
+        let now = SystemTime::now();
+        let session = self.session.borrow();
+        let s = session.as_ref()?;
+        if s.expires_at <= now + self.cfg.expiry_margin {
+            return None;
+        }
+        if s.expires_at <= now + self.cfg.refresh_before && !self.refreshing.get() {
+            self.refreshing.set(true);
+            let client = client.clone();
+            glommio::spawn_local(async move {
+                client.refresh_session_in_background().await;
+            })
+            .detach();
+        }
+        Some(s.creds.clone())
+    }
+
+    fn store(&self, creds: Credentials) -> Rc<Credentials> {
+        let expires_at = creds
+            .expiry()
+            .expect("parse_create_session always sets the expiry");
+        let creds = Rc::new(creds);
+        *self.session.borrow_mut() = Some(Session {
+            creds: creds.clone(),
+            expires_at,
+        });
+        creds
+    }
+
+    /// Drops the cached session (the server refused its token).
+    pub fn invalidate(&self) {
+        *self.session.borrow_mut() = None;
+    }
+
+    /// Session credentials for a data-plane request.
+    pub async fn credentials(&self, client: &Rc<ClientInner>) -> Result<Rc<Credentials>, Failure> {
+        if let Some(c) = self.usable(client) {
+            return Ok(c);
+        }
+        let _lock = self
+            .create_lock
+            .acquire_permit(1)
+            .await
+            .expect("the session lock is never closed");
+        if let Some(c) = self.usable(client) {
+            return Ok(c);
+        }
+        match create_session_boxed(client).await {
+            Ok(creds) => Ok(self.store(creds)),
+            Err(e) => Err(Failure {
+                kind: e.kind(),
+                cause: Cause::Session(Box::new(e)),
+                connection_level: false,
+            }),
+        }
+    }
+
+    /// Records the result of a background refresh.
+    fn refreshed(&self, creds: Credentials) {
+        self.store(creds);
+        self.refreshing.set(false);
+    }
+
+    fn refresh_failed(&self) {
+        self.refreshing.set(false);
+    }
+}
+
+/// CreateSession behind a box: it signs and sends through the same path as
+/// the data-plane request that asked for the session, so the future types
+/// would otherwise contain themselves.
+fn create_session_boxed(
+    client: &Rc<ClientInner>,
+) -> Pin<Box<dyn Future<Output = Result<Credentials, S3Error>> + '_>> {
+    Box::pin(client.create_session())
+}
+
+impl ClientInner {
+    async fn refresh_session_in_background(self: Rc<Self>) {
+        let Some(cache) = self.express_cache() else {
+            return;
+        };
+        match create_session_boxed(&self).await {
+            Ok(creds) => {
+                cache.refreshed(creds);
+                self.note_session_refresh();
+            }
+            Err(e) => {
+                log::warn!("s3 express: background session refresh failed: {e}");
+                cache.refresh_failed();
+            }
+        }
+    }
+}

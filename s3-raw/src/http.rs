@@ -1,0 +1,529 @@
+//! Connections to one endpoint: HTTP/2 multiplexed or an HTTP/1.1
+//! keep-alive pool, over TCP or rustls.
+//!
+//! Protocol choice:
+//! - TLS with `prefer_http2`: ALPN offers `h2`, `http/1.1`; the first
+//!   connection's answer fixes the mode for the pool (S3 itself picks
+//!   HTTP/1.1).
+//! - TLS without it: ALPN `http/1.1` only.
+//! - Plain TCP with `prefer_http2`: HTTP/2 with prior knowledge (h2c).
+//! - Plain TCP without it: HTTP/1.1.
+//!
+//! Bounds: at most `max_in_flight` requests at once across the pool (a FIFO
+//! semaphore; further requests wait their turn). HTTP/1.1 opens a
+//! connection per in-flight request, so that is also its connection limit,
+//! and finished connections wait in an idle list. HTTP/2 sends every request
+//! over the least loaded connection with fewer than
+//! `h2_max_streams_per_connection` requests in flight, and opens another
+//! one, up to `h2_max_connections`, only when all are that busy; past that,
+//! requests share the least loaded connection. A server that allows fewer
+//! concurrent streams (`MAX_CONCURRENT_STREAMS`) makes hyper queue the
+//! excess until a stream frees up.
+//!
+//! A connection that failed, or whose request was abandoned half way, is
+//! closed and forgotten; the next request connects again.
+
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::future::Future;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::{Poll, Waker};
+
+use bytes::Bytes;
+use futures_rustls::TlsConnector;
+use glommio::sync::{Semaphore, StaticPermit};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::client::conn::{http1, http2};
+use hyper::{Request, Response};
+use rustls::pki_types::ServerName;
+
+use crate::net::{self, ConnectError, HyperStream, LocalExec, LocalTimer, Stream, ALPN_H2};
+
+/// The request body type: one buffer, sent as it is.
+pub type Body = Full<Bytes>;
+
+/// The wire protocol of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// HTTP/1.1.
+    Http1,
+    /// HTTP/2 (over TLS by ALPN, or h2c with prior knowledge).
+    Http2,
+}
+
+/// Where and how to connect.
+#[derive(Clone)]
+pub struct EndpointConfig {
+    /// Host to connect to (name or IP literal).
+    pub connect_host: String,
+    /// TCP port.
+    pub port: u16,
+    /// TLS settings; `None` for plain TCP.
+    pub tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
+    /// Use HTTP/2 (h2c on plain TCP; offered by ALPN with TLS).
+    pub prefer_http2: bool,
+    /// Requests in flight at once. lmcache's `s3_num_io_threads` (64).
+    pub max_in_flight: usize,
+    /// HTTP/2 connections at most.
+    pub h2_max_connections: usize,
+    /// HTTP/2 streams per connection at most (the server may allow fewer).
+    pub h2_max_streams_per_connection: usize,
+    /// HTTP/2 initial stream window, bytes.
+    pub h2_stream_window_bytes: u32,
+    /// HTTP/2 initial connection window, bytes.
+    pub h2_connection_window_bytes: u32,
+    /// Largest HTTP/2 frame we accept, bytes.
+    pub h2_max_frame_bytes: u32,
+}
+
+impl fmt::Debug for EndpointConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EndpointConfig")
+            .field("connect_host", &self.connect_host)
+            .field("port", &self.port)
+            .field("tls", &self.tls.as_ref().map(|(_, name)| name))
+            .field("prefer_http2", &self.prefer_http2)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("h2_max_connections", &self.h2_max_connections)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Connection counters.
+#[derive(Debug, Default)]
+pub struct ConnectionCounters {
+    /// HTTP/1.1 connections opened.
+    pub http1_opened: Cell<u64>,
+    /// HTTP/2 connections opened.
+    pub http2_opened: Cell<u64>,
+    /// Of those, over TLS.
+    pub tls_opened: Cell<u64>,
+    /// Connection attempts that failed.
+    pub connect_failures: Cell<u64>,
+    /// Connections dropped because a request on them failed or was
+    /// abandoned.
+    pub discarded: Cell<u64>,
+    /// HTTP/1.1 connections reused from the idle list.
+    pub http1_reused: Cell<u64>,
+}
+
+fn bump(c: &Cell<u64>) {
+    c.set(c.get() + 1);
+}
+
+/// Closes a connection's driver task when its HTTP/1.1 request is
+/// abandoned (hyper would otherwise keep waiting for the server).
+#[derive(Default)]
+struct KillSwitch {
+    killed: Cell<bool>,
+    waker: RefCell<Option<Waker>>,
+}
+
+impl KillSwitch {
+    fn kill(&self) {
+        self.killed.set(true);
+        if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    fn wait(self: Rc<Self>) -> impl Future<Output = ()> {
+        std::future::poll_fn(move |cx| {
+            if self.killed.get() {
+                Poll::Ready(())
+            } else {
+                *self.waker.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+    }
+}
+
+struct H1Conn {
+    sender: http1::SendRequest<Body>,
+    kill: Rc<KillSwitch>,
+}
+
+struct H2Conn {
+    sender: http2::SendRequest<Body>,
+    active: Cell<usize>,
+}
+
+enum Conn {
+    H1(H1Conn),
+    H2(Rc<H2Conn>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// TLS with h2 offered and no connection yet: the server decides.
+    Unknown,
+    H1,
+    H2,
+}
+
+struct PoolInner {
+    cfg: EndpointConfig,
+    connector: Option<TlsConnector>,
+    mode: Cell<Mode>,
+    slots: Rc<Semaphore>,
+    connect_lock: Rc<Semaphore>,
+    h1_idle: RefCell<Vec<H1Conn>>,
+    h2_conns: RefCell<Vec<Rc<H2Conn>>>,
+    counters: Rc<ConnectionCounters>,
+}
+
+/// The connections of one endpoint. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Pool {
+    inner: Rc<PoolInner>,
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pool")
+            .field("cfg", &self.inner.cfg)
+            .field("mode", &self.inner.mode.get())
+            .field("h1_idle", &self.inner.h1_idle.borrow().len())
+            .field("h2_conns", &self.inner.h2_conns.borrow().len())
+            .finish()
+    }
+}
+
+impl Pool {
+    /// A pool with no connections yet.
+    pub fn new(cfg: EndpointConfig, counters: Rc<ConnectionCounters>) -> Pool {
+        assert!(cfg.max_in_flight > 0, "max_in_flight must be positive");
+        assert!(
+            cfg.h2_max_connections > 0,
+            "h2_max_connections must be positive"
+        );
+        let mode = match (&cfg.tls, cfg.prefer_http2) {
+            (Some(_), true) => Mode::Unknown,
+            (None, true) => Mode::H2,
+            (_, false) => Mode::H1,
+        };
+        let connector = cfg
+            .tls
+            .as_ref()
+            .map(|(config, _)| TlsConnector::from(config.clone()));
+        Pool {
+            inner: Rc::new(PoolInner {
+                slots: Rc::new(Semaphore::new(cfg.max_in_flight as u64)),
+                connect_lock: Rc::new(Semaphore::new(1)),
+                cfg,
+                connector,
+                mode: Cell::new(mode),
+                h1_idle: RefCell::new(Vec::new()),
+                h2_conns: RefCell::new(Vec::new()),
+                counters,
+            }),
+        }
+    }
+
+    /// The protocol in use, once known.
+    pub fn protocol(&self) -> Option<Protocol> {
+        match self.inner.mode.get() {
+            Mode::Unknown => None,
+            Mode::H1 => Some(Protocol::Http1),
+            Mode::H2 => Some(Protocol::Http2),
+        }
+    }
+
+    /// Open connections (idle HTTP/1.1 plus live HTTP/2).
+    pub fn open_connections(&self) -> usize {
+        let h1 = self
+            .inner
+            .h1_idle
+            .borrow()
+            .iter()
+            .filter(|c| !c.sender.is_closed())
+            .count();
+        let h2 = self
+            .inner
+            .h2_conns
+            .borrow()
+            .iter()
+            .filter(|c| !c.sender.is_closed())
+            .count();
+        h1 + h2
+    }
+
+    /// Waits for a request slot and a connection.
+    pub async fn acquire(&self) -> Result<Lease, ConnectError> {
+        let inner = &self.inner;
+        let permit = inner
+            .slots
+            .clone()
+            .acquire_static_permit(1)
+            .await
+            .expect("the pool semaphore is never closed");
+        loop {
+            match inner.mode.get() {
+                Mode::H1 => {
+                    let conn = self.h1_connection().await?;
+                    return Ok(Lease {
+                        pool: self.clone(),
+                        conn: Some(LeaseConn::H1(conn)),
+                        reusable: false,
+                        _permit: permit,
+                    });
+                }
+                Mode::H2 => {
+                    let conn = self.h2_connection().await?;
+                    conn.active.set(conn.active.get() + 1);
+                    return Ok(Lease {
+                        pool: self.clone(),
+                        conn: Some(LeaseConn::H2(conn)),
+                        reusable: false,
+                        _permit: permit,
+                    });
+                }
+                Mode::Unknown => {
+                    let _lock = inner
+                        .connect_lock
+                        .acquire_permit(1)
+                        .await
+                        .expect("the connect lock is never closed");
+                    if inner.mode.get() != Mode::Unknown {
+                        continue;
+                    }
+                    match self.connect().await? {
+                        Conn::H1(c) => {
+                            inner.mode.set(Mode::H1);
+                            inner.h1_idle.borrow_mut().push(c);
+                        }
+                        Conn::H2(c) => {
+                            inner.mode.set(Mode::H2);
+                            inner.h2_conns.borrow_mut().push(c);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn h1_connection(&self) -> Result<H1Conn, ConnectError> {
+        loop {
+            let idle = self.inner.h1_idle.borrow_mut().pop();
+            let Some(mut conn) = idle else { break };
+            if conn.sender.is_closed() {
+                continue;
+            }
+            if conn.sender.ready().await.is_ok() {
+                bump(&self.inner.counters.http1_reused);
+                return Ok(conn);
+            }
+        }
+        match self.connect().await? {
+            Conn::H1(c) => Ok(c),
+            Conn::H2(_) => Err(ConnectError::TlsRejected(
+                "server negotiated h2 on a pool that speaks HTTP/1.1".to_owned(),
+            )),
+        }
+    }
+
+    fn pick_h2(&self) -> Option<Rc<H2Conn>> {
+        let cap = self.inner.cfg.h2_max_streams_per_connection;
+        let mut conns = self.inner.h2_conns.borrow_mut();
+        conns.retain(|c| !c.sender.is_closed());
+        conns
+            .iter()
+            .filter(|c| c.active.get() < cap)
+            .min_by_key(|c| c.active.get())
+            .cloned()
+    }
+
+    async fn h2_connection(&self) -> Result<Rc<H2Conn>, ConnectError> {
+        if let Some(c) = self.pick_h2() {
+            return Ok(c);
+        }
+        let inner = &self.inner;
+        let _lock = inner
+            .connect_lock
+            .acquire_permit(1)
+            .await
+            .expect("the connect lock is never closed");
+        // Another request may have connected while we waited.
+        if let Some(c) = self.pick_h2() {
+            return Ok(c);
+        }
+        let live = inner.h2_conns.borrow().len();
+        if live >= inner.cfg.h2_max_connections {
+            // All full: share the least loaded; hyper queues for a stream.
+            let conns = inner.h2_conns.borrow();
+            let least = conns
+                .iter()
+                .min_by_key(|c| c.active.get())
+                .cloned()
+                .expect("live > 0 connections");
+            return Ok(least);
+        }
+        match self.connect().await? {
+            Conn::H2(c) => {
+                inner.h2_conns.borrow_mut().push(c.clone());
+                Ok(c)
+            }
+            Conn::H1(_) => Err(ConnectError::TlsRejected(
+                "server negotiated http/1.1 on a pool that speaks HTTP/2".to_owned(),
+            )),
+        }
+    }
+
+    /// Opens one connection and starts its driver task.
+    async fn connect(&self) -> Result<Conn, ConnectError> {
+        let inner = &self.inner;
+        let result = self.connect_inner().await;
+        if result.is_err() {
+            bump(&inner.counters.connect_failures);
+        }
+        result
+    }
+
+    async fn connect_inner(&self) -> Result<Conn, ConnectError> {
+        let inner = &self.inner;
+        let cfg = &inner.cfg;
+        let tcp = net::connect_tcp(&cfg.connect_host, cfg.port).await?;
+        let stream = match (&inner.connector, &cfg.tls) {
+            (Some(connector), Some((_, name))) => {
+                let tls = net::connect_tls(connector, name.clone(), tcp).await?;
+                bump(&inner.counters.tls_opened);
+                Stream::Tls(Box::new(tls))
+            }
+            _ => Stream::Tcp(tcp),
+        };
+        let http2 = match &stream {
+            Stream::Tls(_) => stream.alpn_protocol() == Some(ALPN_H2),
+            Stream::Tcp(_) => cfg.prefer_http2,
+        };
+        let io = HyperStream(stream);
+        if http2 {
+            let mut builder = http2::Builder::new(LocalExec);
+            builder
+                .timer(LocalTimer)
+                .initial_stream_window_size(cfg.h2_stream_window_bytes)
+                .initial_connection_window_size(cfg.h2_connection_window_bytes)
+                .max_frame_size(cfg.h2_max_frame_bytes);
+            let (sender, conn) = builder
+                .handshake(io)
+                .await
+                .map_err(|e| ConnectError::Handshake(e.to_string()))?;
+            glommio::spawn_local(async move {
+                if let Err(e) = conn.await {
+                    log::debug!("s3 http2 connection closed: {e}");
+                }
+            })
+            .detach();
+            bump(&inner.counters.http2_opened);
+            Ok(Conn::H2(Rc::new(H2Conn {
+                sender,
+                active: Cell::new(0),
+            })))
+        } else {
+            let mut builder = http1::Builder::new();
+            builder.writev(true);
+            let (sender, conn) = builder
+                .handshake(io)
+                .await
+                .map_err(|e| ConnectError::Handshake(e.to_string()))?;
+            let kill = Rc::new(KillSwitch::default());
+            let killed = kill.clone().wait();
+            glommio::spawn_local(async move {
+                let run = async {
+                    if let Err(e) = conn.await {
+                        log::debug!("s3 http1 connection closed: {e}");
+                    }
+                };
+                futures_lite::future::or(run, killed).await;
+            })
+            .detach();
+            bump(&inner.counters.http1_opened);
+            Ok(Conn::H1(H1Conn { sender, kill }))
+        }
+    }
+}
+
+/// Why [`Lease::send`] failed.
+#[derive(Debug)]
+pub enum SendError {
+    /// The connection closed before any byte of the request was written
+    /// (a kept-alive connection the server had just closed): the request
+    /// may be sent on another connection without counting as an attempt.
+    NotSent(hyper::Error),
+    /// The exchange failed after the request went out.
+    Failed(hyper::Error),
+}
+
+enum LeaseConn {
+    H1(H1Conn),
+    H2(Rc<H2Conn>),
+}
+
+/// One request slot on one connection. Dropping it without
+/// [`Lease::release`] closes an HTTP/1.1 connection (its state is unknown).
+pub struct Lease {
+    pool: Pool,
+    conn: Option<LeaseConn>,
+    reusable: bool,
+    _permit: StaticPermit,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Lease({:?})", self.protocol())
+    }
+}
+
+impl Lease {
+    /// The connection's protocol.
+    pub fn protocol(&self) -> Protocol {
+        match self.conn {
+            Some(LeaseConn::H1(_)) => Protocol::Http1,
+            Some(LeaseConn::H2(_)) | None => Protocol::Http2,
+        }
+    }
+
+    /// Sends a request and waits for the response head.
+    pub async fn send(&mut self, req: Request<Body>) -> Result<Response<Incoming>, SendError> {
+        let result = match self.conn.as_mut().expect("lease holds a connection") {
+            LeaseConn::H1(c) => c.sender.try_send_request(req).await,
+            LeaseConn::H2(c) => {
+                let mut sender = c.sender.clone();
+                sender.try_send_request(req).await
+            }
+        };
+        result.map_err(|mut e| match e.take_message() {
+            Some(_) => SendError::NotSent(e.into_error()),
+            None => SendError::Failed(e.into_error()),
+        })
+    }
+
+    /// The exchange finished cleanly (body read to the end): an HTTP/1.1
+    /// connection goes back to the idle list.
+    pub fn release(mut self) {
+        self.reusable = true;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        match self.conn.take() {
+            Some(LeaseConn::H1(c)) => {
+                if self.reusable && !c.sender.is_closed() {
+                    self.pool.inner.h1_idle.borrow_mut().push(c);
+                } else {
+                    c.kill.kill();
+                    if !self.reusable {
+                        bump(&self.pool.inner.counters.discarded);
+                    }
+                }
+            }
+            Some(LeaseConn::H2(c)) => {
+                c.active.set(c.active.get() - 1);
+            }
+            None => {}
+        }
+    }
+}
