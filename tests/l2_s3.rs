@@ -5,61 +5,8 @@
 //! costs L2 hits, never the server or its L1.
 
 mod support;
-use std::time::{Duration, Instant};
 
 use support::*;
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn store(srv: &Server, iid: i64, toks: &[u32], n: usize, seed: u64) -> Vec<Vec<u8>> {
-    let mut c = srv.client();
-    let (name, size) = ed_register(&mut c, iid, "m");
-    let mut pool = ShmMap::open(&name, size);
-    let stored = ed_store(
-        &mut c,
-        &mut pool,
-        &ed_key("m", Some(0), toks, n, "store"),
-        iid,
-        seed,
-    );
-    assert_eq!(stored.len(), n);
-    c.call(OP_END_SESSION, &[s("store")]);
-    stored
-}
-
-fn lookup_retrieve(
-    srv: &Server,
-    iid: i64,
-    toks: &[u32],
-    n: usize,
-    rid: &str,
-) -> (i64, Vec<Vec<u8>>) {
-    let mut c = srv.client();
-    let (name, size) = ed_register(&mut c, iid, "m");
-    let pool = ShmMap::open(&name, size);
-    let hits = ed_lookup(&mut c, &ed_key("m", None, toks, n, rid));
-    let back = if hits > 0 {
-        ed_retrieve(
-            &mut c,
-            &pool,
-            &ed_key("m", Some(0), toks, hits as usize, rid),
-            iid,
-        )
-    } else {
-        Vec::new()
-    };
-    c.call(OP_END_SESSION, &[s(rid)]);
-    (hits, back)
-}
 
 fn l2_stores_done(srv: &Server, n: f64) -> bool {
     srv.metric("lmcache_mp_l2_store_completed_objects_chunks_total", &[]) == Some(n)
@@ -72,7 +19,7 @@ fn chunks_outlive_a_restart_under_0_5_6_names_and_load_back_from_s3() {
     let toks = ed_tokens(21, 4 * ED_CHUNK + 5);
     let stored = {
         let srv = Server::start(&["--l2-adapter", &adapter]);
-        let stored = store(&srv, 1, &toks, 4, 3);
+        let stored = ed_store_chunks(&srv, 1, &toks, 4, 3);
         wait_until("4 objects in the bucket", || s3.objects("kvb").len() == 4);
         wait_until("the store controller to count them", || {
             l2_stores_done(&srv, 4.0)
@@ -96,7 +43,7 @@ fn chunks_outlive_a_restart_under_0_5_6_names_and_load_back_from_s3() {
     };
     // A new process with an empty L1 finds every chunk in the bucket.
     let srv = Server::start(&["--l2-adapter", &adapter]);
-    let (hits, back) = lookup_retrieve(&srv, 1, &toks, 4, "warm");
+    let (hits, back) = ed_lookup_retrieve(&srv, 1, &toks, 4, "warm");
     assert_eq!(hits, 4);
     assert!(
         back == stored,
@@ -115,12 +62,12 @@ fn two_servers_share_one_bucket() {
     let a = Server::start(&["--l2-adapter", &adapter]);
     let b = Server::start(&["--l2-adapter", &adapter]);
     let toks = ed_tokens(22, 3 * ED_CHUNK);
-    let stored = store(&a, 1, &toks, 3, 5);
+    let stored = ed_store_chunks(&a, 1, &toks, 3, 5);
     wait_until("A's 3 objects in the bucket", || {
         s3.objects("shared").len() == 3
     });
     wait_until("A's stores to complete", || l2_stores_done(&a, 3.0));
-    let (hits, back) = lookup_retrieve(&b, 2, &toks, 3, "on-b");
+    let (hits, back) = ed_lookup_retrieve(&b, 2, &toks, 3, "on-b");
     assert_eq!(
         hits, 3,
         "a chunk stored by one server is a hit on the other"
@@ -136,7 +83,7 @@ fn a_wrong_secret_costs_l2_not_the_server() {
         .replace(S3_SECRET_KEY, "not-the-secret");
     let srv = Server::start(&["--l2-adapter", &adapter]);
     let toks = ed_tokens(23, 2 * ED_CHUNK);
-    let stored = store(&srv, 1, &toks, 2, 9);
+    let stored = ed_store_chunks(&srv, 1, &toks, 2, 9);
     wait_until("the store controller to finish", || {
         srv.metric("lmcache_mp_l2_store_completed_requests_total", &[]) >= Some(1.0)
     });
@@ -152,7 +99,7 @@ fn a_wrong_secret_costs_l2_not_the_server() {
         .sum();
     assert!(denied >= 1, "{st}");
     // L1 keeps serving.
-    let (hits, back) = lookup_retrieve(&srv, 1, &toks, 2, "l1");
+    let (hits, back) = ed_lookup_retrieve(&srv, 1, &toks, 2, "l1");
     assert_eq!(hits, 2);
     assert!(back == stored);
 }
@@ -164,12 +111,12 @@ fn a_dead_endpoint_costs_l2_hits_only() {
     let srv = Server::start(&["--l2-adapter", &adapter]);
     s3.kill();
     let toks = ed_tokens(24, 2 * ED_CHUNK);
-    let stored = store(&srv, 1, &toks, 2, 11);
+    let stored = ed_store_chunks(&srv, 1, &toks, 2, 11);
     let other = ed_tokens(25, 2 * ED_CHUNK);
     // A lookup of chunks that L1 lacks answers (a miss) instead of hanging.
-    let (hits, _) = lookup_retrieve(&srv, 1, &other, 2, "miss");
+    let (hits, _) = ed_lookup_retrieve(&srv, 1, &other, 2, "miss");
     assert_eq!(hits, 0);
-    let (hits, back) = lookup_retrieve(&srv, 1, &toks, 2, "l1");
+    let (hits, back) = ed_lookup_retrieve(&srv, 1, &toks, 2, "l1");
     assert_eq!(hits, 2);
     assert!(back == stored);
 }

@@ -5,7 +5,7 @@
 
 mod support;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use support::*;
 
@@ -47,59 +47,10 @@ fn data_files(dir: &Path) -> Vec<(String, u64)> {
     v
 }
 
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn l1_objects(srv: &Server) -> u64 {
     srv.get_json("/status")["storage_manager"]["l1_manager"]["total_object_count"]
         .as_u64()
         .unwrap()
-}
-
-/// Registers worker `iid`, stores `n` chunks of `toks` under request `rid`.
-fn store(srv: &Server, iid: i64, toks: &[u32], n: usize, seed: u64) -> Vec<Vec<u8>> {
-    let mut c = srv.client();
-    let (name, size) = ed_register(&mut c, iid, "m");
-    let mut pool = ShmMap::open(&name, size);
-    let key = ed_key("m", Some(0), toks, n, "store");
-    let stored = ed_store(&mut c, &mut pool, &key, iid, seed);
-    assert_eq!(stored.len(), n);
-    c.call(OP_END_SESSION, &[s("store")]);
-    stored
-}
-
-/// Registers worker `iid`, looks the request up and retrieves the hit prefix.
-fn lookup_retrieve(
-    srv: &Server,
-    iid: i64,
-    toks: &[u32],
-    n: usize,
-    rid: &str,
-) -> (i64, Vec<Vec<u8>>) {
-    let mut c = srv.client();
-    let (name, size) = ed_register(&mut c, iid, "m");
-    let pool = ShmMap::open(&name, size);
-    let hits = ed_lookup(&mut c, &ed_key("m", None, toks, n, rid));
-    let back = if hits > 0 {
-        ed_retrieve(
-            &mut c,
-            &pool,
-            &ed_key("m", Some(0), toks, hits as usize, rid),
-            iid,
-        )
-    } else {
-        Vec::new()
-    };
-    c.call(OP_END_SESSION, &[s(rid)]);
-    (hits, back)
 }
 
 #[test]
@@ -109,9 +60,16 @@ fn fs_chunks_outlive_a_restart_and_load_back_from_l2() {
     let toks = ed_tokens(11, 4 * ED_CHUNK + 3);
     let stored = {
         let srv = Server::start(&["--cores", "0,1", "--l2-adapter", &adapter]);
-        let stored = store(&srv, 1, &toks, 4, 7);
-        wait_until("4 objects written behind to fs", || {
+        let stored = ed_store_chunks(&srv, 1, &toks, 4, 7);
+        // A file is renamed into place before its store result reaches the
+        // adapter's counters: wait for both.
+        wait_until("4 objects written behind to fs and counted", || {
             data_files(&dir.0).len() == 4
+                && srv.get_json("/status")["storage_manager"]["l2_adapters"][0]
+                    ["stored_object_count"]
+                    == 4
+                && srv.metric("lmcache_mp_l2_store_completed_objects_chunks_total", &[])
+                    == Some(4.0)
         });
         assert!(
             data_files(&dir.0)
@@ -141,7 +99,7 @@ fn fs_chunks_outlive_a_restart_and_load_back_from_l2() {
     // them and the retrieve returns the stored bytes.
     let srv = Server::start(&["--cores", "0,1", "--l2-adapter", &adapter]);
     assert_eq!(l1_objects(&srv), 0);
-    let (hits, back) = lookup_retrieve(&srv, 2, &toks, 4, "warm");
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 4, "warm");
     assert_eq!(hits, 4, "every chunk hits from L2");
     assert_eq!(back, stored, "bytes loaded from L2 equal the bytes stored");
     assert_eq!(
@@ -155,13 +113,13 @@ fn fs_chunks_outlive_a_restart_and_load_back_from_l2() {
     // Default prefetch policy: loaded objects are temporary, freed once read.
     wait_until("temporary objects freed", || l1_objects(&srv) == 0);
     // And they hit again (loaded again).
-    let (hits, back) = lookup_retrieve(&srv, 3, &toks, 4, "warm2");
+    let (hits, back) = ed_lookup_retrieve(&srv, 3, &toks, 4, "warm2");
     assert_eq!((hits, back), (4, stored));
 
     // A prefix that diverges after two chunks hits two.
     let mut other = toks[..2 * ED_CHUNK].to_vec();
     other.extend(ed_tokens(99, 3 * ED_CHUNK));
-    let (hits, _) = lookup_retrieve(&srv, 4, &other, 5, "partial");
+    let (hits, _) = ed_lookup_retrieve(&srv, 4, &other, 5, "partial");
     assert_eq!(hits, 2);
 }
 
@@ -172,18 +130,18 @@ fn retain_keeps_loaded_chunks_in_l1() {
     let toks = ed_tokens(12, 3 * ED_CHUNK);
     let stored = {
         let srv = Server::start(&["--l2-adapter", &adapter]);
-        let stored = store(&srv, 1, &toks, 3, 8);
+        let stored = ed_store_chunks(&srv, 1, &toks, 3, 8);
         wait_until("3 objects in fs", || data_files(&dir.0).len() == 3);
         stored
     };
     let srv = Server::start(&["--l2-adapter", &adapter, "--l2-prefetch-policy", "retain"]);
-    let (hits, back) = lookup_retrieve(&srv, 2, &toks, 3, "warm");
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 3, "warm");
     assert_eq!((hits, back), (3, stored));
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(l1_objects(&srv), 3, "retained chunks stay in L1");
     // Now they are L1 hits: nothing more is loaded from L2.
     let loaded = srv.metric("lmcache_mp_l2_prefetch_load_completed_chunks_total", &[]);
-    let (hits, _) = lookup_retrieve(&srv, 3, &toks, 3, "again");
+    let (hits, _) = ed_lookup_retrieve(&srv, 3, &toks, 3, "again");
     assert_eq!(hits, 3);
     assert_eq!(
         srv.metric("lmcache_mp_l2_prefetch_load_completed_chunks_total", &[]),
@@ -202,9 +160,9 @@ fn skip_l1_keeps_l1_empty_while_hits_come_from_l2() {
         r#"{"type":"mock","max_size_gb":0.01,"mock_bandwidth_gb":50}"#,
     ]);
     let toks = ed_tokens(13, 3 * ED_CHUNK);
-    let stored = store(&srv, 1, &toks, 3, 9);
+    let stored = ed_store_chunks(&srv, 1, &toks, 3, 9);
     wait_until("L1 dropped after the L2 store", || l1_objects(&srv) == 0);
-    let (hits, back) = lookup_retrieve(&srv, 2, &toks, 3, "warm");
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 3, "warm");
     assert_eq!((hits, back), (3, stored));
     wait_until("L1 empty again after the retrieve", || {
         l1_objects(&srv) == 0

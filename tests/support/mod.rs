@@ -811,6 +811,57 @@ pub fn ed_retrieve(c: &mut Client, pool: &ShmMap, key: &V, iid: i64) -> Vec<Vec<
 }
 
 static SERVING_SEQ: AtomicU32 = AtomicU32::new(0);
+/// Polls `f` every 20 ms until it holds; fails the test after 30 s.
+pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Registers worker `iid` on model "m" and stores the first `n` chunks of
+/// `toks` (engine_driven) under request "store"; returns the bytes stored.
+pub fn ed_store_chunks(srv: &Server, iid: i64, toks: &[u32], n: usize, seed: u64) -> Vec<Vec<u8>> {
+    let mut c = srv.client();
+    let (name, size) = ed_register(&mut c, iid, "m");
+    let mut pool = ShmMap::open(&name, size);
+    let key = ed_key("m", Some(0), toks, n, "store");
+    let stored = ed_store(&mut c, &mut pool, &key, iid, seed);
+    assert_eq!(stored.len(), n);
+    c.call(OP_END_SESSION, &[s("store")]);
+    stored
+}
+
+/// Registers worker `iid` on model "m", looks `n` chunks of `toks` up under
+/// request `rid` and retrieves the hit prefix: (hits, the bytes retrieved).
+pub fn ed_lookup_retrieve(
+    srv: &Server,
+    iid: i64,
+    toks: &[u32],
+    n: usize,
+    rid: &str,
+) -> (i64, Vec<Vec<u8>>) {
+    let mut c = srv.client();
+    let (name, size) = ed_register(&mut c, iid, "m");
+    let pool = ShmMap::open(&name, size);
+    let hits = ed_lookup(&mut c, &ed_key("m", None, toks, n, rid));
+    let back = if hits > 0 {
+        ed_retrieve(
+            &mut c,
+            &pool,
+            &ed_key("m", Some(0), toks, hits as usize, rid),
+            iid,
+        )
+    } else {
+        Vec::new()
+    };
+    c.call(OP_END_SESSION, &[s(rid)]);
+    (hits, back)
+}
 
 /// The server process is alive, answers a noop, and serves a whole engine_driven
 /// round trip (register, store, lookup hit, retrieve of the same bytes) on a

@@ -93,8 +93,9 @@ pub struct S3Config {
     /// kvshard `s3_seed_usage_on_start` (false): list the bucket at start to
     /// count what it already holds toward usage and eviction.
     pub seed_usage_on_start: bool,
-    /// `s3_breaker_initial_cooldown_s` (5.0) and `s3_breaker_max_cooldown_s`
-    /// (300.0): the circuit breaker's cooldown, doubling per re-trip.
+    /// kvshard `s3_breaker_initial_cooldown_s` (5.0) and
+    /// `s3_breaker_max_cooldown_s` (300.0), named as in lmcache's later
+    /// releases: the circuit breaker's cooldown, doubling per re-trip.
     pub breaker_initial_cooldown_s: f64,
     pub breaker_max_cooldown_s: f64,
 }
