@@ -11,7 +11,8 @@
 //! absolute throughput is the server's as much as the client's: compare the
 //! ratios.
 //!
-//! `cargo bench --bench s3` runs the full matrix. Under `cargo test` it runs
+//! `cargo bench --bench s3` runs the full matrix (`KVSHARD_BENCH_POINTS=1x1,32x64`
+//! picks points; `KVSHARD_AWSCRT_PYTHON=none` leaves awscrt out). Under `cargo test` it runs
 //! 1 MiB objects at 1 and 8 in flight, and the awscrt side only when the
 //! lmcache virtualenv of `tools/compat/run.sh` exists. `KVSHARD_AWSCRT_PYTHON`
 //! names another Python with awscrt.
@@ -97,7 +98,9 @@ fn ours(port: u16, size: usize, conc: usize, count: usize, http2: bool, tag: &st
         let keys: Vec<String> = (0..count)
             .map(|i| format!("{tag}/ours-{size}-{i}"))
             .collect();
-        let mut dest: Vec<Vec<u8>> = (0..conc).map(|_| vec![0u8; size]).collect();
+        // Written once so the pages exist before the clock starts, as L1's
+        // do (a fresh zeroed Vec would fault its pages in during the GETs).
+        let mut dest: Vec<Vec<u8>> = (0..conc).map(|_| vec![0x5a_u8; size]).collect();
 
         let c0 = cpu_seconds();
         let t0 = Instant::now();
@@ -161,9 +164,35 @@ fn ours(port: u16, size: usize, conc: usize, count: usize, http2: bool, tag: &st
     })
 }
 
+/// The (object size, requests in flight) points of a full run: every
+/// combination of 1, 8 and 32 MiB with 1, 8 and 64, or those named in
+/// `KVSHARD_BENCH_POINTS` as `MIBxCONC` separated by commas (`1x1,32x64`).
+fn bench_points() -> Vec<(usize, usize)> {
+    let Ok(spec) = std::env::var("KVSHARD_BENCH_POINTS") else {
+        let mut all = Vec::new();
+        for size in [1 << 20, 8 << 20, 32 << 20] {
+            for conc in [1, 8, 64] {
+                all.push((size, conc));
+            }
+        }
+        return all;
+    };
+    spec.split(',')
+        .map(|p| {
+            let parse = |v: Option<&str>| v.and_then(|v| v.trim().parse::<usize>().ok());
+            let mut it = p.split('x');
+            match (parse(it.next()), parse(it.next())) {
+                (Some(mib), Some(conc)) if mib > 0 && conc > 0 => (mib << 20, conc),
+                _ => panic!("KVSHARD_BENCH_POINTS: {p:?} is not MIBxCONC"),
+            }
+        })
+        .collect()
+}
+
 fn awscrt_python() -> Option<String> {
     if let Ok(p) = std::env::var("KVSHARD_AWSCRT_PYTHON") {
-        return Some(p);
+        // "none" leaves the awscrt side out (profiling our client alone).
+        return (p != "none").then_some(p);
     }
     let home = std::env::var("HOME").ok()?;
     let p = format!("{home}/.cache/kvshard/lmcache-0.5.6/bin/python");
@@ -223,11 +252,11 @@ fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     let server = s3s::S3sFs::start(&[BUCKET]);
     let python = awscrt_python();
-    let (sizes, concs, total): (&[usize], &[usize], usize) = if full {
-        (&[1 << 20, 8 << 20, 32 << 20], &[1, 8, 64], 256 << 20)
+    let (points, total): (Vec<(usize, usize)>, usize) = if full {
+        (bench_points(), 256 << 20)
     } else {
         println!("(smoke run under cargo test: tiny matrix; figures come from `cargo bench`)");
-        (&[1 << 20], &[1, 8], 8 << 20)
+        (vec![(1 << 20, 1), (1 << 20, 8)], 8 << 20)
     };
     if python.is_none() {
         println!("(awscrt side skipped: no lmcache virtualenv; run tools/compat/run.sh first)");
@@ -242,8 +271,8 @@ fn main() {
         "MiB", "conc", "op", "ours", "awscrt", "ratio", "cpu/GB", "crt", "ratio", "ours-h2c"
     );
     let mut n = 0;
-    for &size in sizes {
-        for &conc in concs {
+    for (size, conc) in points {
+        {
             let count = conc.max(total / size);
             n += 1;
             let tag = format!("p{n}");

@@ -27,18 +27,18 @@ use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use http_body_util::{BodyExt, Full};
-use hyper::body::Body as _;
-use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
-use hyper::{Method, Request, Response};
+use hyper::Method;
 
 use crate::addressing::{BucketAddress, Scheme, S3EXPRESS_SERVICE, S3_SERVICE};
 use crate::breaker::{Breaker, BreakerConfig, BreakerStatus};
 use crate::credentials::{resolve_credentials, Credentials, Env, NoHttpFetcher};
 use crate::error::{classify_status, Cause, ErrorKind, Failure, Op, S3Error};
 use crate::express::{ExpressConfig, SessionCache};
-use crate::http::{Body, ConnectionCounters, EndpointConfig, Lease, Pool, Protocol, SendError};
+use crate::http::{
+    ConnectionCounters, EndpointConfig, Head, HttpError, Lease, Outgoing, Pool, Protocol,
+    SendError, Slot,
+};
 use crate::net::{self, ConnectError, TlsTrust};
 use crate::region::{RecvRegion, SendRegion, Window};
 use crate::retry::{Backoff, Clock, Jitter, RetryBudget, RetryConfig, SystemClock};
@@ -418,6 +418,19 @@ struct Identity {
     settings: SigningSettings,
 }
 
+/// What an attempt holds when its clock starts: the identity it signs with
+/// and its request slot.
+pub(crate) struct Ticket {
+    id: Identity,
+    slot: Slot,
+}
+
+/// A signed request's wire parts (besides method, `Host` and body).
+struct Wire {
+    target: String,
+    headers: Vec<(HeaderName, HeaderValue)>,
+}
+
 pub(crate) struct ClientInner {
     cfg: S3ClientConfig,
     pool: Pool,
@@ -500,20 +513,21 @@ fn connect_failure(e: ConnectError) -> Failure {
     }
 }
 
-fn hyper_failure(e: hyper::Error) -> Failure {
-    if e.is_user() {
-        return Failure::fatal(Cause::BadResponse(format!(
-            "request rejected by hyper: {e}"
-        )));
+/// Maps a transport error: the connection's failures (resets, early close,
+/// broken framing) are transient and count toward the breaker; a request
+/// hyper refuses to send is ours to fix.
+fn http_failure(e: HttpError) -> Failure {
+    match e {
+        HttpError::Hyper(h) if h.is_user() => Failure::fatal(Cause::BadResponse(format!(
+            "request rejected by hyper: {}",
+            HttpError::Hyper(h)
+        ))),
+        HttpError::TooLong { capacity, actual } => Failure::fatal(Cause::SizeMismatch {
+            expected: capacity,
+            actual,
+        }),
+        e => Failure::connection(Cause::Io(e.to_string())),
     }
-    let mut text = e.to_string();
-    let mut source = std::error::Error::source(&e);
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    Failure::connection(Cause::Io(text))
 }
 
 fn header_str<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
@@ -663,28 +677,32 @@ impl S3Client {
         let path = inner.cfg.address.object_path(key);
         let deadline = inner.deadline();
         inner
-            .run(Op::HeadObject, Some(key), deadline, || async {
-                let req = inner.req(Method::HEAD, &path, &[], &[], Bytes::new());
-                let (resp, lease) = inner.exchange(&req).await?;
-                match resp.status().as_u16() {
-                    // A HEAD answer has no body (hyper knows), so the
-                    // connection is free once the head is in.
-                    200 => {
-                        let len = content_length(resp.headers())?.ok_or_else(|| {
-                            Failure::bad_response("HEAD answer has no Content-Length")
-                        })?;
-                        drop(resp);
-                        lease.release();
-                        Ok(Some(len))
+            .run(
+                Op::HeadObject,
+                Some(key),
+                deadline,
+                Auth::Data,
+                |ticket| async {
+                    let req = inner.req(Method::HEAD, &path, &[], &[], Bytes::new());
+                    let (head, lease) = inner.exchange(ticket, &req).await?;
+                    match head.status {
+                        // A HEAD answer has no body, so the connection is free
+                        // once the head is in.
+                        200 => {
+                            let len = content_length(&head.headers)?.ok_or_else(|| {
+                                Failure::bad_response("HEAD answer has no Content-Length")
+                            })?;
+                            lease.release();
+                            Ok(Some(len))
+                        }
+                        404 => {
+                            lease.release();
+                            Ok(None)
+                        }
+                        _ => Err(inner.status_failure(head, lease, &req).await),
                     }
-                    404 => {
-                        drop(resp);
-                        lease.release();
-                        Ok(None)
-                    }
-                    _ => Err(inner.status_failure(resp, lease, &req).await),
-                }
-            })
+                },
+            )
             .await
     }
 
@@ -705,8 +723,8 @@ impl S3Client {
         let h2c = inner.cfg.disable_tls && inner.cfg.prefer_http2;
         if len <= part || h2c || inner.pool.protocol() == Some(Protocol::Http2) {
             return inner
-                .run(Op::GetObject, Some(key), deadline, || {
-                    inner.get_whole(&path, &dest)
+                .run(Op::GetObject, Some(key), deadline, Auth::Data, |ticket| {
+                    inner.get_whole(ticket, &path, &dest)
                 })
                 .await;
         }
@@ -718,9 +736,13 @@ impl S3Client {
         let dest = &dest;
         let path = path.as_str();
         let futures = ranges.map(|(start, part_len)| {
-            inner.run(Op::GetObject, Some(key), deadline, move || {
-                inner.get_range(path, dest, start, part_len)
-            })
+            inner.run(
+                Op::GetObject,
+                Some(key),
+                deadline,
+                Auth::Data,
+                move |ticket| inner.get_range(ticket, path, dest, start, part_len),
+            )
         });
         try_join_bounded(inner.cfg.max_parallel_parts, futures).await?;
         Ok(())
@@ -737,8 +759,8 @@ impl S3Client {
         if len <= inner.cfg.multipart_threshold_bytes {
             let bytes = body.bytes().clone();
             return inner
-                .run(Op::PutObject, Some(key), deadline, || {
-                    inner.upload(Op::PutObject, &path, &[], bytes.clone())
+                .run(Op::PutObject, Some(key), deadline, Auth::Data, |ticket| {
+                    inner.upload(ticket, Op::PutObject, &path, &[], bytes.clone())
                 })
                 .await
                 .map(|_etag| ());
@@ -754,21 +776,27 @@ impl S3Client {
         let path = inner.cfg.address.object_path(key);
         let deadline = inner.deadline();
         inner
-            .run(Op::DeleteObject, Some(key), deadline, || async {
-                let req = inner.req(Method::DELETE, &path, &[], &[], Bytes::new());
-                let (resp, lease) = inner.exchange(&req).await?;
-                match resp.status().as_u16() {
-                    200 | 204 => {
-                        inner.finish(resp, lease).await?;
-                        Ok(true)
+            .run(
+                Op::DeleteObject,
+                Some(key),
+                deadline,
+                Auth::Data,
+                |ticket| async {
+                    let req = inner.req(Method::DELETE, &path, &[], &[], Bytes::new());
+                    let (head, lease) = inner.exchange(ticket, &req).await?;
+                    match head.status {
+                        200 | 204 => {
+                            inner.finish(lease).await?;
+                            Ok(true)
+                        }
+                        404 => {
+                            inner.finish(lease).await?;
+                            Ok(false)
+                        }
+                        _ => Err(inner.status_failure(head, lease, &req).await),
                     }
-                    404 => {
-                        inner.finish(resp, lease).await?;
-                        Ok(false)
-                    }
-                    _ => Err(inner.status_failure(resp, lease, &req).await),
-                }
-            })
+                },
+            )
             .await
     }
 
@@ -877,15 +905,23 @@ impl ClientInner {
 
     /// Runs `attempt` until it succeeds, fails for good, or the deadline,
     /// the retry limit or the budget says stop.
+    ///
+    /// Each attempt first gets its signing identity (which may wait for an
+    /// S3 Express session) and a request slot of the pool (which may wait
+    /// for other requests to finish), both under the operation deadline
+    /// only; the per-request deadline starts once it holds both, so time
+    /// spent queueing behind this client's own requests is never taken for
+    /// a slow server (nor counted by the breaker).
     async fn run<T, F, Fut>(
-        &self,
+        self: &Rc<Self>,
         op: Op,
         key: Option<&str>,
         deadline: Instant,
+        auth: Auth,
         mut attempt: F,
     ) -> Result<T, S3Error>
     where
-        F: FnMut() -> Fut,
+        F: FnMut(Ticket) -> Fut,
         Fut: Future<Output = Result<T, Failure>>,
     {
         let retry = &self.cfg.retry;
@@ -914,11 +950,23 @@ impl ClientInner {
                 )
                 .with_attempts(attempts));
             }
-            let limit = self.cfg.request_timeout.min(deadline - now);
             attempts += 1;
-            let result = match with_timeout(limit, attempt()).await {
-                Some(r) => r,
-                None => Err(Failure::connection(Cause::Timeout { after: limit })),
+            let result = match with_timeout(deadline - now, self.ticket(auth)).await {
+                Some(Ok(ticket)) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let limit = self.cfg.request_timeout.min(left);
+                    match with_timeout(limit, attempt(ticket)).await {
+                        Some(r) => r,
+                        None => Err(Failure::connection(Cause::Timeout { after: limit })),
+                    }
+                }
+                Some(Err(f)) => Err(f),
+                None => Err(Failure::new(
+                    ErrorKind::Transient,
+                    Cause::DeadlineExceeded {
+                        after: self.cfg.operation_timeout,
+                    },
+                )),
             };
             let failure = match result {
                 Ok(value) => {
@@ -929,9 +977,13 @@ impl ClientInner {
                 }
                 Err(f) => f,
             };
-            // A session or credentials failure means this request was never
-            // sent (CreateSession counts its own requests).
-            if !matches!(failure.cause, Cause::Session(_) | Cause::Credentials(_)) {
+            // A session or credentials failure, or a deadline reached while
+            // queueing, means this request was never sent (CreateSession
+            // counts its own requests).
+            if !matches!(
+                failure.cause,
+                Cause::Session(_) | Cause::Credentials(_) | Cause::DeadlineExceeded { .. }
+            ) {
                 self.record(op, Outcome::Failed(failure.kind));
             }
             if failure.connection_level && self.breaker.record_connection_failure() {
@@ -960,6 +1012,13 @@ impl ClientInner {
             add(&self.counters.retries, 1);
             glommio::timer::sleep(delay).await;
         }
+    }
+
+    /// What one attempt needs before its clock starts.
+    async fn ticket(self: &Rc<Self>, auth: Auth) -> Result<Ticket, Failure> {
+        let id = self.identity(auth).await?;
+        let slot = self.pool.acquire_slot().await;
+        Ok(Ticket { id, slot })
     }
 
     fn base_credentials(&self) -> Result<Rc<Credentials>, Failure> {
@@ -1001,12 +1060,7 @@ impl ClientInner {
         }
     }
 
-    fn build(
-        &self,
-        req: &Req<'_>,
-        id: &Identity,
-        protocol: Protocol,
-    ) -> Result<Request<Body>, Failure> {
+    fn build(&self, req: &Req<'_>, id: &Identity) -> Result<Wire, Failure> {
         let address = &self.cfg.address;
         let mut target = String::with_capacity(req.path.len() + 64);
         encode_path(req.path, &mut target);
@@ -1014,15 +1068,6 @@ impl ClientInner {
             target.push('?');
             encode_query(req.query, &mut target);
         }
-        let uri = match protocol {
-            Protocol::Http1 => target,
-            Protocol::Http2 => format!(
-                "{}://{}{}",
-                address.scheme.as_str(),
-                address.host_header,
-                target
-            ),
-        };
         let payload = match self.cfg.payload_signing {
             PayloadSigning::Unsigned => PayloadHash::Unsigned,
             PayloadSigning::Sha256 => PayloadHash::Body(&req.body),
@@ -1042,152 +1087,128 @@ impl ClientInner {
             time: SigningTime::now(),
             settings: &id.settings,
         };
-        let mut builder = Request::builder().method(req.method.clone()).uri(uri);
-        if protocol == Protocol::Http1 {
-            builder = builder.header(hyper::header::HOST, address.host_header.as_str());
-        }
+        let bad_header =
+            |name: &str| Failure::fatal(Cause::Config(format!("header {name} cannot be sent")));
+        let mut headers = Vec::with_capacity(req.headers.len() + 4);
         for (name, value) in req.headers {
-            builder = builder.header(*name, *value);
+            headers.push((
+                HeaderName::from_bytes(name.as_bytes()).map_err(|_| bad_header(name))?,
+                HeaderValue::from_str(value).map_err(|_| bad_header(name))?,
+            ));
         }
         let mut signer = self.signer.borrow_mut();
         let signed = signer
             .sign(&signable, &params)
             .map_err(|e| Failure::fatal(Cause::Sign(e)))?;
         for (name, value) in signed.headers() {
-            let value = HeaderValue::from_str(value)
-                .map_err(|_| Failure::fatal(Cause::BadResponse(format!("header {name}"))))?;
-            builder = builder.header(HeaderName::from_static(name), value);
+            let value = HeaderValue::from_str(value).map_err(|_| bad_header(name))?;
+            headers.push((HeaderName::from_static(name), value));
         }
-        builder
-            .body(Full::new(req.body.clone()))
-            .map_err(|e| Failure::fatal(Cause::Config(format!("cannot build request: {e}"))))
+        Ok(Wire { target, headers })
     }
 
     /// Signs and sends one request; returns the response head and the lease
     /// the body must be read under.
     async fn exchange(
         self: &Rc<Self>,
+        ticket: Ticket,
         req: &Req<'_>,
-    ) -> Result<(Response<Incoming>, Lease), Failure> {
-        let id = self.identity(req.auth).await?;
+    ) -> Result<(Head, Lease), Failure> {
+        let Ticket { id, slot } = ticket;
+        let wire = self.build(req, &id)?;
+        let address = &self.cfg.address;
+        let outgoing = Outgoing {
+            method: &req.method,
+            target: &wire.target,
+            scheme: address.scheme.as_str(),
+            authority: &address.host_header,
+            headers: &wire.headers,
+            body: &req.body,
+        };
+        let mut slot = Some(slot);
         let mut unsent = 0;
         loop {
-            let mut lease = self.pool.acquire().await.map_err(connect_failure)?;
-            let request = self.build(req, &id, lease.protocol())?;
-            match lease.send(request).await {
-                Ok(resp) => {
+            let slot = match slot.take() {
+                Some(s) => s,
+                None => self.pool.acquire_slot().await,
+            };
+            let mut lease = self.pool.lease(slot).await.map_err(connect_failure)?;
+            match lease.send(&outgoing).await {
+                Ok(head) => {
                     add(&self.counters.bytes_sent, req.body.len() as u64);
-                    return Ok((resp, lease));
+                    return Ok((head, lease));
                 }
-                // A pooled connection closed under us before the request
-                // left: try a fresh one, which is not a new attempt.
+                // A pooled connection closed under us before the server
+                // answered: try a fresh one, which is not a new attempt.
                 Err(SendError::NotSent(e)) => {
                     unsent += 1;
                     if unsent > MAX_UNSENT_RETRIES {
-                        return Err(hyper_failure(e));
+                        return Err(http_failure(e));
                     }
                 }
-                Err(SendError::Failed(e)) => return Err(hyper_failure(e)),
+                Err(SendError::Failed(e)) => return Err(http_failure(e)),
             }
         }
     }
 
     /// Reads the rest of a body we do not need, then returns the connection.
-    async fn finish(&self, resp: Response<Incoming>, lease: Lease) -> Result<(), Failure> {
-        let mut body = resp.into_body();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(hyper_failure)?;
-            if let Ok(data) = frame.into_data() {
-                add(&self.counters.bytes_received, data.len() as u64);
-            }
-        }
+    async fn finish(&self, mut lease: Lease) -> Result<(), Failure> {
+        let n = lease.discard_body().await.map_err(http_failure)?;
+        add(&self.counters.bytes_received, n as u64);
         lease.release();
         Ok(())
     }
 
     /// Reads a small body (XML) of at most `limit` bytes.
-    async fn read_small(
-        &self,
-        resp: Response<Incoming>,
-        lease: Lease,
-        limit: usize,
-    ) -> Result<Vec<u8>, Failure> {
-        let mut body = resp.into_body();
+    async fn read_small(&self, mut lease: Lease, limit: usize) -> Result<Vec<u8>, Failure> {
         let mut out = Vec::new();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(hyper_failure)?;
-            if let Ok(data) = frame.into_data() {
-                add(&self.counters.bytes_received, data.len() as u64);
-                if out.len() + data.len() > limit {
-                    return Err(Failure::bad_response(format!(
-                        "response body larger than {limit} bytes"
-                    )));
-                }
-                out.extend_from_slice(&data);
-            }
+        let (n, complete) = lease
+            .read_body_limited(&mut out, limit)
+            .await
+            .map_err(http_failure)?;
+        add(&self.counters.bytes_received, n as u64);
+        if !complete {
+            return Err(Failure::bad_response(format!(
+                "response body larger than {limit} bytes"
+            )));
         }
         lease.release();
         Ok(out)
     }
 
-    /// Copies a body into `window`; more bytes than fit is a size mismatch.
-    async fn read_into(
-        &self,
-        resp: Response<Incoming>,
-        window: &mut Window,
-    ) -> Result<(), Failure> {
-        let mut body = resp.into_body();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(hyper_failure)?;
-            if let Ok(data) = frame.into_data() {
-                add(&self.counters.bytes_received, data.len() as u64);
-                if !window.push(&data) {
-                    return Err(Failure::fatal(Cause::SizeMismatch {
-                        expected: window.len() as u64,
-                        actual: (window.filled() + data.len()) as u64,
-                    }));
-                }
-            }
-        }
+    /// Reads a body into `window`, which it must fill exactly.
+    async fn read_into(&self, mut lease: Lease, window: &mut Window) -> Result<(), Failure> {
+        let n = lease.read_body_into(window).await.map_err(http_failure)?;
+        add(&self.counters.bytes_received, n as u64);
         if window.filled() != window.len() {
             return Err(Failure::fatal(Cause::SizeMismatch {
                 expected: window.len() as u64,
                 actual: window.filled() as u64,
             }));
         }
+        lease.release();
         Ok(())
     }
 
     /// The failure for an unexpected status, with the S3 error body parsed.
-    async fn status_failure(
-        &self,
-        resp: Response<Incoming>,
-        lease: Lease,
-        req: &Req<'_>,
-    ) -> Failure {
-        let status = resp.status().as_u16();
-        let header_request_id = header_str(resp.headers(), "x-amz-request-id").map(str::to_owned);
+    async fn status_failure(&self, head: Head, mut lease: Lease, req: &Req<'_>) -> Failure {
+        let status = head.status;
+        let header_request_id = header_str(&head.headers, "x-amz-request-id").map(str::to_owned);
         let body = if req.method == Method::HEAD {
-            drop(resp);
             lease.release();
             Vec::new()
         } else {
-            let keep = req.body.is_empty();
-            let mut body = resp.into_body();
             let mut out = Vec::new();
-            while let Some(Ok(frame)) = body.frame().await {
-                if let Ok(data) = frame.into_data() {
-                    add(&self.counters.bytes_received, data.len() as u64);
-                    if out.len() + data.len() > MAX_ERROR_BODY_BYTES {
-                        break;
-                    }
-                    out.extend_from_slice(&data);
-                }
-            }
+            let read = lease
+                .read_body_limited(&mut out, MAX_ERROR_BODY_BYTES)
+                .await;
             // A server that refuses a request may not have read its body
             // and then closes the connection: do not reuse it.
-            if keep && body.is_end_stream() {
-                lease.release();
+            if let Ok((n, complete)) = read {
+                add(&self.counters.bytes_received, n as u64);
+                if complete && req.body.is_empty() {
+                    lease.release();
+                }
             }
             out
         };
@@ -1219,14 +1240,19 @@ impl ClientInner {
     }
 
     /// One whole-object GET into `dest`.
-    async fn get_whole(self: &Rc<Self>, path: &str, dest: &RecvRegion<'_>) -> Result<(), Failure> {
+    async fn get_whole(
+        self: &Rc<Self>,
+        ticket: Ticket,
+        path: &str,
+        dest: &RecvRegion<'_>,
+    ) -> Result<(), Failure> {
         let len = dest.len() as u64;
         let req = self.req(Method::GET, path, &[], &[], Bytes::new());
-        let (resp, lease) = self.exchange(&req).await?;
-        if resp.status().as_u16() != 200 {
-            return Err(self.status_failure(resp, lease, &req).await);
+        let (head, lease) = self.exchange(ticket, &req).await?;
+        if head.status != 200 {
+            return Err(self.status_failure(head, lease, &req).await);
         }
-        if let Some(announced) = content_length(resp.headers())? {
+        if let Some(announced) = content_length(&head.headers)? {
             if announced != len {
                 return Err(Failure::fatal(Cause::SizeMismatch {
                     expected: len,
@@ -1235,14 +1261,13 @@ impl ClientInner {
             }
         }
         let mut window = dest.window(0, dest.len());
-        self.read_into(resp, &mut window).await?;
-        lease.release();
-        Ok(())
+        self.read_into(lease, &mut window).await
     }
 
     /// One ranged GET of `part_len` bytes at `start` into `dest`.
     async fn get_range(
         self: &Rc<Self>,
+        ticket: Ticket,
         path: &str,
         dest: &RecvRegion<'_>,
         start: u64,
@@ -1253,17 +1278,17 @@ impl ClientInner {
         let range = format!("bytes={start}-{end}");
         let headers = [("range", range.as_str())];
         let req = self.req(Method::GET, path, &[], &headers, Bytes::new());
-        let (resp, lease) = self.exchange(&req).await?;
-        match resp.status().as_u16() {
+        let (head, lease) = self.exchange(ticket, &req).await?;
+        match head.status {
             206 => {}
             200 => {
                 return Err(Failure::bad_response(
                     "server ignored the Range header (200 instead of 206)",
                 ))
             }
-            _ => return Err(self.status_failure(resp, lease, &req).await),
+            _ => return Err(self.status_failure(head, lease, &req).await),
         }
-        let content_range = header_str(resp.headers(), "content-range")
+        let content_range = header_str(&head.headers, "content-range")
             .ok_or_else(|| Failure::bad_response("206 answer without Content-Range"))?;
         let (a, b, object_len) = parse_content_range(content_range)
             .ok_or_else(|| Failure::bad_response(format!("bad Content-Range {content_range:?}")))?;
@@ -1280,14 +1305,13 @@ impl ClientInner {
         }
         let offset = usize::try_from(start).expect("offset within the region");
         let mut window = dest.window(offset, part_len as usize);
-        self.read_into(resp, &mut window).await?;
-        lease.release();
-        Ok(())
+        self.read_into(lease, &mut window).await
     }
 
     /// PUT of a body (a whole object or one part); returns the ETag.
     async fn upload(
         self: &Rc<Self>,
+        ticket: Ticket,
         op: Op,
         path: &str,
         query: &[(&str, &str)],
@@ -1299,15 +1323,15 @@ impl ClientInner {
             ("content-type", OBJECT_CONTENT_TYPE),
         ];
         let req = self.req(Method::PUT, path, query, &headers, body);
-        let (resp, lease) = self.exchange(&req).await?;
-        if resp.status().as_u16() != 200 {
-            return Err(self.status_failure(resp, lease, &req).await);
+        let (head, lease) = self.exchange(ticket, &req).await?;
+        if head.status != 200 {
+            return Err(self.status_failure(head, lease, &req).await);
         }
-        let etag = header_str(resp.headers(), "etag").map(str::to_owned);
+        let etag = header_str(&head.headers, "etag").map(str::to_owned);
         if op == Op::UploadPart && etag.is_none() {
             return Err(Failure::bad_response("UploadPart answer has no ETag"));
         }
-        self.finish(resp, lease).await?;
+        self.finish(lease).await?;
         Ok(etag)
     }
 
@@ -1346,21 +1370,28 @@ impl ClientInner {
         path: &str,
         deadline: Instant,
     ) -> Result<String, S3Error> {
-        self.run(Op::CreateMultipartUpload, Some(key), deadline, || async {
-            let query = [("uploads", "")];
-            let headers = [("content-type", OBJECT_CONTENT_TYPE)];
-            let req = self.req(Method::POST, path, &query, &headers, Bytes::new());
-            let (resp, lease) = self.exchange(&req).await?;
-            if resp.status().as_u16() != 200 {
-                return Err(self.status_failure(resp, lease, &req).await);
-            }
-            let body = self.read_small(resp, lease, MAX_SMALL_BODY_BYTES).await?;
-            let text = std::str::from_utf8(&body)
-                .map_err(|_| Failure::bad_response("CreateMultipartUpload answer is not UTF-8"))?;
-            xml::parse_initiate_multipart_upload(text)
-                .map(|r| r.upload_id)
-                .map_err(|e| Failure::bad_response(format!("CreateMultipartUpload: {e}")))
-        })
+        self.run(
+            Op::CreateMultipartUpload,
+            Some(key),
+            deadline,
+            Auth::Data,
+            |ticket| async {
+                let query = [("uploads", "")];
+                let headers = [("content-type", OBJECT_CONTENT_TYPE)];
+                let req = self.req(Method::POST, path, &query, &headers, Bytes::new());
+                let (head, lease) = self.exchange(ticket, &req).await?;
+                if head.status != 200 {
+                    return Err(self.status_failure(head, lease, &req).await);
+                }
+                let body = self.read_small(lease, MAX_SMALL_BODY_BYTES).await?;
+                let text = std::str::from_utf8(&body).map_err(|_| {
+                    Failure::bad_response("CreateMultipartUpload answer is not UTF-8")
+                })?;
+                xml::parse_initiate_multipart_upload(text)
+                    .map(|r| r.upload_id)
+                    .map_err(|e| Failure::bad_response(format!("CreateMultipartUpload: {e}")))
+            },
+        )
         .await
     }
 
@@ -1388,8 +1419,8 @@ impl ClientInner {
                     ("uploadId", upload_id),
                 ];
                 let etag = self
-                    .run(Op::UploadPart, Some(key), deadline, || {
-                        self.upload(Op::UploadPart, path, &query, slice.clone())
+                    .run(Op::UploadPart, Some(key), deadline, Auth::Data, |ticket| {
+                        self.upload(ticket, Op::UploadPart, path, &query, slice.clone())
                     })
                     .await?;
                 Ok(CompletedPart {
@@ -1409,35 +1440,41 @@ impl ClientInner {
             )
         })?;
         let xml_body = Bytes::from(xml_body);
-        self.run(Op::CompleteMultipartUpload, Some(key), deadline, || async {
-            let query = [("uploadId", upload_id)];
-            let len = xml_body.len().to_string();
-            let headers = [
-                ("content-length", len.as_str()),
-                ("content-type", "application/xml"),
-            ];
-            let req = self.req(Method::POST, path, &query, &headers, xml_body.clone());
-            let (resp, lease) = self.exchange(&req).await?;
-            if resp.status().as_u16() != 200 {
-                return Err(self.status_failure(resp, lease, &req).await);
-            }
-            // S3 may answer 200 and put an error in the body.
-            let body = self.read_small(resp, lease, MAX_SMALL_BODY_BYTES).await?;
-            let text = std::str::from_utf8(&body).unwrap_or("");
-            if let Ok(e) = xml::parse_error(text) {
-                let kind = classify_status(500, Some(&e.code));
-                return Err(Failure::new(
-                    kind,
-                    Cause::Status {
-                        status: 200,
-                        code: Some(e.code),
-                        message: e.message,
-                        request_id: e.request_id,
-                    },
-                ));
-            }
-            Ok(())
-        })
+        self.run(
+            Op::CompleteMultipartUpload,
+            Some(key),
+            deadline,
+            Auth::Data,
+            |ticket| async {
+                let query = [("uploadId", upload_id)];
+                let len = xml_body.len().to_string();
+                let headers = [
+                    ("content-length", len.as_str()),
+                    ("content-type", "application/xml"),
+                ];
+                let req = self.req(Method::POST, path, &query, &headers, xml_body.clone());
+                let (head, lease) = self.exchange(ticket, &req).await?;
+                if head.status != 200 {
+                    return Err(self.status_failure(head, lease, &req).await);
+                }
+                // S3 may answer 200 and put an error in the body.
+                let body = self.read_small(lease, MAX_SMALL_BODY_BYTES).await?;
+                let text = std::str::from_utf8(&body).unwrap_or("");
+                if let Ok(e) = xml::parse_error(text) {
+                    let kind = classify_status(500, Some(&e.code));
+                    return Err(Failure::new(
+                        kind,
+                        Cause::Status {
+                            status: 200,
+                            code: Some(e.code),
+                            message: e.message,
+                            request_id: e.request_id,
+                        },
+                    ));
+                }
+                Ok(())
+            },
+        )
         .await
     }
 
@@ -1448,15 +1485,21 @@ impl ClientInner {
         deadline: Instant,
     ) -> Result<(), S3Error> {
         let path = self.cfg.address.object_path(key);
-        self.run(Op::AbortMultipartUpload, Some(key), deadline, || async {
-            let query = [("uploadId", upload_id)];
-            let req = self.req(Method::DELETE, &path, &query, &[], Bytes::new());
-            let (resp, lease) = self.exchange(&req).await?;
-            match resp.status().as_u16() {
-                200 | 204 | 404 => self.finish(resp, lease).await,
-                _ => Err(self.status_failure(resp, lease, &req).await),
-            }
-        })
+        self.run(
+            Op::AbortMultipartUpload,
+            Some(key),
+            deadline,
+            Auth::Data,
+            |ticket| async {
+                let query = [("uploadId", upload_id)];
+                let req = self.req(Method::DELETE, &path, &query, &[], Bytes::new());
+                let (head, lease) = self.exchange(ticket, &req).await?;
+                match head.status {
+                    200 | 204 | 404 => self.finish(lease).await,
+                    _ => Err(self.status_failure(head, lease, &req).await),
+                }
+            },
+        )
         .await
     }
 
@@ -1481,18 +1524,24 @@ impl ClientInner {
         }
         let query = &query;
         let path = &path;
-        self.run(Op::ListObjectsV2, prefix, deadline, || async move {
-            let req = self.req(Method::GET, path, query, &[], Bytes::new());
-            let (resp, lease) = self.exchange(&req).await?;
-            if resp.status().as_u16() != 200 {
-                return Err(self.status_failure(resp, lease, &req).await);
-            }
-            let body = self.read_small(resp, lease, MAX_SMALL_BODY_BYTES).await?;
-            let text = std::str::from_utf8(&body)
-                .map_err(|_| Failure::bad_response("ListObjectsV2 answer is not UTF-8"))?;
-            xml::parse_list_objects_v2(text)
-                .map_err(|e| Failure::bad_response(format!("ListObjectsV2: {e}")))
-        })
+        self.run(
+            Op::ListObjectsV2,
+            prefix,
+            deadline,
+            Auth::Data,
+            |ticket| async move {
+                let req = self.req(Method::GET, path, query, &[], Bytes::new());
+                let (head, lease) = self.exchange(ticket, &req).await?;
+                if head.status != 200 {
+                    return Err(self.status_failure(head, lease, &req).await);
+                }
+                let body = self.read_small(lease, MAX_SMALL_BODY_BYTES).await?;
+                let text = std::str::from_utf8(&body)
+                    .map_err(|_| Failure::bad_response("ListObjectsV2 answer is not UTF-8"))?;
+                xml::parse_list_objects_v2(text)
+                    .map_err(|e| Failure::bad_response(format!("ListObjectsV2: {e}")))
+            },
+        )
         .await
     }
 
@@ -1508,26 +1557,32 @@ impl ClientInner {
         })?;
         let deadline = self.deadline();
         let creds = self
-            .run(Op::CreateSession, None, deadline, || async {
-                let query = crate::addressing::CreateSessionRequest::QUERY;
-                let req = Req {
-                    method: Method::GET,
-                    path: &request.path,
-                    query: &query,
-                    headers: &[],
-                    body: Bytes::new(),
-                    auth: Auth::CreateSession,
-                };
-                let (resp, lease) = self.exchange(&req).await?;
-                if resp.status().as_u16() != 200 {
-                    return Err(self.status_failure(resp, lease, &req).await);
-                }
-                let body = self.read_small(resp, lease, MAX_SMALL_BODY_BYTES).await?;
-                let text = std::str::from_utf8(&body)
-                    .map_err(|_| Failure::bad_response("CreateSession answer is not UTF-8"))?;
-                xml::parse_create_session(text)
-                    .map_err(|e| Failure::bad_response(format!("CreateSession: {e}")))
-            })
+            .run(
+                Op::CreateSession,
+                None,
+                deadline,
+                Auth::CreateSession,
+                |ticket| async {
+                    let query = crate::addressing::CreateSessionRequest::QUERY;
+                    let req = Req {
+                        method: Method::GET,
+                        path: &request.path,
+                        query: &query,
+                        headers: &[],
+                        body: Bytes::new(),
+                        auth: Auth::CreateSession,
+                    };
+                    let (head, lease) = self.exchange(ticket, &req).await?;
+                    if head.status != 200 {
+                        return Err(self.status_failure(head, lease, &req).await);
+                    }
+                    let body = self.read_small(lease, MAX_SMALL_BODY_BYTES).await?;
+                    let text = std::str::from_utf8(&body)
+                        .map_err(|_| Failure::bad_response("CreateSession answer is not UTF-8"))?;
+                    xml::parse_create_session(text)
+                        .map_err(|e| Failure::bad_response(format!("CreateSession: {e}")))
+                },
+            )
             .await?;
         add(&self.counters.sessions_created, 1);
         Ok(creds)

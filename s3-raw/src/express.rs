@@ -88,20 +88,25 @@ impl SessionCache {
     /// it is close to expiry.
     fn usable(&self, client: &Rc<ClientInner>) -> Option<Rc<Credentials>> {
         let now = SystemTime::now();
-        let session = self.session.borrow();
-        let s = session.as_ref()?;
-        if s.expires_at <= now + self.cfg.expiry_margin {
+        let (creds, expires_at) = {
+            let session = self.session.borrow();
+            let s = session.as_ref()?;
+            (s.creds.clone(), s.expires_at)
+        };
+        if expires_at <= now + self.cfg.expiry_margin {
             return None;
         }
-        if s.expires_at <= now + self.cfg.refresh_before && !self.refreshing.get() {
+        if expires_at <= now + self.cfg.refresh_before && !self.refreshing.get() {
             self.refreshing.set(true);
             let client = client.clone();
+            // glommio polls a spawned task at once, inline: no borrow of the
+            // session may be held here (the refresh can finish in that poll).
             glommio::spawn_local(async move {
                 client.refresh_session_in_background().await;
             })
             .detach();
         }
-        Some(s.creds.clone())
+        Some(creds)
     }
 
     fn store(&self, creds: Credentials) -> Rc<Credentials> {

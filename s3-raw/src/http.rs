@@ -20,26 +20,32 @@
 //! concurrent streams (`MAX_CONCURRENT_STREAMS`) makes hyper queue the
 //! excess until a stream frees up.
 //!
+//! HTTP/2 runs on hyper. HTTP/1.1 runs on our own connections ([`crate::h1`]),
+//! which read response bodies straight into caller memory.
+//!
 //! A connection that failed, or whose request was abandoned half way, is
-//! closed and forgotten; the next request connects again.
+//! closed and forgotten; the next request connects again. An idle HTTP/1.1
+//! connection is checked before reuse (the server may have closed it).
 
 use std::cell::{Cell, RefCell};
 use std::fmt;
-use std::future::Future;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::task::{Poll, Waker};
 
 use bytes::Bytes;
 use futures_rustls::TlsConnector;
 use glommio::sync::{Semaphore, StaticPermit};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::client::conn::{http1, http2};
-use hyper::{Request, Response};
+use hyper::client::conn::http2;
+use hyper::header::{HeaderName, HeaderValue};
+use hyper::{Method, Request};
 use rustls::pki_types::ServerName;
 
-use crate::net::{self, ConnectError, HyperStream, LocalExec, LocalTimer, Stream, ALPN_H2};
+use crate::h1::{self, H1Conn};
+pub use crate::h1::{Head, HttpError};
+use crate::net::{self, ConnectError, HyperIo, LocalExec, LocalTimer, Stream, ALPN_H2};
+use crate::region::Window;
 
 /// The request body type: one buffer, sent as it is.
 pub type Body = Full<Bytes>;
@@ -111,39 +117,6 @@ pub struct ConnectionCounters {
 
 fn bump(c: &Cell<u64>) {
     c.set(c.get() + 1);
-}
-
-/// Closes a connection's driver task when its HTTP/1.1 request is
-/// abandoned (hyper would otherwise keep waiting for the server).
-#[derive(Default)]
-struct KillSwitch {
-    killed: Cell<bool>,
-    waker: RefCell<Option<Waker>>,
-}
-
-impl KillSwitch {
-    fn kill(&self) {
-        self.killed.set(true);
-        if let Some(w) = self.waker.borrow_mut().take() {
-            w.wake();
-        }
-    }
-
-    fn wait(self: Rc<Self>) -> impl Future<Output = ()> {
-        std::future::poll_fn(move |cx| {
-            if self.killed.get() {
-                Poll::Ready(())
-            } else {
-                *self.waker.borrow_mut() = Some(cx.waker().clone());
-                Poll::Pending
-            }
-        })
-    }
-}
-
-struct H1Conn {
-    sender: http1::SendRequest<Body>,
-    kill: Rc<KillSwitch>,
 }
 
 struct H2Conn {
@@ -234,13 +207,7 @@ impl Pool {
 
     /// Open connections (idle HTTP/1.1 plus live HTTP/2).
     pub fn open_connections(&self) -> usize {
-        let h1 = self
-            .inner
-            .h1_idle
-            .borrow()
-            .iter()
-            .filter(|c| !c.sender.is_closed())
-            .count();
+        let h1 = self.inner.h1_idle.borrow().len();
         let h2 = self
             .inner
             .h2_conns
@@ -251,24 +218,37 @@ impl Pool {
         h1 + h2
     }
 
-    /// Waits for a request slot and a connection.
-    pub async fn acquire(&self) -> Result<Lease, ConnectError> {
-        let inner = &self.inner;
-        let permit = inner
+    /// Waits for a request slot (at most `max_in_flight` are out at once).
+    pub async fn acquire_slot(&self) -> Slot {
+        let permit = self
+            .inner
             .slots
             .clone()
             .acquire_static_permit(1)
             .await
             .expect("the pool semaphore is never closed");
+        Slot(permit)
+    }
+
+    /// Waits for a request slot and a connection.
+    pub async fn acquire(&self) -> Result<Lease, ConnectError> {
+        let slot = self.acquire_slot().await;
+        self.lease(slot).await
+    }
+
+    /// A connection for a request that holds `slot`.
+    pub async fn lease(&self, slot: Slot) -> Result<Lease, ConnectError> {
+        let inner = &self.inner;
         loop {
             match inner.mode.get() {
                 Mode::H1 => {
                     let conn = self.h1_connection().await?;
                     return Ok(Lease {
                         pool: self.clone(),
-                        conn: Some(LeaseConn::H1(conn)),
+                        conn: Some(LeaseConn::H1(Box::new(conn))),
+                        h2_body: None,
                         reusable: false,
-                        _permit: permit,
+                        _slot: slot,
                     });
                 }
                 Mode::H2 => {
@@ -277,8 +257,9 @@ impl Pool {
                     return Ok(Lease {
                         pool: self.clone(),
                         conn: Some(LeaseConn::H2(conn)),
+                        h2_body: None,
                         reusable: false,
-                        _permit: permit,
+                        _slot: slot,
                     });
                 }
                 Mode::Unknown => {
@@ -308,12 +289,12 @@ impl Pool {
     async fn h1_connection(&self) -> Result<H1Conn, ConnectError> {
         loop {
             let idle = self.inner.h1_idle.borrow_mut().pop();
-            let Some(mut conn) = idle else { break };
-            if conn.sender.is_closed() {
-                continue;
-            }
-            if conn.sender.ready().await.is_ok() {
-                bump(&self.inner.counters.http1_reused);
+            let Some(conn) = idle else { break };
+            // The server may have closed it while it was idle.
+            if conn.is_alive() {
+                if conn.is_reused() {
+                    bump(&self.inner.counters.http1_reused);
+                }
                 return Ok(conn);
             }
         }
@@ -372,7 +353,7 @@ impl Pool {
         }
     }
 
-    /// Opens one connection and starts its driver task.
+    /// Opens one connection (and, for HTTP/2, starts its driver task).
     async fn connect(&self) -> Result<Conn, ConnectError> {
         let inner = &self.inner;
         let result = self.connect_inner().await;
@@ -398,76 +379,94 @@ impl Pool {
             Stream::Tls(_) => stream.alpn_protocol() == Some(ALPN_H2),
             Stream::Tcp(_) => cfg.prefer_http2,
         };
-        let io = HyperStream(stream);
-        if http2 {
-            let mut builder = http2::Builder::new(LocalExec);
-            builder
-                .timer(LocalTimer)
-                .initial_stream_window_size(cfg.h2_stream_window_bytes)
-                .initial_connection_window_size(cfg.h2_connection_window_bytes)
-                .max_frame_size(cfg.h2_max_frame_bytes);
-            let (sender, conn) = builder
-                .handshake(io)
-                .await
-                .map_err(|e| ConnectError::Handshake(e.to_string()))?;
-            glommio::spawn_local(async move {
-                if let Err(e) = conn.await {
-                    log::debug!("s3 http2 connection closed: {e}");
-                }
-            })
-            .detach();
-            bump(&inner.counters.http2_opened);
-            Ok(Conn::H2(Rc::new(H2Conn {
-                sender,
-                active: Cell::new(0),
-            })))
-        } else {
-            let mut builder = http1::Builder::new();
-            builder.writev(true);
-            let (sender, conn) = builder
-                .handshake(io)
-                .await
-                .map_err(|e| ConnectError::Handshake(e.to_string()))?;
-            let kill = Rc::new(KillSwitch::default());
-            let killed = kill.clone().wait();
-            glommio::spawn_local(async move {
-                let run = async {
-                    if let Err(e) = conn.await {
-                        log::debug!("s3 http1 connection closed: {e}");
-                    }
-                };
-                futures_lite::future::or(run, killed).await;
-            })
-            .detach();
+        if !http2 {
             bump(&inner.counters.http1_opened);
-            Ok(Conn::H1(H1Conn { sender, kill }))
+            return Ok(Conn::H1(H1Conn::new(stream)));
         }
+        // Quick ACKs: response bodies arrive here, and a server using Nagle's
+        // algorithm would otherwise wait for our delayed ACK at the end of
+        // each one.
+        let fd = stream.tcp_fd();
+        let io = HyperIo::new(stream).with_quickack(fd);
+        let mut builder = http2::Builder::new(LocalExec);
+        builder
+            .timer(LocalTimer)
+            .initial_stream_window_size(cfg.h2_stream_window_bytes)
+            .initial_connection_window_size(cfg.h2_connection_window_bytes)
+            .max_frame_size(cfg.h2_max_frame_bytes);
+        let (sender, conn) = builder
+            .handshake(io)
+            .await
+            .map_err(|e| ConnectError::Handshake(e.to_string()))?;
+        glommio::spawn_local(async move {
+            if let Err(e) = conn.await {
+                log::debug!("s3 http2 connection closed: {e}");
+            }
+        })
+        .detach();
+        bump(&inner.counters.http2_opened);
+        Ok(Conn::H2(Rc::new(H2Conn {
+            sender,
+            active: Cell::new(0),
+        })))
     }
+}
+
+/// A request slot: one of the pool's `max_in_flight`.
+// Held only to be released on drop.
+pub struct Slot(#[allow(dead_code)] StaticPermit);
+
+impl fmt::Debug for Slot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Slot")
+    }
+}
+
+/// A request as it goes on the wire (signed headers included).
+#[derive(Debug)]
+pub struct Outgoing<'a> {
+    /// Method.
+    pub method: &'a Method,
+    /// Encoded path and query.
+    pub target: &'a str,
+    /// `http` or `https` (HTTP/2 sends it).
+    pub scheme: &'a str,
+    /// The `Host` header (HTTP/2's `:authority`).
+    pub authority: &'a str,
+    /// Headers besides `Host`.
+    pub headers: &'a [(HeaderName, HeaderValue)],
+    /// Body (caller memory, not copied).
+    pub body: &'a Bytes,
 }
 
 /// Why [`Lease::send`] failed.
 #[derive(Debug)]
 pub enum SendError {
-    /// The connection closed before any byte of the request was written
-    /// (a kept-alive connection the server had just closed): the request
-    /// may be sent on another connection without counting as an attempt.
-    NotSent(hyper::Error),
+    /// The connection closed before the server answered anything, and it
+    /// was a kept-alive connection the server may have just closed: the
+    /// request may be sent on another connection without counting as an
+    /// attempt.
+    NotSent(HttpError),
     /// The exchange failed after the request went out.
-    Failed(hyper::Error),
+    Failed(HttpError),
 }
 
 enum LeaseConn {
-    H1(H1Conn),
+    H1(Box<H1Conn>),
     H2(Rc<H2Conn>),
 }
 
-/// One request slot on one connection. Dropping it without
-/// [`Lease::release`] closes an HTTP/1.1 connection (its state is unknown).
+/// One request slot on one connection: send a request, then read its
+/// response body. Dropping it without [`Lease::release`] after the body
+/// was read to its end closes an HTTP/1.1 connection (its state is
+/// unknown).
 pub struct Lease {
     pool: Pool,
     conn: Option<LeaseConn>,
+    /// The body of the HTTP/2 response being read.
+    h2_body: Option<Incoming>,
     reusable: bool,
-    _permit: StaticPermit,
+    _slot: Slot,
 }
 
 impl fmt::Debug for Lease {
@@ -486,18 +485,137 @@ impl Lease {
     }
 
     /// Sends a request and waits for the response head.
-    pub async fn send(&mut self, req: Request<Body>) -> Result<Response<Incoming>, SendError> {
-        let result = match self.conn.as_mut().expect("lease holds a connection") {
-            LeaseConn::H1(c) => c.sender.try_send_request(req).await,
-            LeaseConn::H2(c) => {
-                let mut sender = c.sender.clone();
-                sender.try_send_request(req).await
+    pub async fn send(&mut self, req: &Outgoing<'_>) -> Result<Head, SendError> {
+        match self.conn.as_mut().expect("lease holds a connection") {
+            LeaseConn::H1(c) => {
+                let mut head = Vec::with_capacity(1024);
+                h1::write_head(
+                    &mut head,
+                    req.method.as_str(),
+                    req.target,
+                    req.authority,
+                    req.headers,
+                    req.body.len(),
+                );
+                let reused = c.is_reused();
+                c.exchange(&head, req.body, req.method != Method::HEAD)
+                    .await
+                    .map_err(|e| match e {
+                        HttpError::ClosedBeforeResponse if reused => SendError::NotSent(e),
+                        e => SendError::Failed(e),
+                    })
             }
+            LeaseConn::H2(c) => {
+                let uri = format!("{}://{}{}", req.scheme, req.authority, req.target);
+                let mut builder = Request::builder().method(req.method.clone()).uri(uri);
+                for (name, value) in req.headers {
+                    builder = builder.header(name, value);
+                }
+                let request = builder
+                    .body(Full::new(req.body.clone()))
+                    .map_err(|e| SendError::Failed(HttpError::Protocol(format!("request: {e}"))))?;
+                let mut sender = c.sender.clone();
+                let resp = sender.try_send_request(request).await.map_err(|mut e| {
+                    match e.take_message() {
+                        Some(_) => SendError::NotSent(HttpError::Hyper(e.into_error())),
+                        None => SendError::Failed(HttpError::Hyper(e.into_error())),
+                    }
+                })?;
+                let (parts, body) = resp.into_parts();
+                self.h2_body = Some(body);
+                Ok(Head {
+                    status: parts.status.as_u16(),
+                    headers: parts.headers,
+                })
+            }
+        }
+    }
+
+    /// Reads the whole response body into `window`; returns the body's
+    /// length (which may be less than the window). A body longer than the
+    /// window is [`HttpError::TooLong`].
+    pub(crate) async fn read_body_into(&mut self, window: &mut Window) -> Result<usize, HttpError> {
+        if let Some(LeaseConn::H1(c)) = self.conn.as_mut() {
+            let n = c.read_body_into(window.unfilled_mut()).await?;
+            window.advance(n);
+            return Ok(n);
+        }
+        let capacity = window.len() - window.filled();
+        let mut total = 0usize;
+        let body = self.h2_body.as_mut().expect("a response was received");
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(HttpError::Hyper)?;
+            if let Ok(data) = frame.into_data() {
+                total += data.len();
+                if !window.push(&data) {
+                    return Err(HttpError::TooLong {
+                        capacity: capacity as u64,
+                        actual: total as u64,
+                    });
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Appends the response body to `out`, up to `limit` bytes in all;
+    /// returns the body bytes received and whether the body ended within
+    /// the limit.
+    pub async fn read_body_limited(
+        &mut self,
+        out: &mut Vec<u8>,
+        limit: usize,
+    ) -> Result<(usize, bool), HttpError> {
+        if let Some(LeaseConn::H1(c)) = self.conn.as_mut() {
+            let mut received = 0usize;
+            let mut within = true;
+            c.read_body(|piece| {
+                received += piece.len();
+                let room = limit.saturating_sub(out.len());
+                out.extend_from_slice(&piece[..piece.len().min(room)]);
+                within = piece.len() <= room;
+                within
+            })
+            .await?;
+            return Ok((received, within && c.body_done()));
+        }
+        let body = self.h2_body.as_mut().expect("a response was received");
+        let mut received = 0usize;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(HttpError::Hyper)?;
+            if let Ok(data) = frame.into_data() {
+                received += data.len();
+                let room = limit.saturating_sub(out.len());
+                out.extend_from_slice(&data[..data.len().min(room)]);
+                if data.len() > room {
+                    return Ok((received, false));
+                }
+            }
+        }
+        Ok((received, true))
+    }
+
+    /// Reads and drops the rest of the response body; returns its length.
+    pub async fn discard_body(&mut self) -> Result<usize, HttpError> {
+        if let Some(LeaseConn::H1(c)) = self.conn.as_mut() {
+            let mut received = 0usize;
+            c.read_body(|piece| {
+                received += piece.len();
+                true
+            })
+            .await?;
+            return Ok(received);
+        }
+        let Some(body) = self.h2_body.as_mut() else {
+            return Ok(0);
         };
-        result.map_err(|mut e| match e.take_message() {
-            Some(_) => SendError::NotSent(e.into_error()),
-            None => SendError::Failed(e.into_error()),
-        })
+        let mut received = 0usize;
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.map_err(HttpError::Hyper)?.into_data() {
+                received += data.len();
+            }
+        }
+        Ok(received)
     }
 
     /// The exchange finished cleanly (body read to the end): an HTTP/1.1
@@ -511,13 +629,10 @@ impl Drop for Lease {
     fn drop(&mut self) {
         match self.conn.take() {
             Some(LeaseConn::H1(c)) => {
-                if self.reusable && !c.sender.is_closed() {
-                    self.pool.inner.h1_idle.borrow_mut().push(c);
-                } else {
-                    c.kill.kill();
-                    if !self.reusable {
-                        bump(&self.pool.inner.counters.discarded);
-                    }
+                if self.reusable && c.is_reusable() {
+                    self.pool.inner.h1_idle.borrow_mut().push(*c);
+                } else if !self.reusable {
+                    bump(&self.pool.inner.counters.discarded);
                 }
             }
             Some(LeaseConn::H2(c)) => {

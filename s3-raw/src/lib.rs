@@ -17,9 +17,10 @@
 //! - [`time`]: `x-amz-date` formatting and RFC 3339 parsing.
 //!
 //! The client on top of them:
-//! - [`net`]: TCP connect, rustls configuration, hyper IO over glommio.
-//! - [`http`]: per-endpoint connections, HTTP/2 multiplexed or an HTTP/1.1
-//!   keep-alive pool.
+//! - [`net`]: TCP connect, rustls configuration, plain or TLS sockets.
+//! - [`http`]: per-endpoint connections, HTTP/2 multiplexed (hyper) or an
+//!   HTTP/1.1 keep-alive pool of our own connections ([`h1`]), which read
+//!   bodies straight into caller memory.
 //! - [`client`]: [`S3Client`]: HEAD, GET into caller memory (ranged and
 //!   parallel), PUT from caller memory (multipart above a threshold),
 //!   DELETE, ListObjectsV2; deadlines, retries, counters.
@@ -35,6 +36,7 @@ pub mod client;
 pub mod credentials;
 pub mod error;
 pub mod express;
+pub mod h1;
 pub mod http;
 pub mod net;
 pub mod region;

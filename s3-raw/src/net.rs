@@ -1,16 +1,16 @@
 //! Sockets for hyper on glommio: TCP connect (name resolution off the
 //! executor thread, `TCP_NODELAY`), the rustls client configuration (system
-//! roots plus an optional PEM bundle, ALPN), and an adapter that makes any
-//! futures-io stream (a glommio `TcpStream`, or a `futures-rustls` stream
-//! over one) hyper's `rt::Read`/`rt::Write`.
+//! roots plus an optional PEM bundle, ALPN), and [`Stream`], a plain or TLS
+//! socket.
 //!
-//! The executor and timer hyper needs come from `kvshard_io::http`
-//! ([`LocalExec`], [`LocalTimer`]): every task hyper spawns stays on the
-//! calling glommio executor.
+//! The IO adapter, executor and timer hyper needs come from
+//! `kvshard_io::http` ([`HyperIo`], [`LocalExec`], [`LocalTimer`]): every
+//! task hyper spawns stays on the calling glommio executor.
 
 use std::fmt;
 use std::io;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -20,82 +20,15 @@ use futures_lite::io::{AsyncRead, AsyncWrite};
 use futures_rustls::client::TlsStream;
 use futures_rustls::TlsConnector;
 use glommio::net::TcpStream;
-use hyper::rt::ReadBufCursor;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 
-pub use kvshard_io::http::{LocalExec, LocalTimer};
-
-/// Most bytes zero-initialised per read: hyper hands out uninitialised spare
-/// capacity, and only initialised memory may be given to a futures-io read.
-const MAX_READ_CHUNK: usize = 64 * 1024;
+pub use kvshard_io::http::{HyperIo, LocalExec, LocalTimer};
 
 /// ALPN protocol id of HTTP/2.
 pub const ALPN_H2: &[u8] = b"h2";
 /// ALPN protocol id of HTTP/1.1.
 pub const ALPN_HTTP11: &[u8] = b"http/1.1";
-
-/// A futures-io stream as hyper IO.
-pub struct HyperStream<S>(pub S);
-
-impl<S> fmt::Debug for HyperStream<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("HyperStream")
-    }
-}
-
-impl<S: AsyncRead + Unpin> hyper::rt::Read for HyperStream<S> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        mut buf: ReadBufCursor<'_>,
-    ) -> Poll<io::Result<()>> {
-        let want = buf.remaining().min(MAX_READ_CHUNK);
-        let dst = buf.initialize_unfilled_to(want);
-        let n = match Pin::new(&mut self.get_mut().0).poll_read(cx, dst) {
-            Poll::Ready(Ok(n)) => n,
-            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-            Poll::Pending => return Poll::Pending,
-        };
-        assert!(n <= want, "read returned more bytes than the buffer holds");
-        // SAFETY: the first `want` unfilled bytes were initialised above and
-        // `n <= want` of them now hold data.
-        unsafe { buf.advance(n) };
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl<S: AsyncWrite + Unpin> hyper::rt::Write for HyperStream<S> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
-    }
-
-    /// True so that hyper's HTTP/1.1 writer queues body buffers as they are
-    /// instead of copying them behind the head into one buffer.
-    fn is_write_vectored(&self) -> bool {
-        true
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_close(cx)
-    }
-}
 
 /// A connected socket, plain or TLS.
 pub enum Stream {
@@ -119,6 +52,14 @@ impl fmt::Debug for Stream {
 }
 
 impl Stream {
+    /// The TCP socket underneath.
+    pub fn tcp_fd(&self) -> RawFd {
+        match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Tls(s) => s.get_ref().0.as_raw_fd(),
+        }
+    }
+
     /// The ALPN protocol the server chose, for TLS streams.
     pub fn alpn_protocol(&self) -> Option<&[u8]> {
         match self {

@@ -12,14 +12,14 @@
 //! long as anything can read it, whatever the caller does with the future;
 //! releasing the memory is the owner's `Drop`.
 //!
-//! **GET** ([`RecvRegion`]): a raw destination (pointer and length). hyper
-//! reads the socket into its own buffer and hands out body frames; the
-//! client copies each frame into the destination at its offset. That one
-//! copy is the only one (the alternative, reading the socket straight into
-//! L1, would mean parsing HTTP/1.1 chunking and HTTP/2 framing ourselves).
-//! Writes happen only while the operation future is being polled; dropping
-//! the future stops them, because part downloads are sub-futures of the
-//! operation future, never detached tasks.
+//! **GET** ([`RecvRegion`]): a raw destination (pointer and length). Over
+//! HTTP/1.1 a body with a `Content-Length` is read from the socket straight
+//! into the destination at its offset (plain TCP: the kernel's copy is the
+//! only one; TLS: rustls decrypts into it). Over HTTP/2 hyper hands out body
+//! frames and the client copies each into place. Writes happen only while
+//! the operation future is being polled; dropping the future stops them,
+//! because part downloads are sub-futures of the operation future, never
+//! detached tasks.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -198,6 +198,20 @@ impl Window {
         }
         self.filled += data.len();
         true
+    }
+
+    /// The bytes not filled yet, for a reader that writes into them
+    /// directly; follow with [`Window::advance`].
+    pub fn unfilled_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `push`: the window is writable and exclusively ours
+        // while the operation runs; the slice stays inside it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(self.filled), self.len - self.filled) }
+    }
+
+    /// Marks `n` more bytes as filled (written through `unfilled_mut`).
+    pub fn advance(&mut self, n: usize) {
+        assert!(n <= self.len - self.filled, "advance past the window");
+        self.filled += n;
     }
 
     /// Bytes written so far.
