@@ -23,7 +23,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -32,7 +32,9 @@ use hyper::Method;
 
 use crate::addressing::{BucketAddress, Scheme, S3EXPRESS_SERVICE, S3_SERVICE};
 use crate::breaker::{Breaker, BreakerConfig, BreakerStatus};
-use crate::credentials::{resolve_credentials, Credentials, Env, NoHttpFetcher};
+use crate::credential_cache::{CredentialsCache, CredentialsRefreshConfig};
+use crate::credential_http::FetchConfig;
+use crate::credentials::{Credentials, Env};
 use crate::error::{classify_status, Cause, ErrorKind, Failure, Op, S3Error};
 use crate::express::{ExpressConfig, SessionCache};
 use crate::http::{
@@ -59,18 +61,17 @@ pub const MAX_PARTS: u64 = xml::MAX_PART_NUMBER as u64;
 /// Requests re-sent on a new connection because a pooled one had closed
 /// before they were written, per attempt.
 pub const MAX_UNSENT_RETRIES: u32 = 2;
-/// Base credentials are resolved again when they expire within this.
-pub const CREDENTIALS_REFRESH_MARGIN: Duration = Duration::from_secs(300);
+pub use crate::credential_cache::CREDENTIALS_REFRESH_MARGIN;
 
 /// Where the signing identity comes from.
 #[derive(Clone)]
 pub enum CredentialsConfig {
     /// Fixed keys (lmcache's `aws_access_key_id` / `aws_secret_access_key`).
     Static(Credentials),
-    /// The provider chain of [`crate::credentials`] over this environment;
-    /// resolved on first use and again before the credentials expire. The
-    /// HTTP sources (web identity, container, IMDS) answer "not implemented"
-    /// for now.
+    /// The provider chain of [`crate::credentials`] over this environment
+    /// (environment, profile files, web identity, container endpoint,
+    /// IMDSv2): fetched on first use, then refreshed in the background
+    /// ahead of the expiry ([`S3ClientConfig::credentials_refresh`]).
     Chain(Env),
 }
 
@@ -158,6 +159,10 @@ pub struct S3ClientConfig {
     pub h2_max_frame_bytes: u32,
     /// S3 Express session refresh settings.
     pub express: ExpressConfig,
+    /// Refresh and fetch settings of [`CredentialsConfig::Chain`]
+    /// credentials (the HTTP sources trust [`Self::ca_bundle`] and
+    /// [`Self::system_roots`] as S3 does).
+    pub credentials_refresh: CredentialsRefreshConfig,
     /// Clock of the breaker (tests inject a manual one). Default the system
     /// clock.
     pub clock: Arc<dyn Clock>,
@@ -183,6 +188,7 @@ impl fmt::Debug for S3ClientConfig {
             .field("get_part_size_bytes", &self.get_part_size_bytes)
             .field("max_parallel_parts", &self.max_parallel_parts)
             .field("max_connections", &self.max_connections)
+            .field("credentials_refresh", &self.credentials_refresh)
             .finish_non_exhaustive()
     }
 }
@@ -232,6 +238,7 @@ impl S3ClientConfig {
             h2_connection_window_bytes: 32 << 20,
             h2_max_frame_bytes: 1 << 20,
             express: ExpressConfig::default(),
+            credentials_refresh: CredentialsRefreshConfig::default(),
             clock: Arc::new(SystemClock),
         }
     }
@@ -269,6 +276,7 @@ impl S3ClientConfig {
         self.retry.validate().map_err(ConfigError)?;
         self.breaker.validate().map_err(ConfigError)?;
         self.express.validate().map_err(ConfigError)?;
+        self.credentials_refresh.validate().map_err(ConfigError)?;
         Ok(())
     }
 
@@ -349,6 +357,14 @@ pub struct ClientStats {
     pub sessions_created: u64,
     /// Of those, refreshes made in the background ahead of expiry.
     pub session_refreshes: u64,
+    /// Credentials fetched from the provider chain (first ones and
+    /// refreshes).
+    pub credentials_fetched: u64,
+    /// Of those, refreshes made in the background ahead of expiry.
+    pub credentials_refreshed: u64,
+    /// Background credential refreshes that failed (the old credentials
+    /// stayed in use).
+    pub credentials_refresh_failures: u64,
     /// Multipart uploads aborted after a failure.
     pub multipart_aborts: u64,
     /// Connections.
@@ -435,7 +451,7 @@ pub(crate) struct ClientInner {
     cfg: S3ClientConfig,
     pool: Pool,
     signer: RefCell<Signer>,
-    base_creds: RefCell<Option<Rc<Credentials>>>,
+    base_creds: Rc<CredentialsCache>,
     breaker: Breaker,
     budget: RetryBudget,
     jitter: RefCell<Jitter>,
@@ -607,13 +623,28 @@ impl S3Client {
         let express = cfg
             .uses_s3express()
             .then(|| SessionCache::new(cfg.express.clone()));
+        let base_creds = match &cfg.credentials {
+            CredentialsConfig::Static(c) => CredentialsCache::fixed(c.clone()),
+            CredentialsConfig::Chain(env) => CredentialsCache::chain(
+                cfg.credentials_refresh.clone(),
+                env.clone(),
+                FetchConfig {
+                    connect_timeout: cfg.credentials_refresh.connect_timeout,
+                    read_timeout: cfg.credentials_refresh.read_timeout,
+                    trust: TlsTrust {
+                        system_roots: cfg.system_roots,
+                        ca_bundle: cfg.ca_bundle.clone(),
+                    },
+                },
+            ),
+        };
         let inner = ClientInner {
             breaker: Breaker::new(cfg.breaker.clone(), cfg.clock.clone()),
             budget: RetryBudget::new(cfg.retry.budget_tokens),
             jitter: RefCell::new(Jitter::from_entropy()),
             pool,
             signer: RefCell::new(Signer::new()),
-            base_creds: RefCell::new(None),
+            base_creds: Rc::new(base_creds),
             counters: Counters::default(),
             connections,
             express,
@@ -644,6 +675,7 @@ impl S3Client {
     pub fn stats(&self) -> ClientStats {
         let c = &self.inner.counters;
         let k = &self.inner.connections;
+        let creds = self.inner.base_creds.stats();
         ClientStats {
             requests: *c.requests.borrow(),
             retries: c.retries.get(),
@@ -653,6 +685,9 @@ impl S3Client {
             breaker_trips: c.breaker_trips.get(),
             sessions_created: c.sessions_created.get(),
             session_refreshes: c.session_refreshes.get(),
+            credentials_fetched: creds.fetched,
+            credentials_refreshed: creds.refreshed,
+            credentials_refresh_failures: creds.refresh_failures,
             multipart_aborts: c.multipart_aborts.get(),
             connections: ConnectionStats {
                 http1_opened: k.http1_opened.get(),
@@ -1021,20 +1056,8 @@ impl ClientInner {
         Ok(Ticket { id, slot })
     }
 
-    fn base_credentials(&self) -> Result<Rc<Credentials>, Failure> {
-        if let Some(c) = &*self.base_creds.borrow() {
-            if !c.expires_within(SystemTime::now(), CREDENTIALS_REFRESH_MARGIN) {
-                return Ok(c.clone());
-            }
-        }
-        let creds = match &self.cfg.credentials {
-            CredentialsConfig::Static(c) => c.clone(),
-            CredentialsConfig::Chain(env) => resolve_credentials(env, &NoHttpFetcher)
-                .map_err(|e| Failure::fatal(Cause::Credentials(e)))?,
-        };
-        let creds = Rc::new(creds);
-        *self.base_creds.borrow_mut() = Some(creds.clone());
-        Ok(creds)
+    async fn base_credentials(&self) -> Result<Rc<Credentials>, Failure> {
+        self.base_creds.credentials().await
     }
 
     async fn identity(self: &Rc<Self>, auth: Auth) -> Result<Identity, Failure> {
@@ -1048,12 +1071,12 @@ impl ClientInner {
                 })
             }
             (Auth::Data, None) => Ok(Identity {
-                creds: self.base_credentials()?,
+                creds: self.base_credentials().await?,
                 service: S3_SERVICE,
                 settings: SigningSettings::s3(),
             }),
             (Auth::CreateSession, _) => Ok(Identity {
-                creds: self.base_credentials()?,
+                creds: self.base_credentials().await?,
                 service: S3EXPRESS_SERVICE,
                 settings: SigningSettings::s3(),
             }),

@@ -38,9 +38,18 @@
 //! The HTTP sources (web identity, container, IMDSv2) are described by
 //! [`HttpCredentialSource`] and fetched through an [`HttpCredentialFetcher`].
 //! [`plan_credentials`] stops before any I/O other than reading the profile
-//! files, so an async caller can do the HTTP part itself. Until those fetchers
-//! exist, [`NoHttpFetcher`] answers every HTTP source with
-//! [`CredentialsError::NotImplemented`].
+//! files; [`crate::credential_http::HttpFetcher`] is the fetcher the client
+//! uses (blocking HTTP, run off the shard executors), and tests can plug in
+//! their own or point the sources at local servers through the environment
+//! (`AWS_EC2_METADATA_SERVICE_ENDPOINT`, `AWS_CONTAINER_CREDENTIALS_FULL_URI`,
+//! `AWS_ENDPOINT_URL_STS`).
+//!
+//! The STS endpoint of web identity is `AWS_ENDPOINT_URL_STS`, else
+//! `AWS_ENDPOINT_URL` (both ignored when
+//! `AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true`), else
+//! `https://sts.<region>.amazonaws.com/` for the region of `AWS_REGION`,
+//! `AWS_DEFAULT_REGION` or the profile's `region`, else the global
+//! `https://sts.amazonaws.com/`.
 //!
 //! Everything takes the environment as an explicit [`Env`] so tests never
 //! touch the process environment.
@@ -63,6 +72,8 @@ pub const ECS_CONTAINER_HOST: &str = "http://169.254.170.2";
 pub const IMDS_ENDPOINT_IPV4: &str = "http://169.254.169.254";
 /// IMDS endpoint when `AWS_EC2_METADATA_SERVICE_ENDPOINT_MODE=IPv6`.
 pub const IMDS_ENDPOINT_IPV6: &str = "http://[fd00:ec2::254]";
+/// STS endpoint when no region is configured.
+pub const STS_GLOBAL_ENDPOINT: &str = "https://sts.amazonaws.com/";
 
 /// Where a set of credentials came from (for logs and status).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -270,16 +281,12 @@ pub enum CredentialsError {
         /// The mechanism.
         what: &'static str,
     },
-    /// The source needs an HTTP fetcher that does not exist yet.
-    NotImplemented {
+    /// An HTTP source could not be reached or answered with an error.
+    Http {
         /// The source, e.g. `IMDSv2`.
         source: &'static str,
-    },
-    /// An HTTP source answered with an error (used by the fetchers).
-    Http {
-        /// The source.
-        source: &'static str,
-        /// What went wrong.
+        /// The request (method and URL) and what went wrong; never a token
+        /// or a secret.
         message: String,
     },
     /// Nothing is configured and instance metadata is disabled.
@@ -323,10 +330,6 @@ impl fmt::Display for CredentialsError {
             CredentialsError::Unsupported { source, what } => {
                 write!(f, "{source} uses {what}, which kvshard does not support")
             }
-            CredentialsError::NotImplemented { source } => write!(
-                f,
-                "credentials would come from {source}, which needs an HTTP fetcher that is not implemented yet"
-            ),
             CredentialsError::Http { source, message } => {
                 write!(f, "fetching credentials from {source} failed: {message}")
             }
@@ -644,8 +647,10 @@ pub enum HttpCredentialSource {
         role_arn: String,
         /// File holding the OIDC token (re-read on every refresh).
         token_file: PathBuf,
-        /// Session name, if configured.
+        /// Session name, if configured (else the fetcher makes one up).
         session_name: Option<String>,
+        /// STS endpoint URL the request goes to.
+        endpoint: String,
     },
     /// The ECS / EKS container credentials endpoint.
     Container {
@@ -682,11 +687,13 @@ impl fmt::Debug for HttpCredentialSource {
                 role_arn,
                 token_file,
                 session_name,
+                endpoint,
             } => f
                 .debug_struct("WebIdentity")
                 .field("role_arn", role_arn)
                 .field("token_file", token_file)
                 .field("session_name", session_name)
+                .field("endpoint", endpoint)
                 .finish(),
             HttpCredentialSource::Container {
                 uri,
@@ -705,23 +712,11 @@ impl fmt::Debug for HttpCredentialSource {
     }
 }
 
-/// Fetches credentials over HTTP for a [`HttpCredentialSource`].
+/// Fetches credentials over HTTP for a [`HttpCredentialSource`]
+/// ([`crate::credential_http::HttpFetcher`] in the client).
 pub trait HttpCredentialFetcher {
     /// Produces credentials (with expiry) or says why not.
     fn fetch(&self, source: &HttpCredentialSource) -> Result<Credentials, CredentialsError>;
-}
-
-/// The fetcher until the HTTP sources are written: always
-/// [`CredentialsError::NotImplemented`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NoHttpFetcher;
-
-impl HttpCredentialFetcher for NoHttpFetcher {
-    fn fetch(&self, source: &HttpCredentialSource) -> Result<Credentials, CredentialsError> {
-        Err(CredentialsError::NotImplemented {
-            source: source.name(),
-        })
-    }
 }
 
 /// What the chain found without network access.
@@ -789,6 +784,44 @@ fn static_from_section(
     Credentials::new(ak, sk, token, None)
         .map(|c| Some(c.with_source(source)))
         .map_err(|e| relabel(e, &label))
+}
+
+/// The STS endpoint for web identity (see the module documentation).
+fn sts_endpoint(env: &Env, view: &ProfileView) -> Result<String, CredentialsError> {
+    let ignore_configured = env
+        .get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    if !ignore_configured {
+        if let Some(url) = env
+            .get("AWS_ENDPOINT_URL_STS")
+            .or_else(|| env.get("AWS_ENDPOINT_URL"))
+        {
+            return Ok(url.to_owned());
+        }
+    }
+    let (region, source) = match (env.get("AWS_REGION"), env.get("AWS_DEFAULT_REGION")) {
+        (Some(r), _) => (r, "AWS_REGION".to_owned()),
+        (None, Some(r)) => (r, "AWS_DEFAULT_REGION".to_owned()),
+        (None, None) => match view.get("region") {
+            Some((r, path)) => (r, view.label(path)),
+            None => return Ok(STS_GLOBAL_ENDPOINT.to_owned()),
+        },
+    };
+    let valid = region
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !valid {
+        return Err(CredentialsError::Invalid {
+            source,
+            reason: format!("region {region:?} is not a region name"),
+        });
+    }
+    let suffix = if region.starts_with("cn-") {
+        "amazonaws.com.cn"
+    } else {
+        "amazonaws.com"
+    };
+    Ok(format!("https://sts.{region}.{suffix}/"))
 }
 
 /// Runs the chain up to the first source that needs HTTP. Reads only the
@@ -865,6 +898,7 @@ pub fn plan_credentials(env: &Env) -> Result<CredentialPlan, CredentialsError> {
             role_arn,
             token_file: PathBuf::from(token_file),
             session_name,
+            endpoint: sts_endpoint(env, &view)?,
         }));
     }
 

@@ -11,6 +11,9 @@
 //! - [`credentials`]: static keys, environment, shared credentials and config
 //!   files with profiles, and the provider chain; the HTTP sources plug in
 //!   through [`credentials::HttpCredentialFetcher`].
+//! - [`credential_http`]: the HTTP sources themselves (IMDSv2, the ECS/EKS
+//!   container endpoint, STS AssumeRoleWithWebIdentity) on a small blocking
+//!   HTTP/1.1 client.
 //! - [`xml`]: a small XML reader for S3's responses (ListObjectsV2, Error,
 //!   CreateSession, CreateMultipartUpload) and the CompleteMultipartUpload
 //!   writer.
@@ -28,11 +31,15 @@
 //! - [`retry`]: decorrelated-jitter backoff and the retry budget.
 //! - [`breaker`]: the circuit breaker.
 //! - [`express`]: S3 Express sessions.
+//! - [`credential_cache`]: the client's base credentials, fetched off the
+//!   executor and refreshed in the background ahead of their expiry.
 //! - [`error`]: [`S3Error`] and its semantic [`ErrorKind`].
 
 pub mod addressing;
 pub mod breaker;
 pub mod client;
+pub mod credential_cache;
+pub mod credential_http;
 pub mod credentials;
 pub mod error;
 pub mod express;

@@ -1,5 +1,5 @@
-//! A small XML reader for S3 responses and a writer for the one request body
-//! kvshard sends.
+//! A small XML reader for S3 responses (and STS's AssumeRoleWithWebIdentity
+//! answers) and a writer for the one request body kvshard sends.
 //!
 //! The reader builds an element tree and accepts what S3 and S3-compatible
 //! servers produce: an optional `<?xml ...?>` declaration, comments,
@@ -643,6 +643,79 @@ pub fn parse_create_session(input: &str) -> Result<Credentials, XmlError> {
         element: "CreateSessionResult/Credentials",
         value: "<redacted>".to_owned(),
         expected: "non-empty key id, secret and token without control characters",
+    })
+}
+
+/// Parses an STS `AssumeRoleWithWebIdentityResponse` into credentials
+/// (source [`CredentialSource::WebIdentity`], expiry from `Expiration`).
+pub fn parse_assume_role_with_web_identity(input: &str) -> Result<Credentials, XmlError> {
+    let root = root_named(input, "AssumeRoleWithWebIdentityResponse")?;
+    let result = root
+        .single(
+            "AssumeRoleWithWebIdentityResult",
+            "AssumeRoleWithWebIdentityResponse/AssumeRoleWithWebIdentityResult",
+        )?
+        .ok_or(XmlError::Missing {
+            element: "AssumeRoleWithWebIdentityResponse/AssumeRoleWithWebIdentityResult",
+        })?;
+    let creds = result
+        .single("Credentials", "AssumeRoleWithWebIdentityResult/Credentials")?
+        .ok_or(XmlError::Missing {
+            element: "AssumeRoleWithWebIdentityResult/Credentials",
+        })?;
+    let access_key = creds.req_text("AccessKeyId", "Credentials/AccessKeyId")?;
+    let secret = creds.req_text("SecretAccessKey", "Credentials/SecretAccessKey")?;
+    let token = creds.req_text("SessionToken", "Credentials/SessionToken")?;
+    let expiry = creds
+        .opt_time("Expiration", "Credentials/Expiration")?
+        .ok_or(XmlError::Missing {
+            element: "Credentials/Expiration",
+        })?;
+    Credentials::new(
+        access_key.trim(),
+        secret.trim(),
+        Some(token.trim().to_owned()),
+        Some(expiry),
+    )
+    .map(|c| c.with_source(CredentialSource::WebIdentity))
+    .map_err(|_| XmlError::InvalidValue {
+        element: "AssumeRoleWithWebIdentityResult/Credentials",
+        value: "<redacted>".to_owned(),
+        expected: "non-empty key id, secret and token without control characters",
+    })
+}
+
+/// Parses an STS error: `<ErrorResponse><Error><Code>` (the query
+/// protocol's form, `RequestId` beside `Error`) or a bare `<Error>`.
+pub fn parse_sts_error(input: &str) -> Result<S3ErrorBody, XmlError> {
+    let root = parse(input)?;
+    let (error, request_id) = match root.name.as_str() {
+        "ErrorResponse" => {
+            let error = root
+                .single("Error", "ErrorResponse/Error")?
+                .ok_or(XmlError::Missing {
+                    element: "ErrorResponse/Error",
+                })?;
+            let request_id = match root.opt_text("RequestId", "ErrorResponse/RequestId")? {
+                Some(id) => Some(id),
+                None => error.opt_text("RequestId", "Error/RequestId")?,
+            };
+            (error, request_id)
+        }
+        "Error" => (&root, root.opt_text("RequestId", "Error/RequestId")?),
+        _ => {
+            return Err(XmlError::UnexpectedRoot {
+                expected: "ErrorResponse",
+                found: root.name.clone(),
+            })
+        }
+    };
+    Ok(S3ErrorBody {
+        code: error.req_text("Code", "Error/Code")?,
+        message: error.opt_text("Message", "Error/Message")?,
+        request_id,
+        host_id: None,
+        resource: None,
     })
 }
 

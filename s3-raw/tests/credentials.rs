@@ -8,8 +8,8 @@ use std::time::{Duration, UNIX_EPOCH};
 use kvshard_s3_raw::credentials::{
     from_env, parse_profile_file, plan_credentials, profile_file_paths, resolve_credentials,
     selected_profile, static_from_config, CredentialPlan, CredentialSource, Credentials,
-    CredentialsError, Env, HttpCredentialFetcher, HttpCredentialSource, NoHttpFetcher,
-    ProfileFileKind, IMDS_ENDPOINT_IPV4, IMDS_ENDPOINT_IPV6,
+    CredentialsError, Env, HttpCredentialFetcher, HttpCredentialSource, ProfileFileKind,
+    IMDS_ENDPOINT_IPV4, IMDS_ENDPOINT_IPV6, STS_GLOBAL_ENDPOINT,
 };
 
 /// A temporary directory removed on drop.
@@ -456,6 +456,7 @@ fn http_sources_plug_in_through_the_fetcher() {
             role_arn: "arn:aws:iam::123456789012:role/kv".into(),
             token_file: "/var/run/token".into(),
             session_name: Some("kvshard".into()),
+            endpoint: STS_GLOBAL_ENDPOINT.into(),
         }
     );
 
@@ -550,15 +551,6 @@ fn http_sources_plug_in_through_the_fetcher() {
         CredentialsError::NoCredentials
     );
 
-    // Until part 2, the default fetcher says "not implemented".
-    let err = resolve_credentials(
-        &Env::from_pairs([("HOME", empty.path().to_str().unwrap())]),
-        &NoHttpFetcher,
-    )
-    .unwrap_err();
-    assert_eq!(err, CredentialsError::NotImplemented { source: "IMDSv2" });
-    assert!(err.to_string().contains("not implemented yet"), "{err}");
-
     // A fetcher plugs in.
     struct Fake;
     impl HttpCredentialFetcher for Fake {
@@ -575,6 +567,85 @@ fn http_sources_plug_in_through_the_fetcher() {
     .unwrap();
     assert_eq!(c.access_key_id(), "ASIAIMDS");
     assert_eq!(c.source(), &CredentialSource::Imds);
+}
+
+#[test]
+fn web_identity_sts_endpoint() {
+    let home = home_with_files("sts");
+    let endpoint = |vars: &[(&str, &str)]| {
+        let mut all = vec![
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", "/tok"),
+            ("AWS_ROLE_ARN", "arn:aws:iam::1:role/r"),
+        ];
+        all.extend_from_slice(vars);
+        match plan_credentials(&env(home.path(), &all)) {
+            Ok(CredentialPlan::Http(HttpCredentialSource::WebIdentity { endpoint, .. })) => {
+                Ok(endpoint)
+            }
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        }
+    };
+    // The default profile's region (config file) when the environment has none.
+    assert_eq!(
+        endpoint(&[]).unwrap(),
+        "https://sts.us-west-2.amazonaws.com/"
+    );
+    assert_eq!(
+        endpoint(&[("AWS_DEFAULT_REGION", "eu-central-1")]).unwrap(),
+        "https://sts.eu-central-1.amazonaws.com/"
+    );
+    assert_eq!(
+        endpoint(&[
+            ("AWS_REGION", "cn-north-1"),
+            ("AWS_DEFAULT_REGION", "eu-central-1")
+        ])
+        .unwrap(),
+        "https://sts.cn-north-1.amazonaws.com.cn/"
+    );
+    assert_eq!(
+        endpoint(&[
+            ("AWS_REGION", "us-east-2"),
+            ("AWS_ENDPOINT_URL", "http://127.0.0.1:1/")
+        ])
+        .unwrap(),
+        "http://127.0.0.1:1/"
+    );
+    assert_eq!(
+        endpoint(&[
+            ("AWS_ENDPOINT_URL", "http://127.0.0.1:1/"),
+            ("AWS_ENDPOINT_URL_STS", "http://127.0.0.1:2/sts")
+        ])
+        .unwrap(),
+        "http://127.0.0.1:2/sts"
+    );
+    assert_eq!(
+        endpoint(&[
+            ("AWS_REGION", "us-east-2"),
+            ("AWS_ENDPOINT_URL_STS", "http://127.0.0.1:2/"),
+            ("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+        ])
+        .unwrap(),
+        "https://sts.us-east-2.amazonaws.com/"
+    );
+    assert!(matches!(
+        endpoint(&[("AWS_REGION", "us-east-1.evil.example/")]),
+        Err(CredentialsError::Invalid { .. })
+    ));
+    // No region anywhere: the global endpoint.
+    let empty = TempDir::new("sts-empty");
+    let plan = plan_credentials(&env(
+        empty.path(),
+        &[
+            ("AWS_WEB_IDENTITY_TOKEN_FILE", "/tok"),
+            ("AWS_ROLE_ARN", "arn:aws:iam::1:role/r"),
+        ],
+    ))
+    .unwrap();
+    assert!(
+        matches!(&plan, CredentialPlan::Http(HttpCredentialSource::WebIdentity { endpoint, .. }) if endpoint == STS_GLOBAL_ENDPOINT),
+        "{plan:?}"
+    );
 }
 
 #[test]

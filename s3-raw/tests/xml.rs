@@ -1,12 +1,13 @@
-//! S3 XML responses, entities, the CompleteMultipartUpload writer, and
+//! S3 and STS XML responses, entities, the CompleteMultipartUpload writer, and
 //! garbage that must be rejected without panicking.
 
 use std::time::{Duration, UNIX_EPOCH};
 
 use kvshard_s3_raw::credentials::CredentialSource;
 use kvshard_s3_raw::xml::{
-    parse, parse_bytes, parse_create_session, parse_error, parse_initiate_multipart_upload,
-    parse_list_objects_v2, write_complete_multipart_upload, CompletedPart, XmlError, MAX_XML_DEPTH,
+    parse, parse_assume_role_with_web_identity, parse_bytes, parse_create_session, parse_error,
+    parse_initiate_multipart_upload, parse_list_objects_v2, parse_sts_error,
+    write_complete_multipart_upload, CompletedPart, XmlError, MAX_XML_DEPTH,
 };
 
 const LIST_PAGE: &str = r#"<?xml version="1.0" encoding="UTF-8"?>
@@ -243,6 +244,58 @@ fn create_session_result() {
     .unwrap_err();
     assert!(matches!(err, XmlError::InvalidValue { .. }));
     assert!(!err.to_string().contains("SESSIONTOKENVALUE"), "{err}");
+}
+
+#[test]
+fn sts_web_identity_result_and_errors() {
+    let creds = parse_assume_role_with_web_identity(
+        "<AssumeRoleWithWebIdentityResponse xmlns=\"https://sts.amazonaws.com/doc/2011-06-15/\">\
+         <AssumeRoleWithWebIdentityResult><SubjectFromWebIdentityToken>sub</SubjectFromWebIdentityToken>\
+         <Audience>sts.amazonaws.com</Audience><AssumedRoleUser><Arn>arn</Arn><AssumedRoleId>id</AssumedRoleId></AssumedRoleUser>\
+         <Credentials><SessionToken> STSTOKEN </SessionToken><SecretAccessKey>STSSECRET</SecretAccessKey>\
+         <Expiration>2024-01-29T18:53:01.123Z</Expiration><AccessKeyId>ASIASTS</AccessKeyId></Credentials>\
+         <Provider>www.amazon.com</Provider></AssumeRoleWithWebIdentityResult>\
+         <ResponseMetadata><RequestId>r</RequestId></ResponseMetadata></AssumeRoleWithWebIdentityResponse>",
+    )
+    .unwrap();
+    assert_eq!(creds.access_key_id(), "ASIASTS");
+    assert_eq!(creds.secret_access_key(), "STSSECRET");
+    assert_eq!(creds.session_token(), Some("STSTOKEN"));
+    assert_eq!(
+        creds.expiry(),
+        Some(UNIX_EPOCH + Duration::from_millis(1_706_554_381_123))
+    );
+    assert_eq!(creds.source(), &CredentialSource::WebIdentity);
+    assert_eq!(
+        parse_assume_role_with_web_identity(
+            "<AssumeRoleWithWebIdentityResponse><AssumeRoleWithWebIdentityResult/></AssumeRoleWithWebIdentityResponse>"
+        )
+        .unwrap_err(),
+        XmlError::Missing {
+            element: "AssumeRoleWithWebIdentityResult/Credentials"
+        }
+    );
+    assert!(matches!(
+        parse_assume_role_with_web_identity("<CreateSessionResult/>"),
+        Err(XmlError::UnexpectedRoot { .. })
+    ));
+
+    let e = parse_sts_error(
+        "<ErrorResponse xmlns=\"https://sts.amazonaws.com/doc/2011-06-15/\"><Error><Type>Sender</Type>\
+         <Code>InvalidIdentityToken</Code><Message>No OpenIDConnect provider found</Message></Error>\
+         <RequestId>rid</RequestId></ErrorResponse>",
+    )
+    .unwrap();
+    assert_eq!(e.code, "InvalidIdentityToken");
+    assert_eq!(
+        e.message.as_deref(),
+        Some("No OpenIDConnect provider found")
+    );
+    assert_eq!(e.request_id.as_deref(), Some("rid"));
+    let e = parse_sts_error("<Error><Code>Throttling</Code></Error>").unwrap();
+    assert_eq!((e.code.as_str(), e.message), ("Throttling", None));
+    assert!(parse_sts_error("<ErrorResponse/>").is_err());
+    assert!(parse_sts_error("<html/>").is_err());
 }
 
 #[test]
