@@ -6,7 +6,12 @@
 //!   connection's answer fixes the mode for the pool (S3 itself picks
 //!   HTTP/1.1).
 //! - TLS without it: ALPN `http/1.1` only.
-//! - Plain TCP with `prefer_http2`: HTTP/2 with prior knowledge (h2c).
+//! - Plain TCP with `prefer_http2`: HTTP/2 with prior knowledge (h2c) when
+//!   the server speaks it, else HTTP/1.1. Before the first connection a
+//!   probe connection sends the HTTP/2 preface and an empty SETTINGS frame:
+//!   an HTTP/2 server answers with its SETTINGS, an HTTP/1.1 one with an
+//!   error or by closing (lmcache's CRT client never tries h2c, so a config
+//!   that works there against an HTTP/1.1-only store must work here too).
 //! - Plain TCP without it: HTTP/1.1.
 //!
 //! Bounds: at most `max_in_flight` requests at once across the pool (a FIFO
@@ -131,7 +136,8 @@ enum Conn {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
-    /// TLS with h2 offered and no connection yet: the server decides.
+    /// HTTP/2 preferred and no connection yet: the server decides (by ALPN
+    /// over TLS, by the h2c probe over plain TCP).
     Unknown,
     H1,
     H2,
@@ -174,8 +180,7 @@ impl Pool {
             "h2_max_connections must be positive"
         );
         let mode = match (&cfg.tls, cfg.prefer_http2) {
-            (Some(_), true) => Mode::Unknown,
-            (None, true) => Mode::H2,
+            (_, true) => Mode::Unknown,
             (_, false) => Mode::H1,
         };
         let connector = cfg
@@ -377,7 +382,21 @@ impl Pool {
         };
         let http2 = match &stream {
             Stream::Tls(_) => stream.alpn_protocol() == Some(ALPN_H2),
-            Stream::Tcp(_) => cfg.prefer_http2,
+            Stream::Tcp(_) => match inner.mode.get() {
+                Mode::H1 => false,
+                Mode::H2 => true,
+                Mode::Unknown => {
+                    let h2c = probe_h2c(&cfg.connect_host, cfg.port).await?;
+                    if !h2c {
+                        log::info!(
+                            "s3: {}:{} does not speak HTTP/2 without TLS (h2c); using HTTP/1.1",
+                            cfg.connect_host,
+                            cfg.port
+                        );
+                    }
+                    h2c
+                }
+            },
         };
         if !http2 {
             bump(&inner.counters.http1_opened);
@@ -410,6 +429,37 @@ impl Pool {
             active: Cell::new(0),
         })))
     }
+}
+
+/// How long the h2c probe waits for the server's first bytes.
+const H2C_PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether the server at `host:port` speaks HTTP/2 with prior knowledge:
+/// sends the connection preface and an empty SETTINGS frame on a connection
+/// of its own and looks at the first frame header that comes back. Anything
+/// but a SETTINGS frame (an HTTP/1.1 error, a close, silence) means no; a
+/// failed connect is an error (the server is down, which says nothing).
+async fn probe_h2c(host: &str, port: u16) -> Result<bool, ConnectError> {
+    use futures_lite::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = net::connect_tcp(host, port).await?;
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    // Frame header: length 0, type SETTINGS (4), flags 0, stream 0.
+    const EMPTY_SETTINGS: [u8; 9] = [0, 0, 0, 4, 0, 0, 0, 0, 0];
+    let probe = async {
+        let mut hello = PREFACE.to_vec();
+        hello.extend_from_slice(&EMPTY_SETTINGS);
+        tcp.write_all(&hello).await.ok()?;
+        let mut header = [0u8; 9];
+        tcp.read_exact(&mut header).await.ok()?;
+        // Type SETTINGS without ACK, on stream 0.
+        Some(header[3] == 4 && header[4] & 1 == 0 && header[5..9] == [0, 0, 0, 0])
+    };
+    Ok(futures_lite::future::or(probe, async {
+        glommio::timer::sleep(H2C_PROBE_TIMEOUT).await;
+        None
+    })
+    .await
+    .unwrap_or(false))
 }
 
 /// A request slot: one of the pool's `max_in_flight`.

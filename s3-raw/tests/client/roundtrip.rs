@@ -195,6 +195,63 @@ fn h2c_virtual_hosted_round_trips() {
     drop(server);
 }
 
+/// lmcache's default `s3_prefer_http2: true` with `disable_tls: true`
+/// against a store that speaks only HTTP/1.1 (the CRT never tries h2c, so
+/// that configuration works with lmcache): the h2c probe is refused and the
+/// client speaks HTTP/1.1.
+#[test]
+fn h2c_preference_falls_back_to_http1_on_a_server_without_h2c() {
+    use std::sync::Arc;
+    let server = ScriptedServer::start(Arc::new(|_, req, stream| {
+        if req.method == "PRI" {
+            // What an HTTP/1.1 server makes of the HTTP/2 preface.
+            respond(stream, "400 Bad Request", &[("Connection", "close")], b"");
+            return Action::Close;
+        }
+        if !skip_body(stream, req.body_len) {
+            return Action::Close;
+        }
+        match req.method.as_str() {
+            "PUT" => respond(stream, "200 OK", &[("ETag", "\"e\"")], b""),
+            _ => respond(stream, "200 OK", &[], b"hello"),
+        }
+        Action::KeepAlive
+    }));
+    let cfg = test_config(local_address("kvshard-h1only", server.port), true);
+    on_shard("s3-h2c-fallback", move || async move {
+        let client = S3Client::new(cfg).unwrap();
+        client
+            .put_object(
+                "k",
+                SendRegion::from_bytes(bytes::Bytes::from_static(b"hello")),
+            )
+            .await
+            .expect("PUT over HTTP/1.1");
+        let mut back = [0u8; 5];
+        client
+            .get_object_into("k", RecvRegion::from_mut_slice(&mut back))
+            .await
+            .expect("GET over HTTP/1.1");
+        assert_eq!(&back, b"hello");
+        assert_eq!(client.protocol(), Some(Protocol::Http1));
+        let stats = client.stats();
+        assert_eq!(stats.connections.http2_opened, 0, "{:?}", stats.connections);
+        assert_eq!(stats.connections.http1_opened, 1, "{:?}", stats.connections);
+    });
+    let methods: Vec<String> = server
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.method.clone())
+        .collect();
+    assert_eq!(
+        methods,
+        ["PRI", "PUT", "GET"],
+        "one probe, then HTTP/1.1 on one connection"
+    );
+}
+
 #[test]
 fn signed_payload_hashes_are_accepted() {
     // s3s-fs checks x-amz-content-sha256 against the body.
