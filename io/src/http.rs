@@ -118,9 +118,10 @@ impl<S: AsyncRead + Unpin> hyper::rt::Read for HyperIo<S> {
     }
 }
 
-/// Asks the kernel to acknowledge received data at once. Best effort: a
-/// failure (the socket is closing) changes nothing a caller could act on.
-fn set_quickack(fd: RawFd) {
+/// Asks the kernel to acknowledge received data at once (`TCP_QUICKACK`,
+/// which the kernel clears again by itself). Best effort: a failure (the
+/// socket is closing) changes nothing a caller could act on.
+pub fn set_quickack(fd: RawFd) {
     let one: libc::c_int = 1;
     // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a valid
     // pointer; `fd` is the caller's open socket.

@@ -475,14 +475,8 @@ impl H1Conn {
                 Framing::Done => return Ok(()),
                 Framing::Length(0) => self.framing = Framing::Done,
                 Framing::Length(left) => {
-                    if self.start == self.end && self.fill_body().await? == 0 {
-                        return Err(eof("in the body"));
-                    }
-                    let n =
-                        (self.end - self.start).min(usize::try_from(left).unwrap_or(usize::MAX));
-                    let keep = sink(&self.buf[self.start..self.start + n]);
-                    self.start += n;
-                    self.framing = Framing::Length(left - n as u64);
+                    let (left, keep) = self.pass_data(left, "in the body", sink).await?;
+                    self.framing = Framing::Length(left);
                     if !keep {
                         return Ok(());
                     }
@@ -499,14 +493,7 @@ impl H1Conn {
                     }
                 }
                 Framing::Chunked(Chunk::Data(left)) => {
-                    if self.start == self.end && self.fill_body().await? == 0 {
-                        return Err(eof("in a chunk"));
-                    }
-                    let n =
-                        (self.end - self.start).min(usize::try_from(left).unwrap_or(usize::MAX));
-                    let keep = sink(&self.buf[self.start..self.start + n]);
-                    self.start += n;
-                    let left = left - n as u64;
+                    let (left, keep) = self.pass_data(left, "in a chunk", sink).await?;
                     self.framing = Framing::Chunked(if left == 0 {
                         Chunk::DataEnd
                     } else {
@@ -558,6 +545,24 @@ impl H1Conn {
         }
     }
 
+    /// Hands up to `left` body bytes (at least one, reading if none is
+    /// buffered) to `sink`; returns the bytes still to come and the sink's
+    /// answer.
+    async fn pass_data(
+        &mut self,
+        left: u64,
+        place: &str,
+        sink: &mut impl FnMut(&[u8]) -> bool,
+    ) -> Result<(u64, bool), HttpError> {
+        if self.start == self.end && self.fill_body().await? == 0 {
+            return Err(eof(place));
+        }
+        let n = (self.end - self.start).min(usize::try_from(left).unwrap_or(usize::MAX));
+        let keep = sink(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        Ok((left - n as u64, keep))
+    }
+
     /// Like [`H1Conn::fill`], mapping errors for body reads.
     async fn fill_body(&mut self) -> Result<usize, HttpError> {
         self.fill().await.map_err(HttpError::Io)
@@ -587,17 +592,7 @@ impl H1Conn {
     }
 
     fn quickack(&self) {
-        let one: libc::c_int = 1;
-        // SAFETY: setsockopt reads one c_int from a valid pointer.
-        unsafe {
-            libc::setsockopt(
-                self.fd,
-                libc::IPPROTO_TCP,
-                libc::TCP_QUICKACK,
-                &one as *const libc::c_int as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
+        kvshard_io::http::set_quickack(self.fd);
     }
 }
 

@@ -16,6 +16,7 @@ mod mock_http;
 mod credentials;
 mod express;
 mod faults;
+mod h1;
 mod roundtrip;
 mod support;
 mod tls;
