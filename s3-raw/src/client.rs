@@ -478,8 +478,9 @@ impl fmt::Debug for S3Client {
     }
 }
 
-/// Runs an attempt under a deadline; `None` when it ran out.
-async fn with_timeout<T>(limit: Duration, fut: impl Future<Output = T>) -> Option<T> {
+/// Runs `fut` under a time limit (a glommio timer); `None` when it ran
+/// out, the future then dropped.
+pub(crate) async fn with_timeout<T>(limit: Duration, fut: impl Future<Output = T>) -> Option<T> {
     futures_lite::future::or(async { Some(fut.await) }, async {
         glommio::timer::sleep(limit).await;
         None

@@ -1,12 +1,12 @@
 //! The base credentials of one client: static, or from the provider chain
 //! with their expiry, refreshed ahead of it.
 //!
-//! Chain credentials are resolved on a thread of their own
+//! Chain credentials are resolved on the shard's own executor
 //! ([`crate::credentials::resolve_credentials`] with
-//! [`crate::credential_http::HttpFetcher`]): the profile files and the HTTP
-//! sources are blocking I/O, and neither the shard's executor nor its small
-//! blocking pool (name lookups, file I/O of other adapters) should wait on
-//! an instance metadata service that does not answer.
+//! [`crate::credential_http::HttpFetcher`]): the profile files are read on
+//! glommio's blocking pool, and the HTTP sources are async HTTP/1.1 with a
+//! time limit on every exchange, so a metadata service that does not answer
+//! stalls only the fetch, never the executor.
 //!
 //! As with S3 Express sessions ([`crate::express`]): a request signs with
 //! the cached credentials while they have more than
@@ -24,11 +24,7 @@
 //! started it is dropped (an attempt timeout), so its result is not lost.
 
 use std::cell::{Cell, RefCell};
-use std::future::Future;
-use std::pin::Pin;
 use std::rc::Rc;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant, SystemTime};
 
 use glommio::sync::Semaphore;
@@ -57,7 +53,8 @@ pub struct CredentialsRefreshConfig {
     /// tried again, and fail requests at once for this long when nothing
     /// usable is cached. Default 5 s.
     pub retry_after: Duration,
-    /// TCP connect limit of one credentials request. Default 2 s.
+    /// Limit of the name lookup and of each TCP connect attempt of one
+    /// credentials request. Default 2 s.
     pub connect_timeout: Duration,
     /// Limit of the rest of one credentials request (TLS, request, whole
     /// answer). Default 5 s.
@@ -103,7 +100,7 @@ pub(crate) struct CacheStats {
 
 enum Source {
     Static(Rc<Credentials>),
-    Chain { env: Env, fetcher: Arc<HttpFetcher> },
+    Chain { env: Env, fetcher: HttpFetcher },
 }
 
 /// The base credentials of one client.
@@ -136,7 +133,7 @@ impl CredentialsCache {
 
     /// The provider chain over `env`, fetching with `fetch`.
     pub fn chain(cfg: CredentialsRefreshConfig, env: Env, fetch: FetchConfig) -> CredentialsCache {
-        let fetcher = Arc::new(HttpFetcher::new(fetch));
+        let fetcher = HttpFetcher::new(fetch);
         CredentialsCache::with_source(cfg, Source::Chain { env, fetcher })
     }
 
@@ -273,13 +270,12 @@ impl CredentialsCache {
         .detach();
     }
 
-    /// Resolves the chain on a thread of its own.
+    /// Resolves the chain.
     async fn fetch(&self) -> Result<Rc<Credentials>, CredentialsError> {
         let Source::Chain { env, fetcher } = &self.source else {
             unreachable!("static credentials are never fetched");
         };
-        let (env, fetcher) = (env.clone(), fetcher.clone());
-        let creds = run_on_thread(move || resolve_credentials(&env, &*fetcher)).await?;
+        let creds = resolve_credentials(env, fetcher).await?;
         if let Some(expiry) = creds.expiry() {
             if expiry <= SystemTime::now() + self.cfg.expiry_margin {
                 let at = AmzDate::from_system_time(expiry)
@@ -318,89 +314,5 @@ fn source_label(source: &CredentialSource) -> String {
         CredentialSource::Container => "container credentials endpoint".to_owned(),
         CredentialSource::Imds => "IMDSv2".to_owned(),
         CredentialSource::S3ExpressSession => "S3 Express session".to_owned(),
-    }
-}
-
-/// Runs `f` on a new thread; the future completes when it returns.
-fn run_on_thread(
-    f: impl FnOnce() -> Result<Credentials, CredentialsError> + Send + 'static,
-) -> impl Future<Output = Result<Credentials, CredentialsError>> {
-    let slot = Arc::new(Mutex::new(Slot {
-        result: None,
-        finished: false,
-        waker: None,
-    }));
-    let sender = Sender(slot.clone());
-    let spawned = std::thread::Builder::new()
-        .name("kvshard-s3-creds".to_owned())
-        .spawn(move || {
-            let result = f();
-            sender.send(result);
-        });
-    let failed_to_start = spawned.err().map(|e| CredentialsError::Http {
-        source: "credential chain",
-        message: format!("cannot start the fetch thread: {e}"),
-    });
-    ThreadResult {
-        slot,
-        failed_to_start,
-    }
-}
-
-struct Slot {
-    result: Option<Result<Credentials, CredentialsError>>,
-    finished: bool,
-    waker: Option<Waker>,
-}
-
-/// The thread's end of the slot; dropping it unsent (a panic) finishes the
-/// slot empty.
-struct Sender(Arc<Mutex<Slot>>);
-
-impl Sender {
-    fn send(self, result: Result<Credentials, CredentialsError>) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).result = Some(result);
-    }
-}
-
-impl Drop for Sender {
-    fn drop(&mut self) {
-        let waker = {
-            let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            slot.finished = true;
-            slot.waker.take()
-        };
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
-}
-
-struct ThreadResult {
-    slot: Arc<Mutex<Slot>>,
-    failed_to_start: Option<CredentialsError>,
-}
-
-impl Future for ThreadResult {
-    type Output = Result<Credentials, CredentialsError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        if let Some(e) = this.failed_to_start.take() {
-            return Poll::Ready(Err(e));
-        }
-        let mut slot = this.slot.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.finished {
-            return Poll::Ready(slot.result.take().unwrap_or_else(|| {
-                Err(CredentialsError::Http {
-                    source: "credential chain",
-                    message: "the fetch thread panicked".to_owned(),
-                })
-            }));
-        }
-        if !slot.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-            slot.waker = Some(cx.waker().clone());
-        }
-        Poll::Pending
     }
 }

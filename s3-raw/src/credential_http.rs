@@ -2,10 +2,13 @@
 //! the ECS/EKS container credentials endpoint, and STS
 //! AssumeRoleWithWebIdentity.
 //!
-//! [`HttpFetcher`] is a small blocking HTTP/1.1 client on std sockets (and
-//! rustls for `https`, with the same trust settings as the S3 client). It is
-//! meant to run off the shard executors: the client runs it on a thread of
-//! its own (see [`crate::client`]), tests call it directly.
+//! [`HttpFetcher`] runs on the calling glommio executor (the shard's) and
+//! never blocks it: every exchange is one request on a fresh HTTP/1.1
+//! connection of the S3 data path's own kind ([`crate::h1::H1Conn`] over
+//! [`crate::net::connect_addrs`], and [`crate::net::connect_tls`] for
+//! `https`, offering only `http/1.1` and always verifying the server's
+//! certificate against the same [`TlsTrust`] as S3). Name lookups and the
+//! token files are read on glommio's blocking pool.
 //!
 //! - IMDSv2: `PUT /latest/api/token` (a 6 h token), then
 //!   `GET /latest/meta-data/iam/security-credentials/` for the role name and
@@ -23,22 +26,32 @@
 //!   `RoleSessionName`, `WebIdentityToken` read from the token file on every
 //!   fetch) to the STS endpoint the plan chose.
 //!
-//! Every exchange has a connect timeout per address and one deadline for the
-//! rest (TLS handshake, request, whole response); bodies are bounded. Errors
-//! name the source and the URL, never a token or a secret.
+//! Limits of every exchange: [`FetchConfig::connect_timeout`] for the name
+//! lookup and for each TCP connect attempt, then one
+//! [`FetchConfig::read_timeout`] for the rest (TLS handshake, request, whole
+//! response); the body is read up to [`MAX_CREDENTIALS_BODY_BYTES`]. The
+//! JSON answers are parsed with `serde_json`, the STS XML with
+//! [`crate::xml`]. Errors name the source and the URL, never a token or a
+//! secret.
 
-use std::collections::HashMap;
+use std::cell::RefCell;
 use std::fmt;
-use std::io::{self, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs};
-use std::path::Path;
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::io::{self, Read};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
+use futures_rustls::TlsConnector;
+use hyper::header::{HeaderName, HeaderValue};
+use serde_json::{Map, Value};
+
+use crate::client::with_timeout;
 use crate::credentials::{
     CredentialSource, Credentials, CredentialsError, HttpCredentialFetcher, HttpCredentialSource,
 };
-use crate::net::{self, TlsConfigError, TlsTrust};
+use crate::h1::{self, H1Conn, HttpError};
+use crate::net::{self, Stream, TlsTrust};
 use crate::sigv4::encode_query;
 use crate::time::parse_rfc3339;
 use crate::xml;
@@ -47,8 +60,6 @@ use crate::xml;
 pub const IMDS_TOKEN_TTL_SECS: u32 = 21_600;
 /// Largest response body accepted from a credentials endpoint.
 pub const MAX_CREDENTIALS_BODY_BYTES: usize = 64 << 10;
-/// Largest response head accepted.
-pub const MAX_RESPONSE_HEAD_BYTES: usize = 16 << 10;
 /// Largest token file read (web identity or container authorization).
 pub const MAX_TOKEN_FILE_BYTES: u64 = 64 << 10;
 /// The hosts a plain-`http` container credentials URI may name besides
@@ -66,7 +77,8 @@ const WEB_IDENTITY: &str = "web identity (STS)";
 /// Timeouts and TLS trust of the credential fetches.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FetchConfig {
-    /// Limit of one TCP connect (per address tried). Default 2 s.
+    /// Limit of the name lookup and of each TCP connect attempt (per address
+    /// tried). Default 2 s.
     pub connect_timeout: Duration,
     /// Limit of the rest of one exchange: TLS handshake, request, whole
     /// response. Default 5 s.
@@ -89,13 +101,13 @@ impl Default for FetchConfig {
     }
 }
 
-/// Fetches credentials from the HTTP sources (blocking: run it off the
-/// shard executors).
+/// Fetches credentials from the HTTP sources, on the calling glommio
+/// executor.
 pub struct HttpFetcher {
     cfg: FetchConfig,
-    /// Built on the first `https` fetch (loading the system roots reads
-    /// files).
-    tls: OnceLock<Result<Arc<rustls::ClientConfig>, TlsConfigError>>,
+    /// Built on the first `https` fetch, on the blocking pool (loading the
+    /// system roots reads files); a failure is kept too.
+    tls: RefCell<Option<Result<TlsConnector, String>>>,
 }
 
 impl fmt::Debug for HttpFetcher {
@@ -113,25 +125,31 @@ impl Default for HttpFetcher {
 }
 
 impl HttpCredentialFetcher for HttpFetcher {
-    fn fetch(&self, source: &HttpCredentialSource) -> Result<Credentials, CredentialsError> {
+    async fn fetch(&self, source: &HttpCredentialSource) -> Result<Credentials, CredentialsError> {
         match source {
-            HttpCredentialSource::Imds { endpoint } => self.imds(endpoint),
+            HttpCredentialSource::Imds { endpoint } => self.imds(endpoint).await,
             HttpCredentialSource::Container {
                 uri,
                 auth_token,
                 auth_token_file,
-            } => self.container(uri, auth_token.as_deref(), auth_token_file.as_deref()),
+            } => {
+                self.container(uri, auth_token.as_deref(), auth_token_file.as_deref())
+                    .await
+            }
             HttpCredentialSource::WebIdentity {
                 role_arn,
                 token_file,
                 session_name,
                 endpoint,
-            } => self.web_identity(role_arn, token_file, session_name.as_deref(), endpoint),
+            } => {
+                self.web_identity(role_arn, token_file, session_name.as_deref(), endpoint)
+                    .await
+            }
         }
     }
 }
 
-/// An error of one exchange, before it is labelled with the source.
+/// An error of one exchange, labelled with the source and the request.
 fn http_error(
     source: &'static str,
     method: &str,
@@ -144,12 +162,34 @@ fn http_error(
     }
 }
 
+/// A response: status and body.
+#[derive(Debug)]
+struct Response {
+    status: u16,
+    body: Vec<u8>,
+}
+
+/// A header of a request.
+fn header(name: &'static str, value: &str) -> Result<(HeaderName, HeaderValue), String> {
+    let value = HeaderValue::from_bytes(value.as_bytes())
+        .map_err(|_| format!("the {name} header value has characters HTTP does not allow"))?;
+    Ok((HeaderName::from_static(name), value))
+}
+
+/// An [`HttpError`] in words.
+fn describe(e: HttpError) -> String {
+    match e {
+        HttpError::ClosedBeforeResponse => "connection closed without an answer".to_owned(),
+        e => e.to_string(),
+    }
+}
+
 impl HttpFetcher {
     /// A fetcher with these settings.
     pub fn new(cfg: FetchConfig) -> HttpFetcher {
         HttpFetcher {
             cfg,
-            tls: OnceLock::new(),
+            tls: RefCell::new(None),
         }
     }
 
@@ -158,91 +198,137 @@ impl HttpFetcher {
         &self.cfg
     }
 
-    fn tls_config(&self) -> Result<Arc<rustls::ClientConfig>, String> {
-        self.tls
-            .get_or_init(|| net::tls_client_config(&self.cfg.trust, false))
-            .clone()
-            .map_err(|e| format!("TLS configuration: {e}"))
+    /// The TLS connector: HTTP/1.1 only, certificates verified.
+    async fn tls_connector(&self) -> Result<TlsConnector, String> {
+        if let Some(built) = &*self.tls.borrow() {
+            return built.clone();
+        }
+        let trust = self.cfg.trust.clone();
+        let built = glommio::executor()
+            .spawn_blocking(move || net::tls_client_config(&trust, false))
+            .await
+            .map(TlsConnector::from)
+            .map_err(|e| format!("TLS configuration: {e}"));
+        *self.tls.borrow_mut() = Some(built.clone());
+        built
     }
 
-    /// One exchange; `source` and `url` label errors.
-    fn call(
+    /// One exchange; `source` and `url_text` label errors. `addrs`, when
+    /// given, are dialled instead of resolving the URL's host.
+    async fn call(
         &self,
         source: &'static str,
         method: &str,
         url_text: &str,
         addrs: Option<Vec<SocketAddr>>,
-        headers: &[(&str, &str)],
-        body: &[u8],
-    ) -> Result<HttpResponse, CredentialsError> {
+        headers: &[(&'static str, &str)],
+        body: Bytes,
+    ) -> Result<Response, CredentialsError> {
         let url = Url::parse(url_text).map_err(|e| CredentialsError::Invalid {
             source: source.to_owned(),
             reason: format!("URL {url_text:?}: {e}"),
         })?;
         self.exchange(&url, addrs, method, headers, body)
+            .await
             .map_err(|e| http_error(source, method, url_text, e))
     }
 
-    fn exchange(
+    async fn exchange(
         &self,
         url: &Url,
         addrs: Option<Vec<SocketAddr>>,
         method: &str,
-        headers: &[(&str, &str)],
-        body: &[u8],
-    ) -> Result<HttpResponse, String> {
+        headers: &[(&'static str, &str)],
+        body: Bytes,
+    ) -> Result<Response, String> {
+        let mut all = vec![
+            header("user-agent", "kvshard-s3-raw")?,
+            header("accept", "*/*")?,
+            header("connection", "close")?,
+        ];
+        for (name, value) in headers {
+            all.push(header(name, value)?);
+        }
+        let mut head = Vec::new();
+        h1::write_head(
+            &mut head,
+            method,
+            &url.target,
+            &url.host_header(),
+            &all,
+            body.len(),
+        );
         let addrs = match addrs {
             Some(addrs) => addrs,
-            None => resolve(&url.host, url.port)?,
+            None => self.resolve(&url.host, url.port).await?,
         };
-        let tcp = connect(&addrs, self.cfg.connect_timeout)?;
-        let deadline = Instant::now() + self.cfg.read_timeout;
-        let mut conn = if url.https {
-            let config = self.tls_config()?;
-            let name = net::server_name(&url.host)?;
-            let session = rustls::ClientConnection::new(config, name)
-                .map_err(|e| format!("TLS setup: {e}"))?;
-            Conn::Tls(Box::new(rustls::StreamOwned::new(session, tcp)))
+        let tcp = net::connect_addrs(&addrs, Some(self.cfg.connect_timeout))
+            .await
+            .map_err(|e| e.to_string())?;
+        let tls = if url.https {
+            let connector = self.tls_connector().await?;
+            Some((connector, net::server_name(&url.host)?))
         } else {
-            Conn::Plain(tcp)
+            None
         };
-        let mut head = format!(
-            "{method} {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: kvshard-s3-raw\r\nAccept: */*\r\nConnection: close\r\n",
-            url.target,
-            url.host_header()
-        );
-        if !body.is_empty() || matches!(method, "POST" | "PUT") {
-            head.push_str(&format!("Content-Length: {}\r\n", body.len()));
-        }
-        for (name, value) in headers {
-            head.push_str(name);
-            head.push_str(": ");
-            head.push_str(value);
-            head.push_str("\r\n");
-        }
-        head.push_str("\r\n");
-        let mut wire = Wire {
-            conn: &mut conn,
-            deadline,
-            timeout: self.cfg.read_timeout,
-            buf: Vec::new(),
+        let limit = self.cfg.read_timeout;
+        let exchange = async move {
+            let stream = match tls {
+                Some((connector, name)) => Stream::Tls(Box::new(
+                    net::connect_tls(&connector, name, tcp)
+                        .await
+                        .map_err(|e| e.to_string())?,
+                )),
+                None => Stream::Tcp(tcp),
+            };
+            let mut conn = H1Conn::new(stream);
+            let response = conn.exchange(&head, &body, true).await.map_err(describe)?;
+            let mut out = Vec::new();
+            let (_, complete) = conn
+                .read_body_limited(&mut out, MAX_CREDENTIALS_BODY_BYTES)
+                .await
+                .map_err(describe)?;
+            if !complete {
+                return Err(format!(
+                    "response body larger than {MAX_CREDENTIALS_BODY_BYTES} bytes"
+                ));
+            }
+            Ok(Response {
+                status: response.status,
+                body: out,
+            })
         };
-        wire.send(head.as_bytes(), body)?;
-        wire.response()
+        with_timeout(limit, exchange)
+            .await
+            .unwrap_or_else(|| Err(format!("no complete answer within {limit:?}")))
     }
 
-    fn imds(&self, endpoint: &str) -> Result<Credentials, CredentialsError> {
+    /// The addresses of `host`, looked up under the connect timeout.
+    async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
+        let limit = self.cfg.connect_timeout;
+        match with_timeout(limit, net::resolve(host, port)).await {
+            Some(Ok(addrs)) => Ok(addrs),
+            Some(Err(e)) => Err(e.to_string()),
+            None => Err(format!(
+                "cannot resolve {host:?}: no answer within {limit:?}"
+            )),
+        }
+    }
+
+    async fn imds(&self, endpoint: &str) -> Result<Credentials, CredentialsError> {
         let base = endpoint.trim_end_matches('/');
         let token_url = format!("{base}/latest/api/token");
         let ttl = IMDS_TOKEN_TTL_SECS.to_string();
-        let resp = self.call(
-            IMDS,
-            "PUT",
-            &token_url,
-            None,
-            &[("X-aws-ec2-metadata-token-ttl-seconds", &ttl)],
-            b"",
-        )?;
+        let resp = self
+            .call(
+                IMDS,
+                "PUT",
+                &token_url,
+                None,
+                &[("x-aws-ec2-metadata-token-ttl-seconds", &ttl)],
+                Bytes::new(),
+            )
+            .await?;
         let fail = |method: &str, url: &str, what: String| http_error(IMDS, method, url, what);
         match resp.status {
             200 => {}
@@ -266,10 +352,12 @@ impl HttpFetcher {
                     "the token is empty or not printable ASCII".to_owned(),
                 )
             })?;
-        let token_header = [("X-aws-ec2-metadata-token", token.as_str())];
+        let token_header = [("x-aws-ec2-metadata-token", token.as_str())];
 
         let roles_url = format!("{base}/latest/meta-data/iam/security-credentials/");
-        let resp = self.call(IMDS, "GET", &roles_url, None, &token_header, b"")?;
+        let resp = self
+            .call(IMDS, "GET", &roles_url, None, &token_header, Bytes::new())
+            .await?;
         match resp.status {
             200 => {}
             404 => {
@@ -306,7 +394,9 @@ impl HttpFetcher {
         }
 
         let creds_url = format!("{roles_url}{role}");
-        let resp = self.call(IMDS, "GET", &creds_url, None, &token_header, b"")?;
+        let resp = self
+            .call(IMDS, "GET", &creds_url, None, &token_header, Bytes::new())
+            .await?;
         if resp.status != 200 {
             return Err(fail("GET", &creds_url, format!("HTTP {}", resp.status)));
         }
@@ -314,7 +404,7 @@ impl HttpFetcher {
             .map_err(|e| fail("GET", &creds_url, e))
     }
 
-    fn container(
+    async fn container(
         &self,
         uri: &str,
         auth_token: Option<&str>,
@@ -327,13 +417,12 @@ impl HttpFetcher {
         let addrs = if url.https {
             None
         } else {
-            Some(container_http_addrs(&url)?)
+            Some(self.container_http_addrs(&url).await?)
         };
         let auth = match (auth_token_file, auth_token) {
-            (Some(path), _) => Some(read_token_file(
-                path,
-                "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
-            )?),
+            (Some(path), _) => Some(
+                read_token_file(path.to_owned(), "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE").await?,
+            ),
             (None, Some(token)) => Some(token.trim().to_owned()),
             (None, None) => None,
         };
@@ -352,18 +441,19 @@ impl HttpFetcher {
                 });
             }
         }
-        let headers: Vec<(&str, &str)> = match &auth {
-            Some(value) => vec![("Authorization", value.as_str())],
+        let headers: Vec<(&'static str, &str)> = match &auth {
+            Some(value) => vec![("authorization", value.as_str())],
             None => Vec::new(),
         };
-        let resp = self.call(CONTAINER, "GET", uri, addrs, &headers, b"")?;
+        let resp = self
+            .call(CONTAINER, "GET", uri, addrs, &headers, Bytes::new())
+            .await?;
         if resp.status != 200 {
             let mut what = format!("HTTP {}", resp.status);
-            if let Ok(fields) = json_string_fields(&resp.body) {
+            if let Ok(fields) = json_object(&resp.body) {
                 let get = |k: &str| {
-                    fields
-                        .get(k)
-                        .or_else(|| fields.get(&k.to_ascii_lowercase()))
+                    string_field(&fields, k)
+                        .or_else(|| string_field(&fields, &k.to_ascii_lowercase()))
                 };
                 if let Some(code) = get("Code") {
                     what.push_str(&format!(" {}", truncate(code, 100)));
@@ -378,14 +468,47 @@ impl HttpFetcher {
             .map_err(|e| http_error(CONTAINER, "GET", uri, e))
     }
 
-    fn web_identity(
+    /// The addresses a plain-`http` container URI may be dialled at, or why
+    /// not.
+    async fn container_http_addrs(&self, url: &Url) -> Result<Vec<SocketAddr>, CredentialsError> {
+        let refuse = |detail: String| CredentialsError::Invalid {
+            source: "AWS_CONTAINER_CREDENTIALS_FULL_URI".to_owned(),
+            reason: format!(
+                "plain http is only allowed to loopback or to the ECS/EKS container endpoints \
+                 (169.254.170.2, 169.254.170.23, fd00:ec2::23); {detail}; use https for other hosts"
+            ),
+        };
+        if let Ok(ip) = url.host.parse::<IpAddr>() {
+            if plain_http_allowed(ip) {
+                return Ok(vec![SocketAddr::new(ip, url.port)]);
+            }
+            return Err(refuse(format!("{ip} is neither")));
+        }
+        let addrs =
+            self.resolve(&url.host, url.port)
+                .await
+                .map_err(|e| CredentialsError::Http {
+                    source: CONTAINER,
+                    message: e,
+                })?;
+        if addrs.iter().all(|a| is_loopback(a.ip())) {
+            Ok(addrs)
+        } else {
+            Err(refuse(format!(
+                "{:?} resolves to an address that is not loopback",
+                url.host
+            )))
+        }
+    }
+
+    async fn web_identity(
         &self,
         role_arn: &str,
         token_file: &Path,
         session_name: Option<&str>,
         endpoint: &str,
     ) -> Result<Credentials, CredentialsError> {
-        let token = read_token_file(token_file, "web identity token file")?;
+        let token = read_token_file(token_file.to_owned(), "web identity token file").await?;
         let generated;
         let session_name = match session_name {
             Some(name) => name,
@@ -405,17 +528,19 @@ impl HttpFetcher {
             ],
             &mut form,
         );
-        let resp = self.call(
-            WEB_IDENTITY,
-            "POST",
-            endpoint,
-            None,
-            &[(
-                "Content-Type",
-                "application/x-www-form-urlencoded; charset=utf-8",
-            )],
-            form.as_bytes(),
-        )?;
+        let resp = self
+            .call(
+                WEB_IDENTITY,
+                "POST",
+                endpoint,
+                None,
+                &[(
+                    "content-type",
+                    "application/x-www-form-urlencoded; charset=utf-8",
+                )],
+                Bytes::from(form),
+            )
+            .await?;
         let text = std::str::from_utf8(&resp.body).ok();
         if resp.status != 200 {
             let mut what = format!("HTTP {}", resp.status);
@@ -461,8 +586,15 @@ fn truncate(text: &str, max_chars: usize) -> String {
     out
 }
 
-/// Reads a token file (again on every fetch: they are rotated), trimmed.
-fn read_token_file(path: &Path, what: &str) -> Result<String, CredentialsError> {
+/// Reads a token file (again on every fetch: they are rotated), trimmed, on
+/// the blocking pool.
+async fn read_token_file(path: PathBuf, what: &'static str) -> Result<String, CredentialsError> {
+    glommio::executor()
+        .spawn_blocking(move || read_token_file_now(&path, what))
+        .await
+}
+
+fn read_token_file_now(path: &Path, what: &str) -> Result<String, CredentialsError> {
     let io_err = |e: io::Error| CredentialsError::Io {
         path: path.to_owned(),
         kind: e.kind(),
@@ -488,34 +620,10 @@ fn read_token_file(path: &Path, what: &str) -> Result<String, CredentialsError> 
     Ok(token.to_owned())
 }
 
-/// The addresses a plain-`http` container URI may be dialled at, or why
-/// not.
-fn container_http_addrs(url: &Url) -> Result<Vec<SocketAddr>, CredentialsError> {
-    let refuse = |detail: String| CredentialsError::Invalid {
-        source: "AWS_CONTAINER_CREDENTIALS_FULL_URI".to_owned(),
-        reason: format!(
-            "plain http is only allowed to loopback or to the ECS/EKS container endpoints \
-             (169.254.170.2, 169.254.170.23, fd00:ec2::23); {detail}; use https for other hosts"
-        ),
-    };
-    if let Ok(ip) = url.host.parse::<IpAddr>() {
-        if is_loopback(ip) || CONTAINER_LINK_LOCAL_HOSTS.contains(&ip) {
-            return Ok(vec![SocketAddr::new(ip, url.port)]);
-        }
-        return Err(refuse(format!("{ip} is neither")));
-    }
-    let addrs = resolve(&url.host, url.port).map_err(|e| CredentialsError::Http {
-        source: CONTAINER,
-        message: e,
-    })?;
-    if addrs.iter().all(|a| is_loopback(a.ip())) {
-        Ok(addrs)
-    } else {
-        Err(refuse(format!(
-            "{:?} resolves to an address that is not loopback",
-            url.host
-        )))
-    }
+/// True when plain `http` may go to `ip`: loopback or an ECS/EKS container
+/// endpoint.
+fn plain_http_allowed(ip: IpAddr) -> bool {
+    is_loopback(ip) || CONTAINER_LINK_LOCAL_HOSTS.contains(&ip)
 }
 
 fn is_loopback(ip: IpAddr) -> bool {
@@ -527,35 +635,54 @@ fn is_loopback(ip: IpAddr) -> bool {
     }
 }
 
-fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
-    if let Ok(ip) = host.parse::<IpAddr>() {
-        return Ok(vec![SocketAddr::new(ip, port)]);
+/// The JSON object an endpoint answered.
+fn json_object(body: &[u8]) -> Result<Map<String, Value>, String> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(fields)) => Ok(fields),
+        Ok(_) => Err("the answer is not a JSON object".to_owned()),
+        Err(e) => Err(format!("the answer is not a JSON object ({e})")),
     }
-    let addrs: Vec<SocketAddr> = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host:?}: {e}"))?
-        .collect();
-    if addrs.is_empty() {
-        return Err(format!("cannot resolve {host:?}: no addresses"));
-    }
-    Ok(addrs)
 }
 
-fn connect(addrs: &[SocketAddr], timeout: Duration) -> Result<TcpStream, String> {
-    let mut last = String::from("no address to connect to");
-    for addr in addrs {
-        match TcpStream::connect_timeout(addr, timeout) {
-            Ok(stream) => {
-                let _ = stream.set_nodelay(true);
-                return Ok(stream);
+/// A string member of a JSON object (members of other types count as
+/// absent).
+fn string_field<'a>(fields: &'a Map<String, Value>, key: &str) -> Option<&'a str> {
+    fields.get(key).and_then(Value::as_str)
+}
+
+/// Credentials from the JSON the IMDS and container endpoints answer:
+/// `AccessKeyId`, `SecretAccessKey`, `Token`, `Expiration` (ISO 8601), and
+/// from IMDS `Code` (must be `Success`).
+fn credentials_from_json(body: &[u8], source: CredentialSource) -> Result<Credentials, String> {
+    let fields = json_object(body)?;
+    if let Some(code) = string_field(&fields, "Code") {
+        if code != "Success" {
+            let mut what = format!("the answer says Code {:?}", truncate(code, 100));
+            if let Some(m) = string_field(&fields, "Message") {
+                what.push_str(&format!(": {}", truncate(m, 300)));
             }
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                last = format!("connect to {addr}: no answer within {timeout:?}");
-            }
-            Err(e) => last = format!("connect to {addr}: {e}"),
+            return Err(what);
         }
     }
-    Err(last)
+    let get = |k: &'static str| {
+        string_field(&fields, k)
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| format!("the answer has no {k}"))
+    };
+    let access_key = get("AccessKeyId")?;
+    let secret = get("SecretAccessKey")?;
+    let token = string_field(&fields, "Token")
+        .map(|t| t.trim().to_owned())
+        .filter(|t| !t.is_empty());
+    let expiration = get("Expiration")?;
+    let expiry = parse_rfc3339(expiration).map_err(|e| format!("Expiration: {e}"))?;
+    Credentials::new(access_key, secret, token, Some(expiry))
+        .map(|c| c.with_source(source))
+        .map_err(|e| match e {
+            CredentialsError::Invalid { reason, .. } => reason,
+            other => other.to_string(),
+        })
 }
 
 /// An `http` or `https` URL.
@@ -669,493 +796,6 @@ fn strip_prefix_ignore_case<'a>(text: &'a str, prefix: &str) -> Option<&'a str> 
         .then(|| &text[prefix.len()..])
 }
 
-/// A connection, plain or TLS.
-enum Conn {
-    Plain(TcpStream),
-    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
-}
-
-impl Conn {
-    fn tcp(&self) -> &TcpStream {
-        match self {
-            Conn::Plain(s) => s,
-            Conn::Tls(s) => &s.sock,
-        }
-    }
-}
-
-impl Read for Conn {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Conn::Plain(s) => s.read(buf),
-            Conn::Tls(s) => s.read(buf),
-        }
-    }
-}
-
-impl Write for Conn {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Conn::Plain(s) => s.write(buf),
-            Conn::Tls(s) => s.write(buf),
-        }
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        match self {
-            Conn::Plain(s) => s.flush(),
-            Conn::Tls(s) => s.flush(),
-        }
-    }
-}
-
-/// A response: status and body (headers are only used for framing).
-#[derive(Debug)]
-struct HttpResponse {
-    status: u16,
-    body: Vec<u8>,
-}
-
-/// One exchange on a connection, under a deadline.
-struct Wire<'c> {
-    conn: &'c mut Conn,
-    deadline: Instant,
-    timeout: Duration,
-    /// Bytes read and not yet consumed.
-    buf: Vec<u8>,
-}
-
-impl Wire<'_> {
-    fn remaining(&self) -> Result<Duration, String> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(format!("no complete answer within {:?}", self.timeout));
-        }
-        Ok(left)
-    }
-
-    fn io_error(&self, doing: &str, e: io::Error) -> String {
-        match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                format!("no complete answer within {:?}", self.timeout)
-            }
-            _ => format!("{doing}: {e}"),
-        }
-    }
-
-    fn send(&mut self, head: &[u8], body: &[u8]) -> Result<(), String> {
-        let left = self.remaining()?;
-        let tcp = self.conn.tcp();
-        tcp.set_write_timeout(Some(left))
-            .and_then(|()| tcp.set_read_timeout(Some(left)))
-            .map_err(|e| format!("socket options: {e}"))?;
-        let mut message = Vec::with_capacity(head.len() + body.len());
-        message.extend_from_slice(head);
-        message.extend_from_slice(body);
-        self.conn
-            .write_all(&message)
-            .and_then(|()| self.conn.flush())
-            .map_err(|e| self.io_error("sending the request", e))
-    }
-
-    /// Reads more bytes into `buf`; false at the end of the stream.
-    fn fill(&mut self, limit: usize) -> Result<bool, String> {
-        if self.buf.len() >= limit {
-            return Err(format!(
-                "response larger than {} bytes",
-                limit.saturating_sub(MAX_RESPONSE_HEAD_BYTES)
-            ));
-        }
-        let left = self.remaining()?;
-        self.conn
-            .tcp()
-            .set_read_timeout(Some(left))
-            .map_err(|e| format!("socket options: {e}"))?;
-        let mut chunk = [0u8; 8192];
-        let want = chunk.len().min(limit - self.buf.len());
-        match self.conn.read(&mut chunk[..want]) {
-            Ok(0) => Ok(false),
-            Ok(n) => {
-                self.buf.extend_from_slice(&chunk[..n]);
-                Ok(true)
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(true),
-            Err(e) => Err(self.io_error("reading the response", e)),
-        }
-    }
-
-    fn response(&mut self) -> Result<HttpResponse, String> {
-        let limit = MAX_RESPONSE_HEAD_BYTES + MAX_CREDENTIALS_BODY_BYTES;
-        loop {
-            let head_end = loop {
-                if let Some(i) = find(&self.buf, b"\r\n\r\n") {
-                    break i;
-                }
-                if self.buf.len() > MAX_RESPONSE_HEAD_BYTES {
-                    return Err(format!(
-                        "response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
-                    ));
-                }
-                if !self.fill(limit)? {
-                    return Err(if self.buf.is_empty() {
-                        "connection closed without an answer".to_owned()
-                    } else {
-                        "connection closed in the response head".to_owned()
-                    });
-                }
-            };
-            let head = String::from_utf8_lossy(&self.buf[..head_end]).into_owned();
-            self.buf.drain(..head_end + 4);
-            let mut lines = head.split("\r\n");
-            let status_line = lines.next().unwrap_or("");
-            let mut parts = status_line.splitn(3, ' ');
-            let version = parts.next().unwrap_or("");
-            let status = parts
-                .next()
-                .and_then(|s| s.parse::<u16>().ok())
-                .filter(|s| (100..1000).contains(s));
-            let Some(status) = status.filter(|_| version.starts_with("HTTP/1.")) else {
-                return Err(format!(
-                    "not an HTTP/1.x status line: {:?}",
-                    truncate(status_line, 80)
-                ));
-            };
-            if (100..200).contains(&status) {
-                // An interim answer (100 Continue): the real one follows.
-                continue;
-            }
-            let mut content_length = None;
-            let mut chunked = false;
-            for line in lines {
-                let Some((name, value)) = line.split_once(':') else {
-                    continue;
-                };
-                let name = name.trim();
-                let value = value.trim();
-                if name.eq_ignore_ascii_case("content-length") {
-                    let n = value
-                        .parse::<usize>()
-                        .map_err(|_| format!("bad Content-Length {value:?}"))?;
-                    content_length = Some(n);
-                } else if name.eq_ignore_ascii_case("transfer-encoding") {
-                    chunked = value
-                        .rsplit(',')
-                        .next()
-                        .is_some_and(|v| v.trim().eq_ignore_ascii_case("chunked"));
-                }
-            }
-            let body = if status == 204 || status == 304 {
-                Vec::new()
-            } else if chunked {
-                self.chunked_body(limit)?
-            } else if let Some(n) = content_length {
-                if n > MAX_CREDENTIALS_BODY_BYTES {
-                    return Err(format!(
-                        "response body of {n} bytes is larger than {MAX_CREDENTIALS_BODY_BYTES}"
-                    ));
-                }
-                while self.buf.len() < n {
-                    if !self.fill(limit)? {
-                        return Err(format!(
-                            "connection closed after {} of {n} body bytes",
-                            self.buf.len()
-                        ));
-                    }
-                }
-                self.buf.truncate(n);
-                std::mem::take(&mut self.buf)
-            } else {
-                while self.fill(limit)? {}
-                std::mem::take(&mut self.buf)
-            };
-            return Ok(HttpResponse { status, body });
-        }
-    }
-
-    fn chunked_body(&mut self, limit: usize) -> Result<Vec<u8>, String> {
-        let mut body = Vec::new();
-        loop {
-            let line_end = loop {
-                if let Some(i) = find(&self.buf, b"\r\n") {
-                    break i;
-                }
-                if !self.fill(limit)? {
-                    return Err("connection closed in a chunk header".to_owned());
-                }
-            };
-            let line = String::from_utf8_lossy(&self.buf[..line_end]).into_owned();
-            let size_text = line.split(';').next().unwrap_or("").trim();
-            let size = usize::from_str_radix(size_text, 16)
-                .map_err(|_| format!("bad chunk size {:?}", truncate(size_text, 20)))?;
-            self.buf.drain(..line_end + 2);
-            if size == 0 {
-                // Trailers are not needed: the connection closes after this.
-                return Ok(body);
-            }
-            if body.len() + size > MAX_CREDENTIALS_BODY_BYTES {
-                return Err(format!(
-                    "response body larger than {MAX_CREDENTIALS_BODY_BYTES} bytes"
-                ));
-            }
-            while self.buf.len() < size + 2 {
-                if !self.fill(limit)? {
-                    return Err("connection closed in a chunk".to_owned());
-                }
-            }
-            if &self.buf[size..size + 2] != b"\r\n" {
-                return Err("chunk not followed by CRLF".to_owned());
-            }
-            body.extend_from_slice(&self.buf[..size]);
-            self.buf.drain(..size + 2);
-        }
-    }
-}
-
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
-}
-
-/// Credentials from the JSON the IMDS and container endpoints answer:
-/// `AccessKeyId`, `SecretAccessKey`, `Token`, `Expiration` (ISO 8601), and
-/// from IMDS `Code` (must be `Success`).
-fn credentials_from_json(body: &[u8], source: CredentialSource) -> Result<Credentials, String> {
-    let fields = json_string_fields(body)?;
-    if let Some(code) = fields.get("Code") {
-        if code != "Success" {
-            let mut what = format!("the answer says Code {:?}", truncate(code, 100));
-            if let Some(m) = fields.get("Message") {
-                what.push_str(&format!(": {}", truncate(m, 300)));
-            }
-            return Err(what);
-        }
-    }
-    let get = |k: &'static str| {
-        fields
-            .get(k)
-            .map(|v| v.trim())
-            .filter(|v| !v.is_empty())
-            .ok_or_else(|| format!("the answer has no {k}"))
-    };
-    let access_key = get("AccessKeyId")?;
-    let secret = get("SecretAccessKey")?;
-    let token = fields
-        .get("Token")
-        .map(|t| t.trim().to_owned())
-        .filter(|t| !t.is_empty());
-    let expiration = get("Expiration")?;
-    let expiry = parse_rfc3339(expiration).map_err(|e| format!("Expiration: {e}"))?;
-    Credentials::new(access_key, secret, token, Some(expiry))
-        .map(|c| c.with_source(source))
-        .map_err(|e| match e {
-            CredentialsError::Invalid { reason, .. } => reason,
-            other => other.to_string(),
-        })
-}
-
-/// The string members of a JSON object (other members are checked for
-/// syntax and skipped). Enough for the credential endpoints' flat answers.
-fn json_string_fields(body: &[u8]) -> Result<HashMap<String, String>, String> {
-    let text = std::str::from_utf8(body).map_err(|_| "the answer is not UTF-8".to_owned())?;
-    let mut p = Json {
-        b: text.as_bytes(),
-        pos: 0,
-    };
-    p.ws();
-    if p.peek() != Some(b'{') {
-        return Err("the answer is not a JSON object".to_owned());
-    }
-    p.pos += 1;
-    let mut out = HashMap::new();
-    p.ws();
-    if p.peek() == Some(b'}') {
-        p.pos += 1;
-    } else {
-        loop {
-            p.ws();
-            let key = p.string()?;
-            p.ws();
-            p.expect(b':')?;
-            p.ws();
-            if p.peek() == Some(b'"') {
-                let value = p.string()?;
-                out.insert(key, value);
-            } else {
-                p.skip_value(1)?;
-            }
-            p.ws();
-            match p.next() {
-                Some(b',') => continue,
-                Some(b'}') => break,
-                _ => return Err(p.error("expected ',' or '}'")),
-            }
-        }
-    }
-    p.ws();
-    if p.pos != p.b.len() {
-        return Err(p.error("text after the object"));
-    }
-    Ok(out)
-}
-
-const MAX_JSON_DEPTH: usize = 32;
-
-struct Json<'a> {
-    b: &'a [u8],
-    pos: usize,
-}
-
-impl Json<'_> {
-    fn error(&self, what: &str) -> String {
-        format!("malformed JSON at byte {}: {what}", self.pos)
-    }
-
-    fn peek(&self) -> Option<u8> {
-        self.b.get(self.pos).copied()
-    }
-
-    fn next(&mut self) -> Option<u8> {
-        let c = self.peek()?;
-        self.pos += 1;
-        Some(c)
-    }
-
-    fn ws(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r' | b'\n')) {
-            self.pos += 1;
-        }
-    }
-
-    fn expect(&mut self, c: u8) -> Result<(), String> {
-        if self.next() == Some(c) {
-            Ok(())
-        } else {
-            Err(self.error(&format!("expected '{}'", c as char)))
-        }
-    }
-
-    fn hex4(&mut self) -> Result<u32, String> {
-        let digits = self
-            .b
-            .get(self.pos..self.pos + 4)
-            .and_then(|d| std::str::from_utf8(d).ok())
-            .and_then(|d| u32::from_str_radix(d, 16).ok())
-            .ok_or_else(|| self.error("bad \\u escape"))?;
-        self.pos += 4;
-        Ok(digits)
-    }
-
-    fn string(&mut self) -> Result<String, String> {
-        self.expect(b'"')?;
-        let mut out = Vec::new();
-        loop {
-            let c = self
-                .next()
-                .ok_or_else(|| self.error("unterminated string"))?;
-            match c {
-                b'"' => break,
-                b'\\' => {
-                    let e = self
-                        .next()
-                        .ok_or_else(|| self.error("unterminated escape"))?;
-                    let ch = match e {
-                        b'"' => '"',
-                        b'\\' => '\\',
-                        b'/' => '/',
-                        b'b' => '\u{8}',
-                        b'f' => '\u{c}',
-                        b'n' => '\n',
-                        b'r' => '\r',
-                        b't' => '\t',
-                        b'u' => {
-                            let hi = self.hex4()?;
-                            let code = if (0xd800..0xdc00).contains(&hi) {
-                                if self.next() != Some(b'\\') || self.next() != Some(b'u') {
-                                    return Err(self.error("unpaired surrogate"));
-                                }
-                                let lo = self.hex4()?;
-                                if !(0xdc00..0xe000).contains(&lo) {
-                                    return Err(self.error("unpaired surrogate"));
-                                }
-                                0x10000 + ((hi - 0xd800) << 10) + (lo - 0xdc00)
-                            } else {
-                                hi
-                            };
-                            char::from_u32(code).ok_or_else(|| self.error("bad \\u escape"))?
-                        }
-                        _ => return Err(self.error("unknown escape")),
-                    };
-                    let mut tmp = [0u8; 4];
-                    out.extend_from_slice(ch.encode_utf8(&mut tmp).as_bytes());
-                }
-                c if c < 0x20 => return Err(self.error("control character in a string")),
-                c => out.push(c),
-            }
-        }
-        // The input is UTF-8 and escapes add whole characters.
-        String::from_utf8(out).map_err(|_| self.error("invalid UTF-8 in a string"))
-    }
-
-    fn skip_value(&mut self, depth: usize) -> Result<(), String> {
-        if depth > MAX_JSON_DEPTH {
-            return Err(self.error("nested too deeply"));
-        }
-        match self.peek() {
-            Some(b'"') => self.string().map(drop),
-            Some(open @ (b'{' | b'[')) => {
-                let close = if open == b'{' { b'}' } else { b']' };
-                self.pos += 1;
-                self.ws();
-                if self.peek() == Some(close) {
-                    self.pos += 1;
-                    return Ok(());
-                }
-                loop {
-                    self.ws();
-                    if open == b'{' {
-                        self.string()?;
-                        self.ws();
-                        self.expect(b':')?;
-                        self.ws();
-                    }
-                    self.skip_value(depth + 1)?;
-                    self.ws();
-                    match self.next() {
-                        Some(b',') => continue,
-                        Some(c) if c == close => return Ok(()),
-                        _ => return Err(self.error("expected ',' or a closing bracket")),
-                    }
-                }
-            }
-            Some(b't') => self.word("true"),
-            Some(b'f') => self.word("false"),
-            Some(b'n') => self.word("null"),
-            Some(b'-' | b'0'..=b'9') => {
-                let start = self.pos;
-                while matches!(
-                    self.peek(),
-                    Some(b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
-                ) {
-                    self.pos += 1;
-                }
-                let text = std::str::from_utf8(&self.b[start..self.pos]).unwrap_or("");
-                text.parse::<f64>()
-                    .map(drop)
-                    .map_err(|_| self.error("bad number"))
-            }
-            _ => Err(self.error("expected a value")),
-        }
-    }
-
-    fn word(&mut self, word: &str) -> Result<(), String> {
-        if self.b[self.pos..].starts_with(word.as_bytes()) {
-            self.pos += word.len();
-            Ok(())
-        } else {
-            Err(self.error("expected a value"))
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1192,15 +832,16 @@ mod tests {
     }
 
     #[test]
-    fn json_fields() {
+    fn json_answers_parse_with_serde_json() {
         let body = br#" {"Code":"Success","LastUpdated":"2024-01-01T00:00:00Z","Type":"AWS-HMAC",
             "AccessKeyId":"ASIA\u0041","SecretAccessKey":"s\/e\"c","Token":"t\ud83d\ude00",
             "Expiration":"2030-01-01T00:00:00Z","n":-1.5e3,"o":{"a":[1,true,null,{}]},"e":[]} "#;
-        let f = json_string_fields(body).unwrap();
-        assert_eq!(f["AccessKeyId"], "ASIAA");
-        assert_eq!(f["SecretAccessKey"], "s/e\"c");
-        assert_eq!(f["Token"], "t\u{1f600}");
-        assert!(!f.contains_key("n"));
+        let c = credentials_from_json(body, CredentialSource::Imds).unwrap();
+        assert_eq!(c.access_key_id(), "ASIAA");
+        assert_eq!(c.secret_access_key(), "s/e\"c");
+        assert_eq!(c.session_token(), Some("t\u{1f600}"));
+        let f = json_object(body).unwrap();
+        assert_eq!(string_field(&f, "n"), None);
         for bad in [
             &b"[]"[..],
             b"{",
@@ -1210,15 +851,17 @@ mod tests {
             b"{\"a\":\"\\ud800\"}",
             b"{\"a\":tru}",
             b"{\"a\":\"\x01\"}",
+            b"\xff",
         ] {
+            let e = credentials_from_json(bad, CredentialSource::Imds).unwrap_err();
             assert!(
-                json_string_fields(bad).is_err(),
-                "{:?}",
+                e.contains("not a JSON object"),
+                "{:?}: {e}",
                 String::from_utf8_lossy(bad)
             );
         }
-        let deep = format!("{{\"a\":{}{}}}", "[".repeat(40), "]".repeat(40));
-        assert!(json_string_fields(deep.as_bytes()).is_err());
+        let deep = format!("{{\"a\":{}{}}}", "[".repeat(200), "]".repeat(200));
+        assert!(json_object(deep.as_bytes()).is_err());
     }
 
     #[test]
@@ -1250,17 +893,19 @@ mod tests {
 
     #[test]
     fn container_hosts() {
-        let ok = |u: &str| container_http_addrs(&Url::parse(u).unwrap());
-        assert!(ok("http://127.0.0.1:8080/x").is_ok());
-        assert!(ok("http://127.8.9.1/x").is_ok());
-        assert!(ok("http://[::1]/x").is_ok());
-        assert!(ok("http://169.254.170.2/x").is_ok());
-        assert!(ok("http://169.254.170.23/v1/credentials").is_ok());
-        assert!(ok("http://[fd00:ec2::23]/v1/credentials").is_ok());
-        let e = ok("http://192.0.2.10/creds").unwrap_err();
-        assert!(e.to_string().contains("use https"), "{e}");
-        assert!(ok("http://169.254.169.254/x").is_err());
-        assert!(ok("http://[::ffff:10.0.0.1]/x").is_err());
-        assert!(ok("http://[::ffff:127.0.0.1]/x").is_ok());
+        let ok = |u: &str| {
+            let url = Url::parse(u).unwrap();
+            plain_http_allowed(url.host.parse().unwrap())
+        };
+        assert!(ok("http://127.0.0.1:8080/x"));
+        assert!(ok("http://127.8.9.1/x"));
+        assert!(ok("http://[::1]/x"));
+        assert!(ok("http://169.254.170.2/x"));
+        assert!(ok("http://169.254.170.23/v1/credentials"));
+        assert!(ok("http://[fd00:ec2::23]/v1/credentials"));
+        assert!(!ok("http://192.0.2.10/creds"));
+        assert!(!ok("http://169.254.169.254/x"));
+        assert!(!ok("http://[::ffff:10.0.0.1]/x"));
+        assert!(ok("http://[::ffff:127.0.0.1]/x"));
     }
 }

@@ -38,8 +38,9 @@
 //! The HTTP sources (web identity, container, IMDSv2) are described by
 //! [`HttpCredentialSource`] and fetched through an [`HttpCredentialFetcher`].
 //! [`plan_credentials`] stops before any I/O other than reading the profile
-//! files; [`crate::credential_http::HttpFetcher`] is the fetcher the client
-//! uses (blocking HTTP, run off the shard executors), and tests can plug in
+//! files (blocking: [`resolve_credentials`] runs it on glommio's blocking
+//! pool); [`crate::credential_http::HttpFetcher`] is the fetcher the client
+//! uses (async HTTP/1.1 on the shard's executor), and tests can plug in
 //! their own or point the sources at local servers through the environment
 //! (`AWS_EC2_METADATA_SERVICE_ENDPOINT`, `AWS_CONTAINER_CREDENTIALS_FULL_URI`,
 //! `AWS_ENDPOINT_URL_STS`).
@@ -56,6 +57,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::future::Future;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -713,10 +715,14 @@ impl fmt::Debug for HttpCredentialSource {
 }
 
 /// Fetches credentials over HTTP for a [`HttpCredentialSource`]
-/// ([`crate::credential_http::HttpFetcher`] in the client).
+/// ([`crate::credential_http::HttpFetcher`] in the client). The future runs
+/// on the calling glommio executor and must not block it.
 pub trait HttpCredentialFetcher {
     /// Produces credentials (with expiry) or says why not.
-    fn fetch(&self, source: &HttpCredentialSource) -> Result<Credentials, CredentialsError>;
+    fn fetch(
+        &self,
+        source: &HttpCredentialSource,
+    ) -> impl Future<Output = Result<Credentials, CredentialsError>>;
 }
 
 /// What the chain found without network access.
@@ -987,13 +993,19 @@ pub fn plan_credentials(env: &Env) -> Result<CredentialPlan, CredentialsError> {
     }))
 }
 
-/// Runs the whole chain, asking `http` for the HTTP sources.
-pub fn resolve_credentials(
+/// Runs the whole chain on the calling glommio executor:
+/// [`plan_credentials`] (the profile files) on the executor's blocking
+/// pool, then `http` for an HTTP source.
+pub async fn resolve_credentials(
     env: &Env,
-    http: &dyn HttpCredentialFetcher,
+    http: &impl HttpCredentialFetcher,
 ) -> Result<Credentials, CredentialsError> {
-    match plan_credentials(env)? {
+    let planned = env.clone();
+    let plan = glommio::executor()
+        .spawn_blocking(move || plan_credentials(&planned))
+        .await?;
+    match plan {
         CredentialPlan::Ready(creds) => Ok(creds),
-        CredentialPlan::Http(source) => http.fetch(&source),
+        CredentialPlan::Http(source) => http.fetch(&source).await,
     }
 }

@@ -21,6 +21,9 @@
 //!
 //! Requests are written as they are: the head, then the body `Bytes`
 //! (caller memory) with no copy.
+//!
+//! The HTTP credential sources ([`crate::credential_http`]) use the same
+//! connections for their small exchanges, one request per connection.
 
 use std::fmt;
 use std::io;
@@ -464,6 +467,28 @@ impl H1Conn {
             self.close = true;
         }
         result
+    }
+
+    /// Appends the body to `out`, up to `limit` bytes in all, and stops
+    /// reading at the first piece that does not fit (the connection is then
+    /// not reusable). Returns the body bytes received and whether the body
+    /// ended within the limit.
+    pub async fn read_body_limited(
+        &mut self,
+        out: &mut Vec<u8>,
+        limit: usize,
+    ) -> Result<(usize, bool), HttpError> {
+        let mut received = 0usize;
+        let mut within = true;
+        self.read_body(|piece| {
+            received += piece.len();
+            let room = limit.saturating_sub(out.len());
+            out.extend_from_slice(&piece[..piece.len().min(room)]);
+            within = piece.len() <= room;
+            within
+        })
+        .await?;
+        Ok((received, within && self.body_done()))
     }
 
     async fn read_body_inner(

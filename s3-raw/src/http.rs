@@ -617,17 +617,7 @@ impl Lease {
         limit: usize,
     ) -> Result<(usize, bool), HttpError> {
         if let Some(LeaseConn::H1(c)) = self.conn.as_mut() {
-            let mut received = 0usize;
-            let mut within = true;
-            c.read_body(|piece| {
-                received += piece.len();
-                let room = limit.saturating_sub(out.len());
-                out.extend_from_slice(&piece[..piece.len().min(room)]);
-                within = piece.len() <= room;
-                within
-            })
-            .await?;
-            return Ok((received, within && c.body_done()));
+            return c.read_body_limited(out, limit).await;
         }
         let body = self.h2_body.as_mut().expect("a response was received");
         let mut received = 0usize;

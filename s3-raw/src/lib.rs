@@ -11,9 +11,6 @@
 //! - [`credentials`]: static keys, environment, shared credentials and config
 //!   files with profiles, and the provider chain; the HTTP sources plug in
 //!   through [`credentials::HttpCredentialFetcher`].
-//! - [`credential_http`]: the HTTP sources themselves (IMDSv2, the ECS/EKS
-//!   container endpoint, STS AssumeRoleWithWebIdentity) on a small blocking
-//!   HTTP/1.1 client.
 //! - [`xml`]: a small XML reader for S3's responses (ListObjectsV2, Error,
 //!   CreateSession, CreateMultipartUpload) and the CompleteMultipartUpload
 //!   writer.
@@ -31,8 +28,12 @@
 //! - [`retry`]: decorrelated-jitter backoff and the retry budget.
 //! - [`breaker`]: the circuit breaker.
 //! - [`express`]: S3 Express sessions.
-//! - [`credential_cache`]: the client's base credentials, fetched off the
-//!   executor and refreshed in the background ahead of their expiry.
+//! - [`credential_http`]: the HTTP credential sources (IMDSv2, the ECS/EKS
+//!   container endpoint, STS AssumeRoleWithWebIdentity), async on the
+//!   shard's executor over [`h1`] connections from [`net`], each exchange
+//!   under a time limit.
+//! - [`credential_cache`]: the client's base credentials, fetched on the
+//!   shard's executor and refreshed in the background ahead of their expiry.
 //! - [`error`]: [`S3Error`] and its semantic [`ErrorKind`].
 
 pub mod addressing;

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use futures_lite::io::{AsyncRead, AsyncWrite};
 use futures_rustls::client::TlsStream;
@@ -201,9 +202,32 @@ pub async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, ConnectEr
 /// `TCP_NODELAY` on (requests are small writes followed by a wait).
 pub async fn connect_tcp(host: &str, port: u16) -> Result<TcpStream, ConnectError> {
     let addrs = resolve(host, port).await?;
+    connect_addrs(&addrs, None).await
+}
+
+/// Connects to the first of `addrs` (not empty) that accepts, with
+/// `TCP_NODELAY` on. With `per_address`, each attempt gets that long; one
+/// that runs out fails with [`io::ErrorKind::TimedOut`] and the next
+/// address is tried.
+pub async fn connect_addrs(
+    addrs: &[SocketAddr],
+    per_address: Option<Duration>,
+) -> Result<TcpStream, ConnectError> {
     let mut last = None;
-    for addr in addrs {
-        match TcpStream::connect(addr).await {
+    for &addr in addrs {
+        let attempt = match per_address {
+            Some(limit) => TcpStream::connect_timeout(addr, limit).await.map_err(|e| {
+                match io::Error::from(e) {
+                    e if e.kind() == io::ErrorKind::TimedOut => io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("no answer within {limit:?}"),
+                    ),
+                    e => e,
+                }
+            }),
+            None => TcpStream::connect(addr).await.map_err(io::Error::from),
+        };
+        match attempt {
             Ok(stream) => {
                 stream.set_nodelay(true).map_err(|e| ConnectError::Tcp {
                     addr,
@@ -211,10 +235,10 @@ pub async fn connect_tcp(host: &str, port: u16) -> Result<TcpStream, ConnectErro
                 })?;
                 return Ok(stream);
             }
-            Err(e) => last = Some((addr, io::Error::from(e))),
+            Err(e) => last = Some((addr, e)),
         }
     }
-    let (addr, error) = last.expect("resolve returns at least one address");
+    let (addr, error) = last.expect("connect_addrs needs at least one address");
     Err(ConnectError::Tcp { addr, error })
 }
 

@@ -551,22 +551,29 @@ fn http_sources_plug_in_through_the_fetcher() {
         CredentialsError::NoCredentials
     );
 
-    // A fetcher plugs in.
+    // A fetcher plugs in (the chain runs on a glommio executor).
     struct Fake;
     impl HttpCredentialFetcher for Fake {
-        fn fetch(&self, source: &HttpCredentialSource) -> Result<Credentials, CredentialsError> {
+        async fn fetch(
+            &self,
+            source: &HttpCredentialSource,
+        ) -> Result<Credentials, CredentialsError> {
             assert!(matches!(source, HttpCredentialSource::Imds { .. }));
             Ok(Credentials::new("ASIAIMDS", "s", Some("t".into()), None)?
                 .with_source(CredentialSource::Imds))
         }
     }
-    let c = resolve_credentials(
-        &Env::from_pairs([("HOME", empty.path().to_str().unwrap())]),
-        &Fake,
-    )
-    .unwrap();
-    assert_eq!(c.access_key_id(), "ASIAIMDS");
-    assert_eq!(c.source(), &CredentialSource::Imds);
+    let e = Env::from_pairs([("HOME", empty.path().to_str().unwrap())]);
+    let handle =
+        kvshard_io::executor::spawn_shard(0, None, "creds-fake".to_owned(), move || async move {
+            let c = resolve_credentials(&e, &Fake).await.unwrap();
+            assert_eq!(c.access_key_id(), "ASIAIMDS");
+            assert_eq!(c.source(), &CredentialSource::Imds);
+        })
+        .expect("start a glommio executor");
+    if let Err(panic) = handle.join() {
+        std::panic::resume_unwind(panic);
+    }
 }
 
 #[test]

@@ -1,12 +1,14 @@
 //! The HTTP credential sources (IMDSv2, container endpoint, STS web
-//! identity) through the whole chain, against HTTP servers started here on
-//! 127.0.0.1. Environments are built per test; the process environment is
-//! never read or changed.
+//! identity) through the whole chain, run on a glommio executor against
+//! HTTP servers started here on 127.0.0.1. Environments are built per test;
+//! the process environment is never read or changed.
 
 mod mock_http;
 
+use std::cell::Cell;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -57,6 +59,15 @@ fn env(home: &TempDir, vars: &[(&str, &str)]) -> Env {
     Env::from_pairs(pairs)
 }
 
+/// Runs the chain for `env` on a fresh glommio executor, fetching with
+/// [`fetcher`].
+fn resolve(env: &Env) -> Result<Credentials, CredentialsError> {
+    let env = env.clone();
+    on_shard("credentials-http", move || async move {
+        resolve_credentials(&env, &fetcher()).await
+    })
+}
+
 /// Quick timeouts, so failures show up fast.
 fn fetcher() -> HttpFetcher {
     HttpFetcher::new(FetchConfig {
@@ -104,7 +115,7 @@ fn imds_v2_full_flow() {
     );
     assert_eq!(bare, 401);
 
-    let c = resolve_credentials(&e, &fetcher()).unwrap();
+    let c = resolve(&e).unwrap();
     assert_eq!(c.access_key_id(), "ASIAIMDSKEY");
     assert_eq!(c.secret_access_key(), "imds-secret-value");
     assert_eq!(c.session_token(), Some("imds-session-token"));
@@ -148,10 +159,7 @@ fn imds_v2_full_flow() {
             ("AWS_EC2_METADATA_DISABLED", "true"),
         ],
     );
-    assert_eq!(
-        resolve_credentials(&off, &fetcher()).unwrap_err(),
-        CredentialsError::NoCredentials
-    );
+    assert_eq!(resolve(&off).unwrap_err(), CredentialsError::NoCredentials);
     assert_eq!(imds.server.request_count(), 4);
 }
 
@@ -173,20 +181,17 @@ fn fetcher_get(base: &str, path: &str) -> u16 {
 #[test]
 fn imds_refusals_are_explained() {
     let home = TempDir::new("imds-errors");
-    let resolve = |server: &MockServer| {
-        resolve_credentials(
-            &env(
-                &home,
-                &[("AWS_EC2_METADATA_SERVICE_ENDPOINT", &server.url())],
-            ),
-            &fetcher(),
-        )
+    let refusal = |server: &MockServer| {
+        resolve(&env(
+            &home,
+            &[("AWS_EC2_METADATA_SERVICE_ENDPOINT", &server.url())],
+        ))
         .unwrap_err()
         .to_string()
     };
 
     let server = MockServer::start(Arc::new(|_, _| MockResponse::new(403, "")));
-    let e = resolve(&server);
+    let e = refusal(&server);
     assert!(e.contains("IMDSv2"), "{e}");
     assert!(
         e.contains(&format!("PUT {}/latest/api/token", server.url())),
@@ -199,7 +204,7 @@ fn imds_refusals_are_explained() {
         "PUT" => MockResponse::new(200, "T"),
         _ => MockResponse::new(404, ""),
     }));
-    let e = resolve(&server);
+    let e = refusal(&server);
     assert!(e.contains("no IAM role"), "{e}");
 
     // A credentials answer that is not Success.
@@ -209,13 +214,13 @@ fn imds_refusals_are_explained() {
             r#"{"Code":"AssumeRoleUnauthorizedAccess","Message":"EC2 cannot assume the role","LastUpdated":"2024-01-01T00:00:00Z"}"#,
         )
     }));
-    let e = resolve(&imds.server);
+    let e = refusal(&imds.server);
     assert!(e.contains("AssumeRoleUnauthorizedAccess"), "{e}");
     assert!(e.contains(IMDS_ROLE), "{e}");
 
     // An answer larger than any credentials document.
     let imds = MockImds::start(Arc::new(|_| MockResponse::new(200, vec![b' '; 200 << 10])));
-    let e = resolve(&imds.server);
+    let e = refusal(&imds.server);
     assert!(e.contains("larger than"), "{e}");
 }
 
@@ -251,7 +256,7 @@ fn container_endpoint_with_token_file() {
             ("AWS_CONTAINER_AUTHORIZATION_TOKEN", "inline-token"),
         ],
     );
-    let c = resolve_credentials(&e, &fetcher()).unwrap();
+    let c = resolve(&e).unwrap();
     assert_eq!(c.access_key_id(), "ASIACONTAINER");
     assert_eq!(c.secret_access_key(), "container-secret");
     assert_eq!(c.session_token(), Some("container-token"));
@@ -260,7 +265,7 @@ fn container_endpoint_with_token_file() {
 
     // The token file is read again on every fetch (it is rotated).
     std::fs::write(&token_file, "second-auth-token").unwrap();
-    let c = resolve_credentials(&e, &fetcher()).unwrap();
+    let c = resolve(&e).unwrap();
     assert_eq!(c.access_key_id(), "ASIACONTAINER");
 
     // Inline token only; `localhost` resolves to loopback only, so plain
@@ -273,7 +278,7 @@ fn container_endpoint_with_token_file() {
             ("AWS_CONTAINER_AUTHORIZATION_TOKEN", "inline-token"),
         ],
     );
-    resolve_credentials(&e, &fetcher()).unwrap();
+    resolve(&e).unwrap();
 
     let seen = server.requests();
     assert_eq!(seen.len(), 3);
@@ -298,7 +303,7 @@ fn container_endpoint_with_token_file() {
             ("AWS_CONTAINER_AUTHORIZATION_TOKEN", "inline-token"),
         ],
     );
-    let err = resolve_credentials(&e, &fetcher()).unwrap_err().to_string();
+    let err = resolve(&e).unwrap_err().to_string();
     assert!(err.contains("container credentials endpoint"), "{err}");
     assert!(err.contains(&format!("GET {uri}")), "{err}");
     assert!(
@@ -320,7 +325,7 @@ fn container_endpoint_with_token_file() {
         ],
     );
     let before = failing.request_count();
-    let err = resolve_credentials(&e, &fetcher()).unwrap_err();
+    let err = resolve(&e).unwrap_err();
     assert!(matches!(err, CredentialsError::Invalid { .. }), "{err}");
     assert!(!err.to_string().contains("X-Evil"), "{err}");
     assert_eq!(failing.request_count(), before);
@@ -335,10 +340,13 @@ fn plain_http_container_uri_to_other_hosts_is_refused() {
         "http://[2001:db8::1]:8080/creds",
     ] {
         let e = env(&home, &[("AWS_CONTAINER_CREDENTIALS_FULL_URI", uri)]);
-        let started = Instant::now();
-        let err = resolve_credentials(&e, &fetcher()).unwrap_err();
+        let (err, took) = on_shard("container-refused", move || async move {
+            let started = Instant::now();
+            let err = resolve_credentials(&e, &fetcher()).await.unwrap_err();
+            (err, started.elapsed())
+        });
         assert!(
-            started.elapsed() < Duration::from_millis(400),
+            took < Duration::from_millis(400),
             "refused without connecting"
         );
         let CredentialsError::Invalid { source, reason } = &err else {
@@ -356,7 +364,7 @@ fn plain_http_container_uri_to_other_hosts_is_refused() {
             &format!("https://127.0.0.1:{}/creds", closed_port()),
         )],
     );
-    let err = resolve_credentials(&e, &fetcher()).unwrap_err();
+    let err = resolve(&e).unwrap_err();
     assert!(
         matches!(&err, CredentialsError::Http { message, .. } if message.contains("connect to")),
         "{err:?}"
@@ -409,7 +417,7 @@ fn web_identity_against_a_mock_sts() {
         CredentialPlan::Http(source) => assert!(format!("{source:?}").contains(&sts_url)),
         other => panic!("{other:?}"),
     }
-    let c = resolve_credentials(&e, &fetcher()).unwrap();
+    let c = resolve(&e).unwrap();
     assert_eq!(c.access_key_id(), "ASIASTSKEY");
     assert_eq!(c.secret_access_key(), "sts-secret");
     assert_eq!(c.session_token(), Some("sts-session-token"));
@@ -446,7 +454,7 @@ fn web_identity_against_a_mock_sts() {
     std::fs::write(&token_file, "expired.jwt.token").unwrap();
     let mut vars = base.to_vec();
     vars.push(("AWS_ROLE_SESSION_NAME", "kv-node-1"));
-    let err = resolve_credentials(&env(&home, &vars), &fetcher()).unwrap_err();
+    let err = resolve(&env(&home, &vars)).unwrap_err();
     let text = err.to_string();
     assert!(text.contains("web identity (STS)"), "{text}");
     assert!(text.contains(&format!("POST {sts_url}")), "{text}");
@@ -466,7 +474,7 @@ fn web_identity_against_a_mock_sts() {
     // A missing token file names the file.
     let mut vars = base.to_vec();
     vars[0] = ("AWS_WEB_IDENTITY_TOKEN_FILE", "/nonexistent/kvshard/token");
-    let err = resolve_credentials(&env(&home, &vars), &fetcher()).unwrap_err();
+    let err = resolve(&env(&home, &vars)).unwrap_err();
     assert!(
         matches!(&err, CredentialsError::Io { path, .. } if path == Path::new("/nonexistent/kvshard/token")),
         "{err:?}"
@@ -477,17 +485,17 @@ fn web_identity_against_a_mock_sts() {
 #[test]
 fn failing_endpoints_give_clear_errors() {
     let home = TempDir::new("failing");
-    let resolve = |endpoint: &str| {
-        resolve_credentials(
-            &env(&home, &[("AWS_EC2_METADATA_SERVICE_ENDPOINT", endpoint)]),
-            &fetcher(),
-        )
+    let failure = |endpoint: &str| {
+        resolve(&env(
+            &home,
+            &[("AWS_EC2_METADATA_SERVICE_ENDPOINT", endpoint)],
+        ))
         .unwrap_err()
     };
 
     // Nothing listens.
     let url = format!("http://127.0.0.1:{}", closed_port());
-    let err = resolve(&url);
+    let err = failure(&url);
     let text = err.to_string();
     assert!(
         text.starts_with("fetching credentials from IMDSv2 failed: PUT "),
@@ -496,17 +504,38 @@ fn failing_endpoints_give_clear_errors() {
     assert!(text.contains(&format!("{url}/latest/api/token")), "{text}");
     assert!(text.contains("connect to 127.0.0.1"), "{text}");
 
-    // Accepts and never answers: the read deadline ends it.
+    // Accepts and never answers: the read deadline ends it, and the
+    // executor keeps running other tasks meanwhile.
     let silent = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", silent.local_addr().unwrap());
-    let started = Instant::now();
-    let text = resolve(&url).to_string();
-    assert!(started.elapsed() < Duration::from_secs(5));
+    let e = env(&home, &[("AWS_EC2_METADATA_SERVICE_ENDPOINT", &url)]);
+    let (text, took, ticks) = on_shard("credentials-silent", move || async move {
+        let ticks = Rc::new(Cell::new(0u32));
+        let ticker = {
+            let ticks = ticks.clone();
+            glommio::spawn_local(async move {
+                loop {
+                    glommio::timer::sleep(Duration::from_millis(10)).await;
+                    ticks.set(ticks.get() + 1);
+                }
+            })
+        };
+        let started = Instant::now();
+        let err = resolve_credentials(&e, &fetcher()).await.unwrap_err();
+        let took = started.elapsed();
+        drop(ticker);
+        (err.to_string(), took, ticks.get())
+    });
+    assert!(took < Duration::from_secs(5), "{took:?}");
     assert!(text.contains("no complete answer within 2s"), "{text}");
+    assert!(
+        ticks >= 50,
+        "the executor stalled: {ticks} timer ticks in {took:?}"
+    );
 
     // Closes without a word.
     let server = MockServer::start(Arc::new(|_, _| MockResponse::hang_up()));
-    let text = resolve(&server.url()).to_string();
+    let text = failure(&server.url()).to_string();
     assert!(
         text.contains("connection closed without an answer"),
         "{text}"
@@ -514,7 +543,7 @@ fn failing_endpoints_give_clear_errors() {
 
     // An unparsable credentials document.
     let imds = MockImds::start(Arc::new(|_| MockResponse::new(200, "<html>oops</html>")));
-    let text = resolve(&imds.endpoint()).to_string();
+    let text = failure(&imds.endpoint()).to_string();
     assert!(text.contains("not a JSON object"), "{text}");
     drop(silent);
 }
@@ -534,9 +563,12 @@ fn secrets_never_appear_in_debug_output() {
             ("AWS_SECRET_ACCESS_KEY_UNUSED", "very-secret-env-value"),
         ],
     );
-    let f = fetcher();
-    let c = resolve_credentials(&e, &f).unwrap();
-    let shown = format!("{c:?} {e:?} {f:?} {:?}", plan_credentials(&e).unwrap());
+    let c = resolve(&e).unwrap();
+    let shown = format!(
+        "{c:?} {e:?} {:?} {:?}",
+        fetcher(),
+        plan_credentials(&e).unwrap()
+    );
     assert!(shown.contains("ASIADEBUGKEY"), "{shown}");
     for secret in [
         "very-secret-access-key",

@@ -1,6 +1,7 @@
-//! The client's chain credentials: fetched off the executor, refreshed in
-//! the background ahead of expiry, a failed first fetch failing requests
-//! clearly; and end to end, IMDS credentials signing requests to s3s-fs.
+//! The client's chain credentials: fetched on the shard's executor,
+//! refreshed in the background ahead of expiry, a failed first fetch failing
+//! requests clearly; and end to end, IMDS credentials signing requests to
+//! s3s-fs.
 
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};

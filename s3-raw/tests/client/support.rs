@@ -1,15 +1,14 @@
-//! Test servers and helpers: s3s-fs on a free port, a glommio shard to run
-//! a client on, payload patterns, and a tiny scripted HTTP/1.1 server.
+//! Test servers and helpers: s3s-fs on a free port, payload patterns,
+//! addresses and client settings. The scripted HTTP/1.1 server and
+//! `on_shard` live in `mock_http` (shared with the credential tests) and
+//! are re-exported here.
 
 #![allow(dead_code)]
 
-use std::future::Future;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvshard_s3_raw::addressing::{resolve_bucket, AddressingConfig, BucketAddress};
@@ -17,23 +16,13 @@ use kvshard_s3_raw::credentials::Credentials;
 use kvshard_s3_raw::retry::RetryConfig;
 use kvshard_s3_raw::{CredentialsConfig, S3ClientConfig};
 
+pub use crate::mock_http::{
+    on_shard, respond, skip_body, Action, Script, ScriptedServer, SeenRequest,
+};
+
 pub const ACCESS_KEY: &str = "AKIDKVSHARDTEST";
 pub const SECRET_KEY: &str = "kvshard-test-secret";
 pub const REGION: &str = "us-east-1";
-
-/// Runs `f` on a fresh glommio executor thread and waits; a panic inside
-/// fails the calling test with the same message.
-pub fn on_shard<F, Fut>(name: &str, f: F)
-where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = ()> + 'static,
-{
-    let handle = kvshard_io::executor::spawn_shard(0, None, name.to_owned(), f)
-        .expect("start a glommio executor");
-    if let Err(panic) = handle.join() {
-        std::panic::resume_unwind(panic);
-    }
-}
 
 /// A deterministic payload: different per `seed`, no short period.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -237,163 +226,4 @@ pub fn local_address(bucket: &str, port: u16) -> BucketAddress {
         disable_tls: true,
     })
     .expect("local address")
-}
-
-/// A request as the scripted server saw it.
-#[derive(Debug, Clone)]
-pub struct SeenRequest {
-    pub method: String,
-    pub target: String,
-    pub headers: Vec<(String, String)>,
-    pub body_len: usize,
-}
-
-/// What the scripted server does with request number `n` (0-based) of the
-/// whole server. It gets the socket after the request head was read (the
-/// body is still unread).
-pub type Script = dyn Fn(usize, &SeenRequest, &mut TcpStream) -> Action + Send + Sync;
-
-/// After a scripted answer.
-pub enum Action {
-    /// Read the next request on this connection.
-    KeepAlive,
-    /// Close the connection.
-    Close,
-}
-
-/// A tiny HTTP/1.1 server on a std thread; every connection on its own
-/// thread, running the script.
-pub struct ScriptedServer {
-    pub port: u16,
-    pub requests: Arc<AtomicUsize>,
-    pub seen: Arc<Mutex<Vec<SeenRequest>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-/// Reads a request head; `None` at EOF.
-pub fn read_head(stream: &mut TcpStream) -> Option<SeenRequest> {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        match stream.read(&mut byte) {
-            Ok(1) => head.push(byte[0]),
-            _ => return None,
-        }
-        if head.len() > 64 << 10 {
-            return None;
-        }
-    }
-    let text = String::from_utf8_lossy(&head).into_owned();
-    let mut lines = text.split("\r\n");
-    let mut request_line = lines.next()?.split(' ');
-    let method = request_line.next()?.to_owned();
-    let target = request_line.next()?.to_owned();
-    let headers: Vec<(String, String)> = lines
-        .filter(|l| !l.is_empty())
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    let body_len = headers
-        .iter()
-        .find(|(k, _)| k == "content-length")
-        .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or(0);
-    Some(SeenRequest {
-        method,
-        target,
-        headers,
-        body_len,
-    })
-}
-
-/// Reads and discards `len` body bytes.
-pub fn skip_body(stream: &mut TcpStream, len: usize) -> bool {
-    let mut left = len;
-    let mut buf = vec![0u8; 64 << 10];
-    while left > 0 {
-        match stream.read(&mut buf[..left.min(64 << 10)]) {
-            Ok(0) | Err(_) => return false,
-            Ok(n) => left -= n,
-        }
-    }
-    true
-}
-
-/// Writes a whole response with a body.
-pub fn respond(stream: &mut TcpStream, status: &str, headers: &[(&str, &str)], body: &[u8]) {
-    let mut out = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n", body.len());
-    for (k, v) in headers {
-        out.push_str(&format!("{k}: {v}\r\n"));
-    }
-    out.push_str("\r\n");
-    let _ = stream.write_all(out.as_bytes());
-    let _ = stream.write_all(body);
-    let _ = stream.flush();
-}
-
-impl ScriptedServer {
-    pub fn start(script: Arc<Script>) -> ScriptedServer {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind scripted server");
-        let port = listener.local_addr().unwrap().port();
-        let requests = Arc::new(AtomicUsize::new(0));
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (requests, seen, stop) = (requests.clone(), seen.clone(), stop.clone());
-            std::thread::spawn(move || {
-                for conn in listener.incoming() {
-                    if stop.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    let Ok(mut stream) = conn else { continue };
-                    let (script, requests, seen, stop) =
-                        (script.clone(), requests.clone(), seen.clone(), stop.clone());
-                    std::thread::spawn(move || {
-                        let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
-                        while !stop.load(Ordering::SeqCst) {
-                            let Some(req) = read_head(&mut stream) else {
-                                return;
-                            };
-                            let n = requests.fetch_add(1, Ordering::SeqCst);
-                            seen.lock().unwrap().push(req.clone());
-                            match script(n, &req, &mut stream) {
-                                Action::KeepAlive => {}
-                                Action::Close => return,
-                            }
-                        }
-                    });
-                }
-            })
-        };
-        ScriptedServer {
-            port,
-            requests,
-            seen,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.port))
-    }
-
-    pub fn request_count(&self) -> usize {
-        self.requests.load(Ordering::SeqCst)
-    }
-
-    pub fn stopped(&self) -> bool {
-        self.stop.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for ScriptedServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = TcpStream::connect(self.addr());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }

@@ -1,7 +1,7 @@
 //! TLS: an in-process rustls front (rcgen certificate, ALPN h2 and
 //! http/1.1) that forwards the decrypted bytes to s3s-fs, which speaks both
-//! HTTP/1.1 and HTTP/2. The client trusts the certificate through the CA
-//! bundle option only.
+//! HTTP/1.1 and HTTP/2, or to a mock STS. The client trusts the certificate
+//! through the CA bundle option only.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,11 +9,15 @@ use std::time::Duration;
 
 use futures_rustls::TlsAcceptor;
 use kvshard_s3_raw::addressing::{resolve_bucket, AddressingConfig, BucketAddress};
+use kvshard_s3_raw::credential_http::{FetchConfig, HttpFetcher};
+use kvshard_s3_raw::credentials::{resolve_credentials, CredentialSource, Env};
 use kvshard_s3_raw::error::Cause;
 use kvshard_s3_raw::http::Protocol;
+use kvshard_s3_raw::net::TlsTrust;
 use kvshard_s3_raw::{ErrorKind, RecvRegion, S3Client, SendRegion};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
+use crate::mock_http::{sts_response, MockResponse, MockServer};
 use crate::roundtrip;
 use crate::support::*;
 
@@ -217,4 +221,75 @@ fn tls_with_alpn_h2_round_trips_and_verifies_the_certificate() {
     );
     drop(front);
     drop(server);
+}
+
+#[test]
+fn web_identity_over_https_speaks_http1_and_verifies_the_certificate() {
+    let sts = MockServer::start(Arc::new(|_, req| {
+        if req.form_field("Action").as_deref() != Some("AssumeRoleWithWebIdentity") {
+            return MockResponse::new(400, "");
+        }
+        MockResponse::new(
+            200,
+            sts_response(
+                "ASIATLSSTS",
+                "tls-sts-secret",
+                "tls-sts-token",
+                Duration::from_secs(3600),
+            ),
+        )
+    }));
+    let cert = TestCert::new();
+    let front = TlsFront::start(&cert, sts.port);
+    let home = TempDir::new("sts-tls");
+    let token_file = home.path().join("token");
+    std::fs::write(&token_file, "header.payload.signature").unwrap();
+    let env = Env::from_pairs([
+        ("HOME".to_owned(), home.path().display().to_string()),
+        (
+            "AWS_WEB_IDENTITY_TOKEN_FILE".to_owned(),
+            token_file.display().to_string(),
+        ),
+        (
+            "AWS_ROLE_ARN".to_owned(),
+            "arn:aws:iam::123456789012:role/kv".to_owned(),
+        ),
+        (
+            "AWS_ENDPOINT_URL_STS".to_owned(),
+            format!("https://127.0.0.1:{}/", front.port),
+        ),
+    ]);
+    let trusted = FetchConfig {
+        trust: TlsTrust {
+            system_roots: false,
+            ca_bundle: Some(cert.pem_path()),
+        },
+        ..FetchConfig::default()
+    };
+    // A bundle with some other certificate: the handshake must fail.
+    let other = TestCert::new();
+    let untrusted = FetchConfig {
+        trust: TlsTrust {
+            system_roots: true,
+            ca_bundle: Some(other.pem_path()),
+        },
+        ..FetchConfig::default()
+    };
+    let (ok, refused) = on_shard("sts-tls", move || async move {
+        let ok = resolve_credentials(&env, &HttpFetcher::new(trusted)).await;
+        let refused = resolve_credentials(&env, &HttpFetcher::new(untrusted)).await;
+        (ok, refused)
+    });
+    let c = ok.unwrap();
+    assert_eq!(c.access_key_id(), "ASIATLSSTS");
+    assert_eq!(c.session_token(), Some("tls-sts-token"));
+    assert_eq!(c.source(), &CredentialSource::WebIdentity);
+    let text = refused.unwrap_err().to_string();
+    assert!(text.contains("web identity (STS)"), "{text}");
+    assert!(text.contains("certificate"), "{text}");
+    assert_eq!(sts.request_count(), 1);
+    // Only http/1.1 is offered.
+    let seen = front.protocols();
+    assert_eq!(seen.first(), Some(&Some(b"http/1.1".to_vec())), "{seen:?}");
+    drop(front);
 }

@@ -1,17 +1,202 @@
-//! Small HTTP/1.1 servers on 127.0.0.1 for the credential sources: a
-//! generic one that answers through a closure, a mock EC2 instance metadata
-//! service (IMDSv2 only: a GET without a valid token gets 401), and helpers
-//! for the credential JSON and the STS XML.
+//! HTTP/1.1 test servers on 127.0.0.1, each connection on a std thread,
+//! shared by the credential tests and the client tests: [`ScriptedServer`]
+//! (a script gets each request head and the socket), [`MockServer`] (on top
+//! of it: answers each parsed request through a closure, one request per
+//! connection), a mock EC2 instance metadata service (IMDSv2 only: a GET
+//! without a valid token gets 401), helpers for the credential JSON and the
+//! STS XML; and [`on_shard`], to run async code on a glommio executor.
 
 #![allow(dead_code)]
 
+use std::future::Future;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use kvshard_s3_raw::time::AmzDate;
+
+/// Runs `f` on a fresh glommio executor thread and returns its output; a
+/// panic inside fails the calling test with the same message.
+pub fn on_shard<T, F, Fut>(name: &str, f: F) -> T
+where
+    T: Send + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = T> + 'static,
+{
+    let out = Arc::new(Mutex::new(None));
+    let slot = out.clone();
+    let handle = kvshard_io::executor::spawn_shard(0, None, name.to_owned(), move || async move {
+        let value = f().await;
+        *slot.lock().unwrap() = Some(value);
+    })
+    .expect("start a glommio executor");
+    if let Err(panic) = handle.join() {
+        std::panic::resume_unwind(panic);
+    }
+    let value = out.lock().unwrap().take();
+    value.expect("the shard ran to its end")
+}
+
+/// A request as the scripted server saw it.
+#[derive(Debug, Clone)]
+pub struct SeenRequest {
+    pub method: String,
+    pub target: String,
+    pub headers: Vec<(String, String)>,
+    pub body_len: usize,
+}
+
+/// What the scripted server does with request number `n` (0-based) of the
+/// whole server. It gets the socket after the request head was read (the
+/// body is still unread).
+pub type Script = dyn Fn(usize, &SeenRequest, &mut TcpStream) -> Action + Send + Sync;
+
+/// After a scripted answer.
+pub enum Action {
+    /// Read the next request on this connection.
+    KeepAlive,
+    /// Close the connection.
+    Close,
+}
+
+/// A tiny HTTP/1.1 server on a std thread; every connection on its own
+/// thread, running the script.
+pub struct ScriptedServer {
+    pub port: u16,
+    pub requests: Arc<AtomicUsize>,
+    pub seen: Arc<Mutex<Vec<SeenRequest>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Reads a request head; `None` at EOF.
+pub fn read_head(stream: &mut TcpStream) -> Option<SeenRequest> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return None,
+        }
+        if head.len() > 64 << 10 {
+            return None;
+        }
+    }
+    let text = String::from_utf8_lossy(&head).into_owned();
+    let mut lines = text.split("\r\n");
+    let mut request_line = lines.next()?.split(' ');
+    let method = request_line.next()?.to_owned();
+    let target = request_line.next()?.to_owned();
+    let headers: Vec<(String, String)> = lines
+        .filter(|l| !l.is_empty())
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let body_len = headers
+        .iter()
+        .find(|(k, _)| k == "content-length")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0);
+    Some(SeenRequest {
+        method,
+        target,
+        headers,
+        body_len,
+    })
+}
+
+/// Reads and discards `len` body bytes.
+pub fn skip_body(stream: &mut TcpStream, len: usize) -> bool {
+    let mut left = len;
+    let mut buf = vec![0u8; 64 << 10];
+    while left > 0 {
+        match stream.read(&mut buf[..left.min(64 << 10)]) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => left -= n,
+        }
+    }
+    true
+}
+
+/// Writes a whole response with a body.
+pub fn respond(stream: &mut TcpStream, status: &str, headers: &[(&str, &str)], body: &[u8]) {
+    let mut out = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\n", body.len());
+    for (k, v) in headers {
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    out.push_str("\r\n");
+    let _ = stream.write_all(out.as_bytes());
+    let _ = stream.write_all(body);
+    let _ = stream.flush();
+}
+
+impl ScriptedServer {
+    pub fn start(script: Arc<Script>) -> ScriptedServer {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind scripted server");
+        let port = listener.local_addr().unwrap().port();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (requests, seen, stop) = (requests.clone(), seen.clone(), stop.clone());
+            std::thread::spawn(move || {
+                for conn in listener.incoming() {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(mut stream) = conn else { continue };
+                    let (script, requests, seen, stop) =
+                        (script.clone(), requests.clone(), seen.clone(), stop.clone());
+                    std::thread::spawn(move || {
+                        let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+                        while !stop.load(Ordering::SeqCst) {
+                            let Some(req) = read_head(&mut stream) else {
+                                return;
+                            };
+                            let n = requests.fetch_add(1, Ordering::SeqCst);
+                            seen.lock().unwrap().push(req.clone());
+                            match script(n, &req, &mut stream) {
+                                Action::KeepAlive => {}
+                                Action::Close => return,
+                            }
+                        }
+                    });
+                }
+            })
+        };
+        ScriptedServer {
+            port,
+            requests,
+            seen,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    pub fn request_count(&self) -> usize {
+        self.requests.load(Ordering::SeqCst)
+    }
+
+    pub fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for ScriptedServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(self.addr());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
 
 /// A request as the mock saw it.
 #[derive(Debug, Clone)]
@@ -105,45 +290,7 @@ pub struct MockServer {
     seen: Arc<Mutex<Vec<MockRequest>>>,
     /// Requests received.
     pub count: Arc<AtomicUsize>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-fn read_request(stream: &mut TcpStream) -> Option<MockRequest> {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        match stream.read(&mut byte) {
-            Ok(1) => head.push(byte[0]),
-            _ => return None,
-        }
-        if head.len() > 64 << 10 {
-            return None;
-        }
-    }
-    let text = String::from_utf8_lossy(&head).into_owned();
-    let mut lines = text.split("\r\n");
-    let mut request_line = lines.next()?.split(' ');
-    let method = request_line.next()?.to_owned();
-    let target = request_line.next()?.to_owned();
-    let headers: Vec<(String, String)> = lines
-        .filter(|l| !l.is_empty())
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    let len: usize = headers
-        .iter()
-        .find(|(k, _)| k == "content-length")
-        .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or(0);
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).ok()?;
-    Some(MockRequest {
-        method,
-        target,
-        headers,
-        body,
-    })
+    server: ScriptedServer,
 }
 
 fn reason(status: u16) -> &'static str {
@@ -185,42 +332,32 @@ fn write_response(stream: &mut TcpStream, r: &MockResponse) {
 
 impl MockServer {
     pub fn start(handler: Arc<Handler>) -> MockServer {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a mock server");
-        let port = listener.local_addr().unwrap().port();
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let count = Arc::new(AtomicUsize::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (seen, count, stop) = (seen.clone(), count.clone(), stop.clone());
-            std::thread::spawn(move || {
-                for conn in listener.incoming() {
-                    if stop.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    let Ok(mut stream) = conn else { continue };
-                    let (handler, seen, count) = (handler.clone(), seen.clone(), count.clone());
-                    std::thread::spawn(move || {
-                        let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-                        let Some(req) = read_request(&mut stream) else {
-                            return;
-                        };
-                        let n = count.fetch_add(1, Ordering::SeqCst);
-                        seen.lock().unwrap().push(req.clone());
-                        let resp = handler(n, &req);
-                        std::thread::sleep(resp.delay);
-                        if !resp.hang_up {
-                            write_response(&mut stream, &resp);
-                        }
-                    });
-                }
-            })
-        };
+        let record = seen.clone();
+        let server = ScriptedServer::start(Arc::new(move |n, head, stream| {
+            let mut body = vec![0u8; head.body_len];
+            if stream.read_exact(&mut body).is_err() {
+                return Action::Close;
+            }
+            let req = MockRequest {
+                method: head.method.clone(),
+                target: head.target.clone(),
+                headers: head.headers.clone(),
+                body,
+            };
+            record.lock().unwrap().push(req.clone());
+            let resp = handler(n, &req);
+            std::thread::sleep(resp.delay);
+            if !resp.hang_up {
+                write_response(stream, &resp);
+            }
+            Action::Close
+        }));
         MockServer {
-            port,
+            port: server.port,
+            count: server.requests.clone(),
             seen,
-            count,
-            stop,
-            thread: Some(thread),
+            server,
         }
     }
 
@@ -234,16 +371,6 @@ impl MockServer {
 
     pub fn request_count(&self) -> usize {
         self.count.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for MockServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
