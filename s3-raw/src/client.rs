@@ -339,6 +339,9 @@ pub struct ClientStats {
     pub retries: u64,
     /// Failures returned without a retry because the budget was empty.
     pub retry_budget_exhausted: u64,
+    /// Attempts that ran past [`S3ClientConfig::request_timeout`] (counted
+    /// as [`ErrorKind::Transient`] in [`ClientStats::requests`] too).
+    pub timeouts: u64,
     /// Request body bytes of requests that got an answer.
     pub bytes_sent: u64,
     /// Response body bytes received.
@@ -378,6 +381,7 @@ struct Counters {
     requests: RefCell<[[u64; Outcome::COUNT]; Op::COUNT]>,
     retries: Cell<u64>,
     retry_budget_exhausted: Cell<u64>,
+    timeouts: Cell<u64>,
     bytes_sent: Cell<u64>,
     bytes_received: Cell<u64>,
     breaker_trips: Cell<u64>,
@@ -634,6 +638,7 @@ impl S3Client {
             requests: *c.requests.borrow(),
             retries: c.retries.get(),
             retry_budget_exhausted: c.retry_budget_exhausted.get(),
+            timeouts: c.timeouts.get(),
             bytes_sent: c.bytes_sent.get(),
             bytes_received: c.bytes_received.get(),
             breaker_trips: c.breaker_trips.get(),
@@ -649,6 +654,16 @@ impl S3Client {
                 http1_reused: k.http1_reused.get(),
             },
         }
+    }
+
+    /// Closes every connection that is not lent to a request: the HTTP/2
+    /// connections (with the streams still on them, which fail and are
+    /// retried as any lost connection) and the idle HTTP/1.1 ones. Whatever
+    /// the closed connections still held of request bodies (frames queued
+    /// for a socket that stopped taking bytes) is dropped with them. The
+    /// next request connects again.
+    pub fn close_connections(&self) -> usize {
+        self.inner.pool.close_all()
     }
 
     /// Retry tokens left.
@@ -918,7 +933,10 @@ impl ClientInner {
             attempts += 1;
             let result = match with_timeout(limit, attempt()).await {
                 Some(r) => r,
-                None => Err(Failure::connection(Cause::Timeout { after: limit })),
+                None => {
+                    add(&self.counters.timeouts, 1);
+                    Err(Failure::connection(Cause::Timeout { after: limit }))
+                }
             };
             let failure = match result {
                 Ok(value) => {
