@@ -157,6 +157,19 @@ impl TtlLock {
         self.count = self.count.saturating_sub(n);
     }
 
+    /// Pushes the deadline of a live lock to `now + ttl` (never earlier);
+    /// false when the lock is not live.
+    pub fn extend(&mut self, now: Instant, ttl: Duration) -> bool {
+        if !self.is_locked(now) {
+            return false;
+        }
+        let until = now + ttl.min(MAX_TTL);
+        if self.deadline.is_none_or(|d| d < until) {
+            self.deadline = Some(until);
+        }
+        true
+    }
+
     pub fn is_locked(&self, now: Instant) -> bool {
         self.count > 0 && !self.is_expired(now)
     }
@@ -730,6 +743,22 @@ impl L1Shard {
             out.push(Ok(()));
         }
         out
+    }
+
+    /// Keeps the read locks of keys alive: each resident key whose read lock
+    /// is live gets its deadline pushed to `now + read_ttl`. For a holder
+    /// whose work on the memory can outlast the TTL (an L2 store whose
+    /// socket still reads it). Answers per key whether the lock was live.
+    pub fn renew_read(&mut self, keys: &[ObjectKey], now: Instant) -> Vec<bool> {
+        let read_ttl = self.cfg.read_ttl;
+        keys.iter()
+            .map(|key| {
+                self.entries
+                    .get_mut(key)
+                    .and_then(|e| e.resident.as_mut())
+                    .is_some_and(|r| r.read_lock.extend(now, read_ttl))
+            })
+            .collect()
     }
 
     /// The slab of a read-locked key, without taking a lock (0.5.6
@@ -1356,6 +1385,26 @@ mod tests {
         l.unlock(5);
         assert_eq!(l.count(), 0);
         assert!(!l.is_locked(secs(t0, 20)));
+    }
+
+    #[test]
+    fn renewed_read_locks_outlive_their_ttl() {
+        let t0 = Instant::now();
+        let mut sh = shard(8, PolicyKind::Lru);
+        let ks = keys(&[1, 2]);
+        write(&mut sh, &ks, t0);
+        assert_eq!(sh.reserve_read(&ks[..1], 1, t0).len(), 1);
+        // Read TTL 5 s: renewed at 4 s, the lock holds until 9 s.
+        assert_eq!(sh.renew_read(&ks, secs(t0, 4)), vec![true, false]);
+        assert_eq!(sh.read_locked(&ks[0], secs(t0, 8)).map(|_| ()), Ok(()));
+        assert_eq!(sh.info(&ks[0], secs(t0, 8)).unwrap().read_locks, 1);
+        assert_eq!(
+            sh.read_locked(&ks[0], secs(t0, 9)),
+            Err(L1Error::KeyNotReadable)
+        );
+        // An expired lock is not brought back.
+        assert_eq!(sh.renew_read(&ks[..1], secs(t0, 9)), vec![false]);
+        assert_eq!(sh.renew_read(&keys(&[7]), t0), vec![false]);
     }
 
     #[test]

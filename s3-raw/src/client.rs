@@ -347,6 +347,9 @@ pub struct ClientStats {
     pub retries: u64,
     /// Failures returned without a retry because the budget was empty.
     pub retry_budget_exhausted: u64,
+    /// Attempts that ran past [`S3ClientConfig::request_timeout`] (counted
+    /// as [`ErrorKind::Transient`] in [`ClientStats::requests`] too).
+    pub timeouts: u64,
     /// Request body bytes of requests that got an answer.
     pub bytes_sent: u64,
     /// Response body bytes received.
@@ -394,6 +397,7 @@ struct Counters {
     requests: RefCell<[[u64; Outcome::COUNT]; Op::COUNT]>,
     retries: Cell<u64>,
     retry_budget_exhausted: Cell<u64>,
+    timeouts: Cell<u64>,
     bytes_sent: Cell<u64>,
     bytes_received: Cell<u64>,
     breaker_trips: Cell<u64>,
@@ -681,6 +685,7 @@ impl S3Client {
             requests: *c.requests.borrow(),
             retries: c.retries.get(),
             retry_budget_exhausted: c.retry_budget_exhausted.get(),
+            timeouts: c.timeouts.get(),
             bytes_sent: c.bytes_sent.get(),
             bytes_received: c.bytes_received.get(),
             breaker_trips: c.breaker_trips.get(),
@@ -699,6 +704,16 @@ impl S3Client {
                 http1_reused: k.http1_reused.get(),
             },
         }
+    }
+
+    /// Closes every connection that is not lent to a request: the HTTP/2
+    /// connections (with the streams still on them, which fail and are
+    /// retried as any lost connection) and the idle HTTP/1.1 ones. Whatever
+    /// the closed connections still held of request bodies (frames queued
+    /// for a socket that stopped taking bytes) is dropped with them. The
+    /// next request connects again.
+    pub fn close_connections(&self) -> usize {
+        self.inner.pool.close_all()
     }
 
     /// Retry tokens left.
@@ -993,7 +1008,10 @@ impl ClientInner {
                     let limit = self.cfg.request_timeout.min(left);
                     match with_timeout(limit, attempt(ticket)).await {
                         Some(r) => r,
-                        None => Err(Failure::connection(Cause::Timeout { after: limit })),
+                        None => {
+                            add(&self.counters.timeouts, 1);
+                            Err(Failure::connection(Cause::Timeout { after: limit }))
+                        }
                     }
                 }
                 Some(Err(f)) => Err(f),

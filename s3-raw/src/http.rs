@@ -34,8 +34,10 @@
 
 use std::cell::{Cell, RefCell};
 use std::fmt;
+use std::future::Future;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{Poll, Waker};
 
 use bytes::Bytes;
 use futures_rustls::TlsConnector;
@@ -124,9 +126,134 @@ fn bump(c: &Cell<u64>) {
     c.set(c.get() + 1);
 }
 
+/// Closes an HTTP/2 connection: its driver task, and its socket as hyper
+/// sees it ([`Killable`]) (hyper drives the connection from a task of its
+/// own, which holds the queued request bodies).
+#[derive(Default)]
+struct KillSwitch {
+    killed: Cell<bool>,
+    /// Tasks to wake on a kill: the one waiting in [`KillSwitch::wait`] and
+    /// the ones that last polled the socket.
+    wakers: RefCell<Vec<Waker>>,
+}
+
+impl KillSwitch {
+    fn kill(&self) {
+        self.killed.set(true);
+        for w in self.wakers.borrow_mut().drain(..) {
+            w.wake();
+        }
+    }
+
+    /// True once killed; otherwise remembers the polling task for the kill.
+    fn check(&self, waker: &Waker) -> bool {
+        if self.killed.get() {
+            return true;
+        }
+        let mut wakers = self.wakers.borrow_mut();
+        if !wakers.iter().any(|w| w.will_wake(waker)) {
+            wakers.push(waker.clone());
+        }
+        false
+    }
+
+    fn wait(self: Rc<Self>) -> impl Future<Output = ()> {
+        std::future::poll_fn(move |cx| {
+            if self.check(cx.waker()) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+    }
+}
+
+/// A connection's socket as hyper drives it: once its [`KillSwitch`] is
+/// thrown, every read and write fails, so hyper tears the connection down
+/// and drops the buffers it still queued for the socket (slices of request
+/// bodies among them) even when the peer stopped reading.
+struct Killable<T> {
+    io: T,
+    kill: Rc<KillSwitch>,
+}
+
+fn killed_error() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionAborted,
+        "connection closed by the client",
+    )
+}
+
+impl<T: hyper::rt::Read + Unpin> hyper::rt::Read for Killable<T> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.kill.check(cx.waker()) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        std::pin::Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: hyper::rt::Write + Unpin> hyper::rt::Write for Killable<T> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        if this.kill.check(cx.waker()) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        std::pin::Pin::new(&mut this.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        if this.kill.check(cx.waker()) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        std::pin::Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.kill.check(cx.waker()) {
+            return Poll::Ready(Err(killed_error()));
+        }
+        std::pin::Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.kill.check(cx.waker()) {
+            return Poll::Ready(Ok(()));
+        }
+        std::pin::Pin::new(&mut this.io).poll_shutdown(cx)
+    }
+}
+
 struct H2Conn {
     sender: http2::SendRequest<Body>,
     active: Cell<usize>,
+    kill: Rc<KillSwitch>,
 }
 
 enum Conn {
@@ -221,6 +348,20 @@ impl Pool {
             .filter(|c| !c.sender.is_closed())
             .count();
         h1 + h2
+    }
+
+    /// Closes the HTTP/2 connections and the idle HTTP/1.1 ones (see
+    /// [`crate::client::S3Client::close_connections`]); answers how many.
+    /// HTTP/1.1 connections lent to a request are closed when their lease
+    /// is dropped unfinished, so they need no help here.
+    pub fn close_all(&self) -> usize {
+        let h2: Vec<Rc<H2Conn>> = std::mem::take(&mut *self.inner.h2_conns.borrow_mut());
+        let h1: Vec<H1Conn> = std::mem::take(&mut *self.inner.h1_idle.borrow_mut());
+        for c in &h2 {
+            c.kill.kill();
+        }
+        // Dropping an idle HTTP/1.1 connection closes its socket.
+        h2.len() + h1.len()
     }
 
     /// Waits for a request slot (at most `max_in_flight` are out at once).
@@ -406,7 +547,11 @@ impl Pool {
         // algorithm would otherwise wait for our delayed ACK at the end of
         // each one.
         let fd = stream.tcp_fd();
-        let io = HyperIo::new(stream).with_quickack(fd);
+        let kill = Rc::new(KillSwitch::default());
+        let io = Killable {
+            io: HyperIo::new(stream).with_quickack(fd),
+            kill: kill.clone(),
+        };
         let mut builder = http2::Builder::new(LocalExec);
         builder
             .timer(LocalTimer)
@@ -417,16 +562,21 @@ impl Pool {
             .handshake(io)
             .await
             .map_err(|e| ConnectError::Handshake(e.to_string()))?;
+        let killed = kill.clone().wait();
         glommio::spawn_local(async move {
-            if let Err(e) = conn.await {
-                log::debug!("s3 http2 connection closed: {e}");
-            }
+            let run = async {
+                if let Err(e) = conn.await {
+                    log::debug!("s3 http2 connection closed: {e}");
+                }
+            };
+            futures_lite::future::or(run, killed).await;
         })
         .detach();
         bump(&inner.counters.http2_opened);
         Ok(Conn::H2(Rc::new(H2Conn {
             sender,
             active: Cell::new(0),
+            kill,
         })))
     }
 }

@@ -1071,3 +1071,9 @@ pub fn lm_layer(prefix: &str) -> (ShmMap, V) {
 mod s3s;
 #[allow(unused_imports)]
 pub use s3s::*;
+
+// ------------------------------------------------------------ fault proxy
+
+mod faults;
+#[allow(unused_imports)]
+pub use faults::*;

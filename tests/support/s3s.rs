@@ -28,6 +28,9 @@ fn s3s_unique(prefix: &str) -> String {
 pub struct S3sFs {
     child: Child,
     pub port: u16,
+    /// The port of the `Host` names it serves virtual-hosted buckets under:
+    /// its own, or that of a proxy in front of it.
+    pub domain_port: u16,
     pub root: std::path::PathBuf,
 }
 
@@ -76,16 +79,34 @@ impl S3sFs {
     /// Starts the server with `buckets` created, virtual-hosted style on
     /// `localhost:<port>` (so `<bucket>.localhost:<port>` addresses a bucket).
     pub fn start(buckets: &[&str]) -> S3sFs {
+        Self::start_with_domain(buckets, None)
+    }
+
+    /// As [`S3sFs::start`], for clients that reach it through a proxy on
+    /// `domain_port` (the `Host` header is signed, so the proxy cannot
+    /// rewrite it, and s3s-fs matches it against its domain verbatim).
+    pub fn start_with_domain(buckets: &[&str], domain_port: Option<u16>) -> S3sFs {
         let root = std::env::temp_dir().join(s3s_unique("kvshard-s3s"));
         for b in buckets {
             std::fs::create_dir_all(root.join(b)).unwrap();
         }
         let port = s3s_free_port();
+        let domain_port = domain_port.unwrap_or(port);
+        let child = Self::spawn(port, domain_port, &root);
+        S3sFs {
+            child,
+            port,
+            domain_port,
+            root,
+        }
+    }
+
+    fn spawn(port: u16, domain_port: u16, root: &std::path::Path) -> Child {
         let child = Command::new(s3s_fs_binary())
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["--access-key", S3_ACCESS_KEY, "--secret-key", S3_SECRET_KEY])
-            .args(["--domain", &format!("localhost:{port}")])
-            .arg(&root)
+            .args(["--domain", &format!("localhost:{domain_port}")])
+            .arg(root)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -99,7 +120,14 @@ impl S3sFs {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        S3sFs { child, port, root }
+        child
+    }
+
+    /// Starts the server again (after [`S3sFs::kill`]) on the same port and
+    /// root: the same buckets and objects.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = Self::spawn(self.port, self.domain_port, &self.root);
     }
 
     /// An `--l2-adapter` spec for `bucket` on this server (virtual-hosted,
@@ -107,8 +135,19 @@ impl S3sFs {
     pub fn adapter(&self, bucket: &str, extra: &str) -> String {
         format!(
             r#"{{"type":"s3","s3_endpoint":"{bucket}.localhost:{}","s3_region":"us-east-1","disable_tls":true,"aws_access_key_id":"{S3_ACCESS_KEY}","aws_secret_access_key":"{S3_SECRET_KEY}"{extra}}}"#,
-            self.port
+            self.domain_port
         )
+    }
+
+    /// The bytes of object `name` in `bucket`.
+    pub fn object_bytes(&self, bucket: &str, name: &str) -> Vec<u8> {
+        std::fs::read(self.root.join(bucket).join(name)).unwrap()
+    }
+
+    /// The file of object `name` in `bucket` (its mtime is the object's
+    /// LastModified).
+    pub fn object_path(&self, bucket: &str, name: &str) -> std::path::PathBuf {
+        self.root.join(bucket).join(name)
     }
 
     /// Object names in `bucket` (files under its directory, recursively).

@@ -119,6 +119,7 @@ impl Metrics {
             self.lookup_hit_l2_keys,
         );
         render_l2(t, shards);
+        render_s3(t, shards);
         t.counter(
             "lmcache_mp_lookups_requests_total",
             "Lookup requests",
@@ -464,6 +465,113 @@ fn render_l2(t: &mut PromText, shards: &[ShardReport]) {
         "L2 adapters lookups ask",
         tiers as f64,
     );
+}
+
+/// The `kvshard_s3_*` families of each s3 adapter, summed over shards from
+/// what every shard's client reports in `/status` (`adapter.client`).
+fn render_s3(t: &mut PromText, shards: &[ShardReport]) {
+    let tiers = shards.first().map_or(0, |r| r.l2.len());
+    for i in 0..tiers {
+        if shards[0].l2[i].status["type"] != "s3" {
+            continue;
+        }
+        let n = shards[0].l2[i].name.clone();
+        let adapters: Vec<&serde_json::Value> = shards
+            .iter()
+            .filter_map(|r| r.l2.get(i))
+            .map(|t| &t.status["adapter"])
+            .collect();
+        let sum = |path: &[&str]| -> u64 {
+            adapters
+                .iter()
+                .map(|a| path.iter().fold(*a, |v, p| &v[*p]).as_u64().unwrap_or(0))
+                .sum()
+        };
+        let mut requests: BTreeMap<(String, String), u64> = BTreeMap::new();
+        for a in &adapters {
+            let Some(ops) = a["client"]["requests"].as_object() else {
+                continue;
+            };
+            for (op, outcomes) in ops {
+                for (outcome, v) in outcomes.as_object().into_iter().flatten() {
+                    *requests.entry((op.clone(), outcome.clone())).or_default() +=
+                        v.as_u64().unwrap_or(0);
+                }
+            }
+        }
+        let throttled: u64 = requests
+            .iter()
+            .filter(|((_, o), _)| o == "throttled")
+            .map(|(_, v)| v)
+            .sum();
+        for ((op, outcome), v) in &requests {
+            t.counter_labeled(
+                "kvshard_s3_requests_total",
+                "S3 requests by operation and outcome (outcome unavailable: refused by the open circuit breaker, not sent)",
+                &[("l2_name", &n), ("op", op), ("outcome", outcome)],
+                *v,
+            );
+        }
+        let l = [("l2_name", n.as_str())];
+        t.counter_labeled(
+            "kvshard_s3_throttled_total",
+            "S3 requests answered with a throttling error (503 SlowDown, 429, ...)",
+            &l,
+            throttled,
+        );
+        t.counter_labeled(
+            "kvshard_s3_retries_total",
+            "S3 requests sent again after a retryable failure",
+            &l,
+            sum(&["client", "retries"]),
+        );
+        t.counter_labeled(
+            "kvshard_s3_retry_budget_exhausted_total",
+            "S3 failures returned without a retry because the retry budget was empty",
+            &l,
+            sum(&["client", "retry_budget_exhausted"]),
+        );
+        t.counter_labeled(
+            "kvshard_s3_timeouts_total",
+            "S3 requests that ran past s3_request_timeout_secs",
+            &l,
+            sum(&["client", "timeouts"]),
+        );
+        t.counter_labeled(
+            "kvshard_s3_connect_failures_total",
+            "S3 connection attempts that failed",
+            &l,
+            sum(&["client", "connect_failures"]),
+        );
+        t.counter_labeled(
+            "kvshard_s3_breaker_trips_total",
+            "Times an S3 circuit breaker opened",
+            &l,
+            sum(&["client", "breaker_trips"]),
+        );
+        let open = adapters
+            .iter()
+            .filter(|a| a["client"]["breaker_open"] == true)
+            .count();
+        t.gauge_labeled(
+            "kvshard_s3_breaker_open_shards",
+            "Shards whose S3 circuit breaker is open (their S3 operations fail at once)",
+            &l,
+            open as f64,
+        );
+        t.counter_labeled(
+            "kvshard_s3_unfull_rejected_objects_total",
+            "Objects the s3 adapter refused to store because they are not a full chunk of their layout",
+            &l,
+            sum(&["unfull_rejected"]),
+        );
+        t.counter_labeled(
+            "kvshard_s3_put_body_held_total",
+            "PUTs whose L1 body a connection still held a request deadline after the request ended",
+            &l,
+            sum(&["client", "put_body_held"]),
+        );
+    }
 }
 
 fn fmt_labels(labels: &[(&str, &str)]) -> String {

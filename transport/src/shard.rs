@@ -496,6 +496,16 @@ pub async fn run_shard(
             seq: msg.seq,
             shard: id,
         };
+        // The size a request names is its registered layout's full chunk.
+        match &msg.op {
+            ShardOp::Lookup { keys, size, .. } | ShardOp::ReserveWrite { keys, size, .. } => {
+                l2.note_layout(keys, *size)
+            }
+            ShardOp::Store { items, size, .. } => {
+                l2.note_layout(items.iter().map(|(k, _)| k), *size)
+            }
+            _ => {}
+        }
         match msg.op {
             ShardOp::Lookup {
                 keys,

@@ -7,11 +7,15 @@
 //!   semaphore counted in bytes).
 //! - An object being stored is read-locked in L1 from the moment its write
 //!   finished until every adapter is done with it, so it is neither evicted
-//!   nor rewritten while an adapter reads its memory.
+//!   nor rewritten while an adapter reads its memory; the lock's TTL is
+//!   renewed while the adapters work, however long they take.
+//! - Adapters are told the full-chunk object size of every layout a request
+//!   names ([`L2Shard::note_layout`]).
 //! - Loads go into staged (write-locked) L1 objects that only become visible
 //!   when the whole object is in.
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -23,7 +27,7 @@ use kvshard_engine::l2::config::{AdapterKind, AdapterSpec};
 use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::mock::MockAdapter;
 use kvshard_engine::l2::tier::{L2Tier, TierStats, TierUsage};
-use kvshard_engine::l2::{L2Adapter, ObjectBytes, StoreResult};
+use kvshard_engine::l2::{kv_rank_world_size, L2Adapter, ObjectBytes, StoreResult};
 
 use crate::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
 use crate::shard::ShardState;
@@ -83,6 +87,9 @@ pub struct L2Shard {
     /// when the store finished; dropped from L1 once unlocked.
     skip_l1_later: RefCell<Vec<ObjectKey>>,
     size_mismatch_logged: Cell<bool>,
+    /// Full-chunk object sizes the adapters were told, by model name and
+    /// world size.
+    layouts: RefCell<HashMap<String, HashMap<u32, u64>>>,
 }
 
 /// Tier names: `<type>#<flag position>`, e.g. `fs#1`.
@@ -135,7 +142,43 @@ impl L2Shard {
             pending_stores: Cell::new(0),
             skip_l1_later: RefCell::new(Vec::new()),
             size_mismatch_logged: Cell::new(false),
+            layouts: RefCell::new(HashMap::new()),
         })
+    }
+
+    /// A request named objects of `size` bytes (its registered layout's full
+    /// chunk) for `keys`: tells every adapter the size for the keys' model
+    /// and world size, when it is new or changed.
+    pub fn note_layout<'k>(&self, keys: impl IntoIterator<Item = &'k ObjectKey>, size: u64) {
+        if self.tiers.is_empty() {
+            return;
+        }
+        let mut last: Option<(&str, u32)> = None;
+        for key in keys {
+            let ws = kv_rank_world_size(key.kv_rank);
+            let this = (key.model_name.as_str(), ws);
+            if last == Some(this) {
+                continue;
+            }
+            last = Some(this);
+            let known = self
+                .layouts
+                .borrow()
+                .get(this.0)
+                .and_then(|m| m.get(&ws))
+                .copied();
+            if known == Some(size) {
+                continue;
+            }
+            self.layouts
+                .borrow_mut()
+                .entry(key.model_name.clone())
+                .or_default()
+                .insert(ws, size);
+            for t in &self.tiers {
+                t.adapter().set_full_chunk_size(&key.model_name, ws, size);
+            }
+        }
     }
 
     /// Starts counting what the adapters that ask for it (`s3_seed_usage_on_start`)
@@ -288,20 +331,30 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
     let now = Instant::now();
     let mut items = Vec::with_capacity(locked.len());
     let mut expired = Vec::new();
-    {
-        let st = state.borrow();
+    let (keys, renew_every) = {
+        let mut st = state.borrow_mut();
         for (key, _) in locked {
             match st.l1.read_locked(&key, now) {
                 Ok(slab) => {
-                    // SAFETY: read-locked in L1 until finish_read below, so the
-                    // memory is neither freed nor written while adapters read it.
-                    let bytes = unsafe { ObjectBytes::new(st.ptr(&slab), slab.len as usize) };
+                    // The object's own size: the slab is that rounded up to
+                    // the L1 alignment, and the bytes past the object are not
+                    // part of it (an adapter would store them, and the
+                    // object would never match its layout again).
+                    let size = st.l1.info(&key, now).map_or(slab.len, |i| i.size);
+                    // SAFETY: read-locked in L1 until finish_read below (the
+                    // lock is renewed while the adapters work), so the memory
+                    // is neither freed nor written while adapters read it.
+                    let bytes = unsafe { ObjectBytes::new(st.ptr(&slab), size as usize) };
                     items.push((key, bytes));
                 }
                 Err(_) => expired.push(key),
             }
         }
-    }
+        let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| k.clone()).collect();
+        st.l1.renew_read(&keys, now);
+        let every = (st.l1.config().read_ttl / 4).max(Duration::from_millis(100));
+        (keys, every)
+    };
     if !expired.is_empty() {
         log::warn!(
             "{} objects were not stored to L2: their L1 read lock expired while waiting for the L2 store budget",
@@ -310,15 +363,27 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
         l2.bump(|s| s.store_lock_expired_objects += expired.len() as u64);
     }
     let mut stored_anywhere = vec![false; items.len()];
-    for tier in &l2.tiers {
-        let res = tier.store(&items).await;
-        for (i, r) in res.iter().enumerate() {
-            if matches!(r, StoreResult::Stored(_) | StoreResult::Exists) {
-                stored_anywhere[i] = true;
+    let stores = async {
+        for tier in &l2.tiers {
+            let res = tier.store(&items).await;
+            for (i, r) in res.iter().enumerate() {
+                if matches!(r, StoreResult::Stored(_) | StoreResult::Exists) {
+                    stored_anywhere[i] = true;
+                }
             }
         }
-    }
-    let keys: Vec<ObjectKey> = items.into_iter().map(|(k, _)| k).collect();
+    };
+    // An adapter may hold the memory longer than the read TTL (a slow PUT, or
+    // a socket that still reads the body after its request ended): the lock
+    // must not lapse under it, or L1 could evict the object and reuse the
+    // memory while it is still being read.
+    let renew = async {
+        loop {
+            glommio::timer::sleep(renew_every).await;
+            state.borrow_mut().l1.renew_read(&keys, Instant::now());
+        }
+    };
+    futures_lite::future::or(stores, renew).await;
     let now = Instant::now();
     {
         let mut st = state.borrow_mut();

@@ -263,6 +263,7 @@ impl L2Adapter for MockAdapter {
                 .into_iter()
                 .map(|(_, k, size)| (k.clone(), size))
                 .collect(),
+            modified: Vec::new(),
         };
         Box::pin(ready(Ok(page)))
     }

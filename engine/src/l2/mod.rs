@@ -109,6 +109,10 @@ pub enum StoreResult {
 pub struct KeyPage {
     /// Keys with the size each occupies in the adapter.
     pub keys: Vec<(ObjectKey, u64)>,
+    /// When the adapter knows them, each key's last modification time, in
+    /// `keys` order (usage seeding adopts the oldest first); empty when it
+    /// does not.
+    pub modified: Vec<Option<std::time::SystemTime>>,
     /// Pass back to get the next page; `None` when this is the last.
     pub next_cursor: Option<String>,
 }
@@ -161,4 +165,16 @@ pub trait L2Adapter {
 
     /// Adapter-specific health and settings for `/status` (never secrets).
     fn status(&self) -> serde_json::Value;
+
+    /// The size of one full chunk's object for `model_name` at world size
+    /// `world_size` (the top byte of a kv_rank), from the layout registered
+    /// for them; the shard passes it on whenever a request names that
+    /// layout. An adapter that keeps only full chunks (s3, as 0.5.6's s3
+    /// path) refuses to store objects of another size. Default: ignored.
+    fn set_full_chunk_size(&self, _model_name: &str, _world_size: u32, _bytes: u64) {}
+}
+
+/// The world size a kv_rank encodes (0.5.6's `ComputeKVRank`: the top byte).
+pub fn kv_rank_world_size(kv_rank: u32) -> u32 {
+    kv_rank >> 24
 }

@@ -345,33 +345,51 @@ impl L2Tier {
     }
 
     /// Counts what the adapter already holds toward usage and eviction: pages
-    /// through [`L2Tier::list`] and adopts the keys this shard owns (every
-    /// shard lists the whole store and keeps its own). Returns the keys
-    /// adopted; a listing error stops the scan with what was adopted so far.
+    /// through [`L2Tier::list`], keeps the keys this shard owns (every shard
+    /// lists the whole store and keeps its own) and adopts them oldest first,
+    /// by the modification time the adapter reports, as 0.5.6 orders its
+    /// bucket listing (`_order_entries_by_last_modified`), so the LRU evicts
+    /// the oldest objects first. Keys without a time count as older than
+    /// the dated ones. Returns the keys adopted; a listing error stops the
+    /// scan, and what was listed before it is still adopted.
     pub async fn seed_usage(&self, shard: usize, num_shards: usize) -> std::io::Result<u64> {
         const PAGE: usize = 1000;
         let mut cursor = None;
-        let mut adopted_total = 0;
-        loop {
-            let page = self.adapter.list(None, PAGE, cursor).await?;
-            let mut adopted = Vec::new();
-            {
-                let mut book = self.book.borrow_mut();
-                for (key, size) in page.keys {
-                    if key.shard(num_shards) == shard && book.add(&key, size) {
-                        adopted.push(key);
-                    }
+        let mut found: Vec<(Option<std::time::SystemTime>, ObjectKey, u64)> = Vec::new();
+        let listed = loop {
+            let page = match self.adapter.list(None, PAGE, cursor).await {
+                Ok(p) => p,
+                Err(e) => break Err(e),
+            };
+            let mut modified = page.modified.into_iter();
+            for (key, size) in page.keys {
+                let at = modified.next().flatten();
+                if key.shard(num_shards) == shard {
+                    found.push((at, key, size));
                 }
-            }
-            adopted_total += adopted.len() as u64;
-            if let Some(p) = self.policy.borrow_mut().as_mut() {
-                p.on_keys_created(adopted.iter());
             }
             match page.next_cursor {
                 Some(c) => cursor = Some(c),
-                None => return Ok(adopted_total),
+                None => break Ok(()),
+            }
+        };
+        // One batch, newest first: the policy makes a batch's last key its
+        // least recently used, so the oldest object is evicted first. The
+        // sort is stable, and undated keys sort as the oldest.
+        found.sort_by_key(|(at, _, _)| std::cmp::Reverse(*at));
+        let mut adopted = Vec::new();
+        {
+            let mut book = self.book.borrow_mut();
+            for (_, key, size) in found {
+                if book.add(&key, size) {
+                    adopted.push(key);
+                }
             }
         }
+        if let Some(p) = self.policy.borrow_mut().as_mut() {
+            p.on_keys_created(adopted.iter());
+        }
+        listed.map(|()| adopted.len() as u64)
     }
 
     /// Sets this shard's share of `salt`'s quota (IsolatedLRU).

@@ -1,0 +1,575 @@
+//! End to end: the s3 adapter behind the real binary when S3 misbehaves. A
+//! fault-injecting proxy sits between kvshard and s3s-fs and cuts PUT and GET
+//! bodies half way, stalls requests past `s3_request_timeout_secs`, or
+//! answers `503 SlowDown` for a while; s3s-fs itself dies and comes back for
+//! the circuit breaker. Through all of it the server keeps serving, what L1
+//! holds retrieves byte-equal, a failed L2 load is a miss (never a hit with
+//! wrong bytes), no partial object appears under a real name, and the
+//! counters of `/metrics` say what happened.
+//!
+//! Also here: usage seeding by listing (oldest first, so eviction deletes the
+//! oldest objects), and objects of a layout whose size is not a multiple of
+//! the L1 alignment.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant, SystemTime};
+
+use support::*;
+
+const BUCKET: &str = "faults";
+const L2: &str = "s3#1";
+
+/// A proxy in front of an s3s-fs that serves the bucket under the proxy's
+/// port.
+struct Rig {
+    proxy: FaultProxy,
+    s3: S3sFs,
+}
+
+impl Rig {
+    fn start() -> Rig {
+        let proxy = FaultProxy::start();
+        let s3 = S3sFs::start_with_domain(&[BUCKET], Some(proxy.port));
+        proxy.set_upstream(s3.port);
+        Rig { proxy, s3 }
+    }
+
+    /// The adapter spec through the proxy, over HTTP/1.1 (so faults can pick
+    /// requests), plus `extra` fields.
+    fn adapter(&self, extra: &str) -> String {
+        self.s3
+            .adapter(BUCKET, &format!(r#","s3_prefer_http2":false{extra}"#))
+    }
+
+    /// The objects of model "m" (the tests' own chunks; `assert_serving`
+    /// stores under a model of its own).
+    fn objects(&self) -> Vec<(String, u64)> {
+        let mut v = self.s3.objects(BUCKET);
+        v.retain(|(n, _)| n.starts_with("m@"));
+        v
+    }
+
+    fn names(&self) -> BTreeSet<String> {
+        self.objects().into_iter().map(|(n, _)| n).collect()
+    }
+
+    /// Every object in the bucket is whole, and each of model "m" holds the
+    /// bytes of one of the chunks stored.
+    fn assert_objects_are(&self, chunks: &[&Vec<Vec<u8>>]) {
+        for (name, len) in self.s3.objects(BUCKET) {
+            assert_eq!(len, ED_CHUNK_BYTES as u64, "{name} is not a whole chunk");
+        }
+        for (name, _) in self.objects() {
+            let bytes = self.s3.object_bytes(BUCKET, &name);
+            assert!(
+                chunks.iter().any(|set| set.contains(&bytes)),
+                "{name} holds bytes that were never stored"
+            );
+        }
+    }
+}
+
+/// A counter of `/metrics` for the s3 adapter (0 when not exposed yet).
+fn counter(srv: &Server, name: &str) -> f64 {
+    srv.metric(name, &[("l2_name", L2)]).unwrap_or(0.0)
+}
+
+fn requests(srv: &Server, op: &str, outcome: &str) -> f64 {
+    srv.metric(
+        "kvshard_s3_requests_total",
+        &[("l2_name", L2), ("op", op), ("outcome", outcome)],
+    )
+    .unwrap_or(0.0)
+}
+
+fn adapter_status(srv: &Server) -> serde_json::Value {
+    srv.get_json("/status")["storage_manager"]["l2_adapters"][0].clone()
+}
+
+fn breaker_open(srv: &Server) -> bool {
+    adapter_status(srv)["connection_disabled"] == true
+}
+
+/// Every object submitted to the store controller has been stored or has
+/// failed, and no store batch is running.
+fn stores_settled(srv: &Server) -> bool {
+    let s = srv.scrape();
+    let get = |name: &str| s.iter().find(|x| x.name == name).map_or(0.0, |x| x.value);
+    get("lmcache_mp_num_inflight_l2_stores") == 0.0
+        && get("lmcache_mp_l2_store_submitted_objects_chunks_total")
+            == get("lmcache_mp_l2_store_completed_objects_chunks_total")
+                + get("kvshard_l2_store_failed_objects_total")
+}
+
+fn l1_objects(srv: &Server) -> u64 {
+    srv.get_json("/status")["storage_manager"]["l1_manager"]["total_object_count"]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn a_put_cut_mid_body_leaves_no_partial_object_and_l1_keeps_serving() {
+    let rig = Rig::start();
+    let adapter =
+        rig.adapter(r#","s3_request_timeout_secs":2,"s3_breaker_initial_cooldown_s":0.5"#);
+    let mut srv = Server::start(&["--l2-adapter", &adapter]);
+
+    // One PUT cut half way: the retry stores the object whole.
+    rig.proxy
+        .set_times(Fault::CutPutBody(ED_CHUNK_BYTES / 2), 1);
+    let first = ed_store_chunks(&srv, 1, &ed_tokens(31, 2 * ED_CHUNK), 2, 1);
+    wait_until("2 objects stored despite one cut", || {
+        rig.objects().len() == 2 && stores_settled(&srv)
+    });
+    assert_eq!(rig.proxy.injected(), 1);
+    rig.assert_objects_are(&[&first]);
+    assert!(counter(&srv, "kvshard_s3_retries_total") >= 1.0);
+    assert!(requests(&srv, "PutObject", "transient") >= 1.0);
+    assert_eq!(counter(&srv, "kvshard_l2_store_failed_objects_total"), 0.0);
+
+    // Every PUT cut: nothing is stored, and nothing partial shows.
+    rig.proxy.set(Fault::CutPutBody(1000));
+    let before = rig.names();
+    let toks = ed_tokens(32, 3 * ED_CHUNK);
+    let second = ed_store_chunks(&srv, 2, &toks, 3, 2);
+    wait_until("the failed stores to settle", || stores_settled(&srv));
+    assert!(counter(&srv, "kvshard_l2_store_failed_objects_total") >= 3.0);
+    assert_eq!(rig.names(), before, "a cut PUT left an object behind");
+    rig.assert_objects_are(&[&first]);
+    // L1 still holds them, byte for byte, and the server serves.
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 3, "l1");
+    assert_eq!(hits, 3);
+    assert!(back == second, "L1 bytes changed under failed stores");
+    assert_serving(&mut srv);
+
+    // The endpoint recovers: stores succeed again once the breaker (tripped
+    // by the cuts, which are connection failures) has re-armed.
+    rig.proxy.set(Fault::None);
+    wait_until("the breaker to close", || !breaker_open(&srv));
+    let n = rig.objects().len();
+    let third = ed_store_chunks(&srv, 3, &ed_tokens(33, 2 * ED_CHUNK), 2, 3);
+    wait_until("new stores after the recovery", || {
+        rig.objects().len() == n + 2 && stores_settled(&srv)
+    });
+    rig.assert_objects_are(&[&first, &third]);
+    let st = adapter_status(&srv);
+    assert_eq!(st["is_healthy"], true, "{st}");
+}
+
+#[test]
+fn a_get_cut_mid_body_is_a_miss_or_a_retry_with_the_right_bytes() {
+    let rig = Rig::start();
+    let adapter =
+        rig.adapter(r#","s3_request_timeout_secs":2,"s3_breaker_initial_cooldown_s":0.5"#);
+    let toks = ed_tokens(41, 3 * ED_CHUNK);
+    let stored = {
+        let srv = Server::start(&["--l2-adapter", &adapter]);
+        let stored = ed_store_chunks(&srv, 1, &toks, 3, 4);
+        wait_until("3 objects", || {
+            rig.objects().len() == 3 && stores_settled(&srv)
+        });
+        stored
+    };
+    // A fresh server: the chunks are in S3 only.
+    let mut srv = Server::start(&["--l2-adapter", &adapter]);
+
+    // One GET cut half way: the retry loads the right bytes.
+    rig.proxy
+        .set_times(Fault::CutGetBody(ED_CHUNK_BYTES / 2), 1);
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 3, "cut-once");
+    assert_eq!(rig.proxy.injected(), 1);
+    assert_eq!(hits, 3);
+    assert!(back == stored, "a retried GET loaded wrong bytes");
+    assert!(requests(&srv, "GetObject", "transient") >= 1.0);
+    assert!(counter(&srv, "kvshard_s3_retries_total") >= 1.0);
+    // Loaded objects are temporary: freed once retrieved.
+    wait_until("loaded objects freed", || l1_objects(&srv) == 0);
+
+    // Every GET cut: the lookup finds them (HEAD answers), the loads fail,
+    // and the chunks are misses, never hits with half-written bytes.
+    rig.proxy.set(Fault::CutGetBody(1000));
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 3, "cut");
+    assert_eq!(hits, 0, "a failed load became a hit");
+    assert!(back.is_empty());
+    assert!(counter(&srv, "kvshard_l2_load_failed_objects_total") >= 1.0);
+    assert!(srv.metric("lmcache_mp_l2_prefetch_failure_chunks_total", &[]) >= Some(1.0));
+    assert_eq!(l1_objects(&srv), 0, "a failed load left an object in L1");
+    assert_serving(&mut srv);
+
+    // Recovered: a later lookup hits with the right bytes.
+    rig.proxy.set(Fault::None);
+    let mut attempt = 0;
+    wait_until("a hit with the right bytes after the recovery", || {
+        attempt += 1;
+        let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 3, &format!("again-{attempt}"));
+        if hits > 0 {
+            assert!(
+                back == stored[..hits as usize],
+                "wrong bytes after a recovery"
+            );
+        }
+        hits == 3
+    });
+    rig.assert_objects_are(&[&stored]);
+}
+
+#[test]
+fn a_stalled_server_costs_the_request_deadline_not_the_server() {
+    let rig = Rig::start();
+    let adapter =
+        rig.adapter(r#","s3_request_timeout_secs":1,"s3_breaker_initial_cooldown_s":0.5"#);
+    let toks = ed_tokens(51, 2 * ED_CHUNK);
+    let stored = {
+        let srv = Server::start(&["--l2-adapter", &adapter]);
+        let stored = ed_store_chunks(&srv, 1, &toks, 2, 5);
+        wait_until("2 objects", || {
+            rig.objects().len() == 2 && stores_settled(&srv)
+        });
+        stored
+    };
+    let mut srv = Server::start(&["--l2-adapter", &adapter]);
+
+    // GETs that are read and never answered: the loads time out, the
+    // chunks are misses, and the lookup answers well within its wait.
+    rig.proxy.set(Fault::StallRequests("GET"));
+    let t0 = Instant::now();
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 2, "stalled");
+    assert_eq!((hits, back.len()), (0, 0));
+    assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+    assert!(counter(&srv, "kvshard_s3_timeouts_total") >= 1.0);
+    assert!(requests(&srv, "GetObject", "transient") >= 1.0);
+    assert!(counter(&srv, "kvshard_l2_load_failed_objects_total") >= 1.0);
+
+    // A server that stalls whole connections (reads, never answers): the
+    // stores fail at the deadline, L1 keeps what was stored in it.
+    rig.proxy.set(Fault::Stall);
+    let names = rig.names();
+    let other = ed_tokens(52, 2 * ED_CHUNK);
+    let in_l1 = ed_store_chunks(&srv, 3, &other, 2, 6);
+    wait_until("the stalled stores to fail", || stores_settled(&srv));
+    assert!(counter(&srv, "kvshard_l2_store_failed_objects_total") >= 2.0);
+    assert_eq!(rig.names(), names);
+    let (hits, back) = ed_lookup_retrieve(&srv, 3, &other, 2, "l1");
+    assert_eq!(hits, 2);
+    assert!(back == in_l1);
+    assert_serving(&mut srv);
+
+    // Answering again: the chunks in S3 hit with their bytes.
+    rig.proxy.set(Fault::None);
+    let mut attempt = 0;
+    wait_until("hits after the stall", || {
+        attempt += 1;
+        let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 2, &format!("after-{attempt}"));
+        if hits > 0 {
+            assert!(back == stored[..hits as usize]);
+        }
+        hits == 2
+    });
+}
+
+#[test]
+fn slow_down_is_retried_and_a_throttled_spell_costs_only_l2() {
+    let rig = Rig::start();
+    let adapter = rig.adapter(r#","s3_request_timeout_secs":2"#);
+    let mut srv = Server::start(&["--l2-adapter", &adapter]);
+
+    // Two throttled PUTs: the retries store every object.
+    rig.proxy.set_times(Fault::SlowDown(Some("PUT")), 2);
+    let toks = ed_tokens(61, 2 * ED_CHUNK);
+    let first = ed_store_chunks(&srv, 1, &toks, 2, 7);
+    wait_until("2 objects stored after throttling", || {
+        rig.objects().len() == 2 && stores_settled(&srv)
+    });
+    assert_eq!(rig.proxy.injected(), 2);
+    rig.assert_objects_are(&[&first]);
+    assert_eq!(counter(&srv, "kvshard_s3_throttled_total"), 2.0);
+    assert_eq!(requests(&srv, "PutObject", "throttled"), 2.0);
+    assert!(counter(&srv, "kvshard_s3_retries_total") >= 2.0);
+
+    // Throttled for a while: stores fail, lookups of what L1 lacks miss,
+    // L1 serves; a status error never trips the breaker.
+    rig.proxy.set(Fault::SlowDown(None));
+    let toks2 = ed_tokens(62, 2 * ED_CHUNK);
+    let second = ed_store_chunks(&srv, 2, &toks2, 2, 8);
+    wait_until("throttled stores to fail", || stores_settled(&srv));
+    assert!(counter(&srv, "kvshard_l2_store_failed_objects_total") >= 2.0);
+    assert_eq!(rig.objects().len(), 2);
+    let (hits, _) = ed_lookup_retrieve(&srv, 2, &ed_tokens(69, 2 * ED_CHUNK), 2, "unknown");
+    assert_eq!(hits, 0);
+    // A 503 to a HEAD carries no error code: a transient failure.
+    assert!(requests(&srv, "HeadObject", "transient") >= 1.0);
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks2, 2, "l1");
+    assert_eq!(hits, 2);
+    assert!(back == second);
+    assert_serving(&mut srv);
+    assert!(!breaker_open(&srv));
+    assert_eq!(counter(&srv, "kvshard_s3_breaker_trips_total"), 0.0);
+    assert!(counter(&srv, "kvshard_s3_throttled_total") > 2.0);
+
+    // Recovered: stores go through again, and what was stored loads back.
+    rig.proxy.set(Fault::None);
+    let third = ed_store_chunks(&srv, 3, &ed_tokens(63, 2 * ED_CHUNK), 2, 9);
+    wait_until("stores after the throttling", || {
+        rig.objects().len() == 4 && stores_settled(&srv)
+    });
+    rig.assert_objects_are(&[&first, &third]);
+    drop(srv);
+    let srv = Server::start(&["--l2-adapter", &adapter]);
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 2, "from-s3");
+    assert_eq!(hits, 2);
+    assert!(back == first);
+}
+
+#[test]
+fn the_breaker_opens_on_a_dead_endpoint_short_circuits_and_closes_after_its_cooldown() {
+    let mut s3 = S3sFs::start(&["brk"]);
+    // Default protocol (h2c), straight to s3s-fs.
+    let adapter = s3.adapter(
+        "brk",
+        r#","s3_request_timeout_secs":1,"s3_breaker_initial_cooldown_s":2.5"#,
+    );
+    let in_s3 = ed_tokens(71, 4 * ED_CHUNK);
+    let stored = {
+        let srv = Server::start(&["--l2-adapter", &adapter]);
+        let stored = ed_store_chunks(&srv, 1, &in_s3, 4, 10);
+        wait_until("4 objects", || {
+            s3.objects("brk").len() == 4 && stores_settled(&srv)
+        });
+        stored
+    };
+    let mut srv = Server::start(&["--l2-adapter", &adapter]);
+    let shards = adapter_status(&srv)["shards"].as_array().unwrap().len();
+
+    // The endpoint dies: stores fail on refused connections until every
+    // shard's breaker opens.
+    s3.kill();
+    let in_l1 = ed_tokens(72, 8 * ED_CHUNK);
+    let kept = ed_store_chunks(&srv, 2, &in_l1, 8, 11);
+    wait_until("every shard's breaker to open", || {
+        adapter_status(&srv)["shards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["adapter"]["client"]["breaker_open"] == true)
+    });
+    let st = adapter_status(&srv);
+    assert_eq!(st["connection_disabled"], true, "{st}");
+    assert_eq!(st["is_healthy"], false, "{st}");
+    assert_eq!(
+        counter(&srv, "kvshard_s3_breaker_open_shards"),
+        shards as f64
+    );
+    assert!(counter(&srv, "kvshard_s3_breaker_trips_total") >= shards as f64);
+    assert!(counter(&srv, "kvshard_s3_connect_failures_total") >= 3.0);
+
+    // Back, but the breaker is still open: lookups short-circuit (nothing is
+    // sent, so the objects that are there are misses for now).
+    s3.restart();
+    let refused = requests(&srv, "HeadObject", "unavailable");
+    let connects = counter(&srv, "kvshard_s3_connect_failures_total");
+    let (hits, _) = ed_lookup_retrieve(&srv, 3, &in_s3, 4, "open");
+    assert!(breaker_open(&srv), "the cooldown ran out before the check");
+    assert_eq!(hits, 0);
+    assert!(requests(&srv, "HeadObject", "unavailable") > refused);
+    assert_eq!(counter(&srv, "kvshard_s3_connect_failures_total"), connects);
+    // L1 serves meanwhile.
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &in_l1, 8, "l1");
+    assert_eq!(hits, 8);
+    assert!(back == kept);
+    assert_serving(&mut srv);
+
+    // The cooldown passes: the breaker closes, loads and stores work again.
+    wait_until("the breaker to close", || !breaker_open(&srv));
+    let (hits, back) = ed_lookup_retrieve(&srv, 3, &in_s3, 4, "closed");
+    assert_eq!(hits, 4);
+    assert!(back == stored);
+    let n = s3.objects("brk").len();
+    let _ = ed_store_chunks(&srv, 4, &ed_tokens(73, 2 * ED_CHUNK), 2, 12);
+    wait_until("stores after the breaker closed", || {
+        s3.objects("brk").len() == n + 2
+    });
+    assert_eq!(adapter_status(&srv)["is_healthy"], true);
+}
+
+#[test]
+fn seeded_usage_counts_the_bucket_and_eviction_deletes_the_oldest_first() {
+    const N: usize = 6;
+    let s3 = S3sFs::start(&["seed"]);
+    let plain = s3.adapter("seed", "");
+    {
+        let srv = Server::start(&["--l2-adapter", &plain]);
+        ed_store_chunks(&srv, 1, &ed_tokens(81, N * ED_CHUNK), N, 13);
+        wait_until("6 objects", || {
+            s3.objects("seed").len() == N && stores_settled(&srv)
+        });
+    }
+    // Ages opposite to the listing (name) order: the last name is the oldest.
+    let names: Vec<String> = s3.objects("seed").into_iter().map(|(n, _)| n).collect();
+    let base = SystemTime::now() - Duration::from_secs(3600);
+    for (i, name) in names.iter().enumerate() {
+        let f = std::fs::File::options()
+            .write(true)
+            .open(s3.object_path("seed", name))
+            .unwrap();
+        f.set_modified(base + Duration::from_secs(60 * (N - i) as u64))
+            .unwrap();
+    }
+    let bytes = (N * ED_CHUNK_BYTES) as u64;
+
+    // Seeding on, no capacity: usage counts every object.
+    {
+        let seeded = s3.adapter("seed", r#","s3_seed_usage_on_start":true"#);
+        let srv = Server::start(&["--cores", "0", "--l2-adapter", &seeded]);
+        wait_until("usage seeded from the listing", || {
+            let st = adapter_status(&srv);
+            st["current_size_bytes"] == bytes && st["stored_object_count"] == N
+        });
+        assert_eq!(
+            srv.metric("lmcache_mp_l2_usage_bytes", &[("l2_name", L2)]),
+            Some(bytes as f64)
+        );
+    }
+    assert_eq!(s3.objects("seed").len(), N);
+
+    // Seeding on, capacity of exactly those objects, LRU at 80 %: the
+    // seeded usage triggers eviction, which deletes the oldest half.
+    let gb = bytes as f64 / (1u64 << 30) as f64;
+    let evicting = s3.adapter(
+        "seed",
+        &format!(
+            r#","s3_seed_usage_on_start":true,"max_capacity_gb":{gb},"eviction":{{"eviction_policy":"LRU","trigger_watermark":0.8,"eviction_ratio":0.5}}"#
+        ),
+    );
+    let srv = Server::start(&["--cores", "0", "--l2-adapter", &evicting]);
+    wait_until("eviction of half the seeded objects", || {
+        s3.objects("seed").len() == N / 2
+    });
+    let left: Vec<String> = s3.objects("seed").into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        left,
+        names[..N / 2],
+        "eviction did not take the oldest first"
+    );
+    wait_until("usage after the eviction", || {
+        adapter_status(&srv)["current_size_bytes"] == (N / 2 * ED_CHUNK_BYTES) as u64
+    });
+    assert!(srv.metric("lmcache_mp_l2_evicted_objects_chunks_total", &[]) >= Some((N / 2) as f64));
+}
+
+/// Registers an engine_driven worker of `model` with a hidden size of 48: a
+/// chunk object of 2 x 2 layers x 16 tokens x 48 x 2 bytes = 6144 bytes,
+/// which is not a multiple of the 4096-byte L1 alignment.
+const ODD_CHUNK_BYTES: usize = 2 * 2 * ED_CHUNK * 48 * 2;
+
+fn odd_store(srv: &Server, iid: i64, toks: &[u32], n: usize, seed: u64) -> Vec<Vec<u8>> {
+    let mut c = srv.client();
+    let r = c
+        .call(
+            OP_REGISTER_ENGINE,
+            &[engine_ctx_payload(
+                iid,
+                "odd",
+                1,
+                2,
+                48,
+                false,
+                ED_CHUNK as i64,
+            )],
+        )
+        .expect("registration");
+    let mut pool = ShmMap::open(
+        r.get("shm_name").unwrap().str(),
+        r.get("pool_size").unwrap().int() as usize,
+    );
+    let key = ed_key("odd", Some(0), toks, n, "odd-store");
+    let r = c
+        .call(OP_PREPARE_STORE, &[key.clone(), V::I(iid)])
+        .expect("prepare_store reply");
+    let mut written = Vec::new();
+    for (i, slot) in ed_slots(&r).iter().enumerate() {
+        let off = slot.get("offset").unwrap().int() as usize;
+        let len = slot.get("length").unwrap().int() as usize;
+        assert_eq!(len, ODD_CHUNK_BYTES);
+        let data = pattern(seed * 100 + i as u64, len);
+        pool.bytes_mut()[off..off + len].copy_from_slice(&data);
+        written.push(data);
+    }
+    assert_eq!(written.len(), n);
+    assert_eq!(
+        c.call(OP_COMMIT_STORE, &[key, V::I(iid), V::Bin(vec![])]),
+        Some(V::B(true))
+    );
+    c.call(OP_END_SESSION, &[s("odd-store")]);
+    written
+}
+
+fn odd_lookup_retrieve(srv: &Server, iid: i64, toks: &[u32], n: usize) -> (i64, Vec<Vec<u8>>) {
+    let mut c = srv.client();
+    let r = c
+        .call(
+            OP_REGISTER_ENGINE,
+            &[engine_ctx_payload(
+                iid,
+                "odd",
+                1,
+                2,
+                48,
+                false,
+                ED_CHUNK as i64,
+            )],
+        )
+        .expect("registration");
+    let pool = ShmMap::open(
+        r.get("shm_name").unwrap().str(),
+        r.get("pool_size").unwrap().int() as usize,
+    );
+    let hits = ed_lookup(&mut c, &ed_key("odd", None, toks, n, "odd-load"));
+    let back = if hits > 0 {
+        ed_retrieve(
+            &mut c,
+            &pool,
+            &ed_key("odd", Some(0), toks, hits as usize, "odd-load"),
+            iid,
+        )
+    } else {
+        Vec::new()
+    };
+    c.call(OP_END_SESSION, &[s("odd-load")]);
+    (hits, back)
+}
+
+#[test]
+fn chunks_off_the_l1_alignment_are_stored_whole_and_only_whole() {
+    let s3 = S3sFs::start(&["odd"]);
+    let adapter = s3.adapter("odd", "");
+    let toks = ed_tokens(91, 3 * ED_CHUNK);
+    let stored = {
+        let srv = Server::start(&["--l2-adapter", &adapter]);
+        let stored = odd_store(&srv, 1, &toks, 3, 14);
+        wait_until("3 objects", || {
+            s3.objects("odd").len() == 3 && stores_settled(&srv)
+        });
+        // The object is the chunk, not the chunk plus the slab's padding.
+        for (name, len) in s3.objects("odd") {
+            assert_eq!(len, ODD_CHUNK_BYTES as u64, "{name}");
+            assert!(stored.contains(&s3.object_bytes("odd", &name)), "{name}");
+        }
+        assert_eq!(
+            counter(&srv, "kvshard_s3_unfull_rejected_objects_total"),
+            0.0
+        );
+        assert_eq!(counter(&srv, "kvshard_l2_store_failed_objects_total"), 0.0);
+        stored
+    };
+    // And they load back as hits (the size matches the layout on lookup).
+    let srv = Server::start(&["--l2-adapter", &adapter]);
+    let (hits, back) = odd_lookup_retrieve(&srv, 2, &toks, 3);
+    assert_eq!(hits, 3);
+    assert!(back == stored);
+    assert_eq!(
+        srv.metric("kvshard_l2_size_mismatch_objects_total", &[]),
+        Some(0.0)
+    );
+}
