@@ -163,8 +163,9 @@ pub struct S3ClientConfig {
     /// credentials (the HTTP sources trust [`Self::ca_bundle`] and
     /// [`Self::system_roots`] as S3 does).
     pub credentials_refresh: CredentialsRefreshConfig,
-    /// Clock of the breaker (tests inject a manual one). Default the system
-    /// clock.
+    /// Time as the client sees it: the breaker's cooldowns, the signing
+    /// date and S3 Express session expiries (tests inject a manual one).
+    /// Default the system clock.
     pub clock: Arc<dyn Clock>,
 }
 
@@ -1126,7 +1127,7 @@ impl ClientInner {
             credentials: &id.creds,
             region: &self.cfg.region,
             service: id.service,
-            time: SigningTime::now(),
+            time: SigningTime::System(self.cfg.clock.wall()),
             settings: &id.settings,
         };
         let bad_header =
@@ -1628,6 +1629,11 @@ impl ClientInner {
             .await?;
         add(&self.counters.sessions_created, 1);
         Ok(creds)
+    }
+
+    /// Wall-clock time as the client sees it ([`S3ClientConfig::clock`]).
+    pub(crate) fn wall_now(&self) -> std::time::SystemTime {
+        self.cfg.clock.wall()
     }
 
     pub(crate) fn express_cache(&self) -> Option<&SessionCache> {

@@ -87,7 +87,7 @@ impl SessionCache {
     /// A session usable now, if cached. Starts a background refresh when
     /// it is close to expiry.
     fn usable(&self, client: &Rc<ClientInner>) -> Option<Rc<Credentials>> {
-        let now = SystemTime::now();
+        let now = client.wall_now();
         let (creds, expires_at) = {
             let session = self.session.borrow();
             let s = session.as_ref()?;

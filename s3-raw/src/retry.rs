@@ -22,6 +22,12 @@ use std::time::{Duration, Instant, SystemTime};
 pub trait Clock: Send + Sync {
     /// Now.
     fn now(&self) -> Instant;
+
+    /// Wall-clock time: request signing dates and S3 Express session
+    /// expiries. Default the system's.
+    fn wall(&self) -> SystemTime {
+        SystemTime::now()
+    }
 }
 
 /// The real monotonic clock.
@@ -34,10 +40,12 @@ impl Clock for SystemClock {
     }
 }
 
-/// A clock that moves only when told to.
+/// A clock that moves only when told to (both its monotonic and its wall
+/// time).
 #[derive(Debug)]
 pub struct ManualClock {
     base: Instant,
+    base_wall: SystemTime,
     offset_nanos: std::sync::atomic::AtomicU64,
 }
 
@@ -46,8 +54,13 @@ impl ManualClock {
     pub fn new() -> ManualClock {
         ManualClock {
             base: Instant::now(),
+            base_wall: SystemTime::now(),
             offset_nanos: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    fn offset(&self) -> Duration {
+        Duration::from_nanos(self.offset_nanos.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Moves the clock forward.
@@ -66,8 +79,11 @@ impl Default for ManualClock {
 
 impl Clock for ManualClock {
     fn now(&self) -> Instant {
-        self.base
-            + Duration::from_nanos(self.offset_nanos.load(std::sync::atomic::Ordering::Relaxed))
+        self.base + self.offset()
+    }
+
+    fn wall(&self) -> SystemTime {
+        self.base_wall + self.offset()
     }
 }
 

@@ -22,6 +22,7 @@ use hyper::{Request, Response};
 use kvshard_s3_raw::addressing::{resolve_bucket, AddressingConfig, BucketAddress};
 use kvshard_s3_raw::error::Cause;
 use kvshard_s3_raw::express::ExpressConfig;
+use kvshard_s3_raw::retry::{Clock, ManualClock, SystemClock};
 use kvshard_s3_raw::time::AmzDate;
 use kvshard_s3_raw::{ErrorKind, Op, Outcome, RecvRegion, S3Client, SendRegion};
 
@@ -39,8 +40,9 @@ struct Session {
     expires: SystemTime,
 }
 
-#[derive(Default)]
 struct MockState {
+    /// The mock's time (the client's, in tests that move it).
+    clock: Arc<dyn Clock>,
     /// Lifetime the mock enforces.
     server_ttl: Duration,
     /// Lifetime it reports in `Expiration` (normally the same).
@@ -262,7 +264,7 @@ impl MockState {
         verify_signature(parts, auth, BASE_SECRET, None)?;
         self.create_sessions += 1;
         let n = self.create_sessions;
-        let now = SystemTime::now();
+        let now = self.clock.wall();
         let key = format!("ASIAMOCK{n:06}");
         let secret = format!("session-secret-{n}");
         let token = format!("session-token-{n}+/=");
@@ -303,7 +305,7 @@ impl MockState {
         if session.token != token {
             return reject(403, "InvalidToken", "token does not match the session");
         }
-        if session.expires <= SystemTime::now() {
+        if session.expires <= self.clock.wall() {
             return reject(400, "ExpiredToken", "the session has expired");
         }
         let secret = session.secret.clone();
@@ -354,10 +356,23 @@ struct ExpressMock {
 
 impl ExpressMock {
     fn start(server_ttl: Duration, reported_ttl: Duration) -> ExpressMock {
+        ExpressMock::start_with_clock(server_ttl, reported_ttl, Arc::new(SystemClock))
+    }
+
+    fn start_with_clock(
+        server_ttl: Duration,
+        reported_ttl: Duration,
+        clock: Arc<dyn Clock>,
+    ) -> ExpressMock {
         let state = Arc::new(Mutex::new(MockState {
+            clock,
             server_ttl,
             reported_ttl,
-            ..MockState::default()
+            sessions: HashMap::new(),
+            objects: HashMap::new(),
+            create_sessions: 0,
+            data_requests: 0,
+            rejections: Vec::new(),
         }));
         let stop = Arc::new(AtomicBool::new(false));
         let (port_tx, port_rx) = std::sync::mpsc::channel();
@@ -516,6 +531,57 @@ fn sessions_refresh_ahead_of_expiry_and_no_request_fails() {
     ] {
         assert_eq!(stats.sent(op), stats.count(op, Outcome::Ok), "{op}");
     }
+}
+
+/// S3 Express's own lifetime: 5-minute sessions, the client's default
+/// refresh settings (a background refresh with 60 s left, never used with
+/// less than 5 s), and the client's and the mock's clocks moved 20 s per
+/// round across two expiries. Every request is accepted, each expiry is
+/// bridged by one background refresh, and no request waits for a session
+/// after the first.
+#[test]
+fn five_minute_sessions_are_refreshed_across_their_expiry() {
+    let clock = Arc::new(ManualClock::new());
+    let ttl = Duration::from_secs(300);
+    let mock = ExpressMock::start_with_clock(ttl, ttl, clock.clone());
+    let mut cfg = express_config(&mock, BASE_SECRET);
+    cfg.clock = clock.clone();
+    assert_eq!(cfg.express, ExpressConfig::default());
+    let stats = Arc::new(Mutex::new(None));
+    {
+        let stats = stats.clone();
+        on_shard("s3-express-5min", move || async move {
+            let client = S3Client::new(cfg).unwrap();
+            // 0 s .. 700 s of the clock, 20 s a round.
+            for round in 0..36usize {
+                let key = format!("express/five@{round:03}");
+                let data = pattern(500 + round, round as u64);
+                client
+                    .put_object(&key, SendRegion::from_vec(data.clone()))
+                    .await
+                    .unwrap_or_else(|e| panic!("put at {} s: {e}", round * 20));
+                let mut back = vec![0u8; data.len()];
+                client
+                    .get_object_into(&key, RecvRegion::from_mut_slice(&mut back))
+                    .await
+                    .unwrap_or_else(|e| panic!("get at {} s: {e}", round * 20));
+                assert!(back == data, "object {round}");
+                // Room for a background refresh to finish (real time).
+                glommio::timer::sleep(Duration::from_millis(30)).await;
+                clock.advance(Duration::from_secs(20));
+            }
+            *stats.lock().unwrap() = Some(client.stats());
+        });
+    }
+    let stats = stats.lock().unwrap().clone().unwrap();
+    let st = mock.state.lock().unwrap();
+    assert!(st.rejections.is_empty(), "{:#?}", st.rejections);
+    // Sessions minted at 0 s, ~240 s and ~480 s (refreshed with <= 60 s left).
+    assert_eq!(stats.sessions_created, 3, "{stats:?}");
+    assert_eq!(stats.session_refreshes, 2, "{stats:?}");
+    assert_eq!(st.create_sessions, 3);
+    assert_eq!(stats.retries, 0, "{stats:?}");
+    assert_eq!(st.data_requests, 72);
 }
 
 #[test]
