@@ -4,7 +4,9 @@
 //! objects of 1, 8 and 32 MiB, 1, 8 and 64 requests in flight. For each point:
 //! throughput (object bytes / wall time) and client CPU seconds per GB (user +
 //! system time of the client's whole process: our bench process, or the
-//! Python process that drives the CRT).
+//! Python process that drives the CRT). A full run measures each point in 3
+//! rounds that alternate the two clients and prints medians (throughput and
+//! CPU per GB each); the h2c column is one round.
 //!
 //! Both clients speak HTTP/1.1 here (awscrt does not do h2c); ours over h2c is
 //! shown too. The S3 server shares the machine's CPUs with the client, so the
@@ -189,6 +191,37 @@ fn bench_points() -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// Removes what a point's runs stored, keeping the server's disk footprint
+/// to one run.
+fn clear_point(server: &s3s::S3sFs, tag: &str) {
+    if let Ok(entries) = std::fs::read_dir(server.root.join(BUCKET)) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(tag) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+}
+
+/// The median throughput and the median CPU per GB of each direction, over
+/// rounds of (put, get) runs.
+fn median_runs(runs: &[(Run, Run)]) -> (Run, Run) {
+    let median = |pick: &dyn Fn(&(Run, Run)) -> Run| {
+        let mut by_speed: Vec<Run> = runs.iter().map(pick).collect();
+        let mut by_cpu = by_speed.clone();
+        by_speed.sort_by(|a, b| a.gbps().total_cmp(&b.gbps()));
+        by_cpu.sort_by(|a, b| a.cpu_per_gb().total_cmp(&b.cpu_per_gb()));
+        let (s, c) = (by_speed[by_speed.len() / 2], by_cpu[by_cpu.len() / 2]);
+        // A run with the median speed, carrying the median CPU per GB.
+        Run {
+            cpu_seconds: c.cpu_per_gb() * (s.bytes as f64 / 1e9),
+            ..s
+        }
+    };
+    (median(&|r| r.0), median(&|r| r.1))
+}
+
 fn awscrt_python() -> Option<String> {
     if let Ok(p) = std::env::var("KVSHARD_AWSCRT_PYTHON") {
         // "none" leaves the awscrt side out (profiling our client alone).
@@ -252,18 +285,18 @@ fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     let server = s3s::S3sFs::start(&[BUCKET]);
     let python = awscrt_python();
-    let (points, total): (Vec<(usize, usize)>, usize) = if full {
-        (bench_points(), 256 << 20)
+    let (points, total, rounds): (Vec<(usize, usize)>, usize, usize) = if full {
+        (bench_points(), 256 << 20, 3)
     } else {
         println!("(smoke run under cargo test: tiny matrix; figures come from `cargo bench`)");
-        (vec![(1 << 20, 1), (1 << 20, 8)], 8 << 20)
+        (vec![(1 << 20, 1), (1 << 20, 8)], 8 << 20, 1)
     };
     if python.is_none() {
         println!("(awscrt side skipped: no lmcache virtualenv; run tools/compat/run.sh first)");
     }
     println!(
         "== s3: PUT/GET against s3s-fs on loopback; throughput GB/s and client CPU s/GB; ours over HTTP/1.1 \
-         vs awscrt {} (same objects, same run); bars: throughput >= awscrt, CPU/GB <= 0.5x awscrt",
+         vs awscrt {} (same objects, same run, median of {rounds}); bars: throughput >= awscrt, CPU/GB <= 0.5x awscrt",
         if python.is_some() { "0.38.1 (lmcache's setup)" } else { "(skipped)" }
     );
     println!(
@@ -276,11 +309,33 @@ fn main() {
             let count = conc.max(total / size);
             n += 1;
             let tag = format!("p{n}");
-            let (op, oh) = ours(server.port, size, conc, count, false, &tag);
+            // Rounds alternate the two clients; the figures are medians.
+            let mut ours_runs = Vec::new();
+            let mut crt_runs = Vec::new();
+            for r in 0..rounds {
+                ours_runs.push(ours(
+                    server.port,
+                    size,
+                    conc,
+                    count,
+                    false,
+                    &format!("{tag}r{r}"),
+                ));
+                if let Some(py) = python.as_deref() {
+                    crt_runs.push(awscrt(
+                        py,
+                        server.port,
+                        size,
+                        conc,
+                        count,
+                        &format!("{tag}c{r}"),
+                    ));
+                }
+                clear_point(&server, &tag);
+            }
+            let (op, oh) = median_runs(&ours_runs);
+            let crt = (!crt_runs.is_empty()).then(|| median_runs(&crt_runs));
             let (hp, hg) = ours(server.port, size, conc, count, true, &format!("{tag}h"));
-            let crt = python
-                .as_deref()
-                .map(|py| awscrt(py, server.port, size, conc, count, &format!("{tag}c")));
             for (name, o, h2, c) in [
                 ("put", op, hp, crt.map(|c| c.0)),
                 ("get", oh, hg, crt.map(|c| c.1)),
@@ -308,11 +363,7 @@ fn main() {
                     h2.gbps()
                 );
             }
-            // Keep the server's disk footprint to one point.
-            let _ = std::fs::remove_dir_all(server.root.join(BUCKET).join(&tag));
-            let _ = std::fs::remove_dir_all(server.root.join(BUCKET).join(format!("{tag}h")));
-            let _ = std::fs::remove_dir_all(server.root.join(BUCKET).join(format!("{tag}c")));
-            std::thread::sleep(Duration::from_millis(100));
+            clear_point(&server, &tag);
         }
     }
 }
