@@ -29,6 +29,25 @@ struct Rig {
 }
 
 impl Rig {
+    /// Stores the first `n` chunks of `toks` through a server with
+    /// `adapter`, waits until they are in the bucket, and starts a fresh
+    /// server (empty L1) on the same adapter: (the bytes stored, it).
+    fn stored_then_fresh_server(
+        &self,
+        adapter: &str,
+        toks: &[u32],
+        n: usize,
+        seed: u64,
+    ) -> (Vec<Vec<u8>>, Server) {
+        let srv = Server::start(&["--l2-adapter", adapter]);
+        let stored = ed_store_chunks(&srv, 1, toks, n, seed);
+        wait_until("the objects in the bucket", || {
+            self.objects().len() == n && stores_settled(&srv)
+        });
+        drop(srv);
+        (stored, Server::start(&["--l2-adapter", adapter]))
+    }
+
     fn start() -> Rig {
         let proxy = FaultProxy::start();
         let s3 = S3sFs::start_with_domain(&[BUCKET], Some(proxy.port));
@@ -164,16 +183,8 @@ fn a_get_cut_mid_body_is_a_miss_or_a_retry_with_the_right_bytes() {
     let adapter =
         rig.adapter(r#","s3_request_timeout_secs":2,"s3_breaker_initial_cooldown_s":0.5"#);
     let toks = ed_tokens(41, 3 * ED_CHUNK);
-    let stored = {
-        let srv = Server::start(&["--l2-adapter", &adapter]);
-        let stored = ed_store_chunks(&srv, 1, &toks, 3, 4);
-        wait_until("3 objects", || {
-            rig.objects().len() == 3 && stores_settled(&srv)
-        });
-        stored
-    };
     // A fresh server: the chunks are in S3 only.
-    let mut srv = Server::start(&["--l2-adapter", &adapter]);
+    let (stored, mut srv) = rig.stored_then_fresh_server(&adapter, &toks, 3, 4);
 
     // One GET cut half way: the retry loads the right bytes.
     rig.proxy
@@ -221,15 +232,7 @@ fn a_stalled_server_costs_the_request_deadline_not_the_server() {
     let adapter =
         rig.adapter(r#","s3_request_timeout_secs":1,"s3_breaker_initial_cooldown_s":0.5"#);
     let toks = ed_tokens(51, 2 * ED_CHUNK);
-    let stored = {
-        let srv = Server::start(&["--l2-adapter", &adapter]);
-        let stored = ed_store_chunks(&srv, 1, &toks, 2, 5);
-        wait_until("2 objects", || {
-            rig.objects().len() == 2 && stores_settled(&srv)
-        });
-        stored
-    };
-    let mut srv = Server::start(&["--l2-adapter", &adapter]);
+    let (stored, mut srv) = rig.stored_then_fresh_server(&adapter, &toks, 2, 5);
 
     // GETs that are read and never answered: the loads time out, the
     // chunks are misses, and the lookup answers well within its wait.

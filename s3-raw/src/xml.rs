@@ -624,9 +624,24 @@ pub fn parse_create_session(input: &str) -> Result<Credentials, XmlError> {
         .ok_or(XmlError::Missing {
             element: "CreateSessionResult/Credentials",
         })?;
-    let token = creds.req_text("SessionToken", "Credentials/SessionToken")?;
-    let secret = creds.req_text("SecretAccessKey", "Credentials/SecretAccessKey")?;
+    temporary_credentials(
+        creds,
+        "CreateSessionResult/Credentials",
+        CredentialSource::S3ExpressSession,
+    )
+}
+
+/// The key id, secret, session token and expiry of a `Credentials` element
+/// (CreateSession and STS answer with the same four), as credentials of
+/// `source`.
+fn temporary_credentials(
+    creds: &Element,
+    element: &'static str,
+    source: CredentialSource,
+) -> Result<Credentials, XmlError> {
     let access_key = creds.req_text("AccessKeyId", "Credentials/AccessKeyId")?;
+    let secret = creds.req_text("SecretAccessKey", "Credentials/SecretAccessKey")?;
+    let token = creds.req_text("SessionToken", "Credentials/SessionToken")?;
     let expiry = creds
         .opt_time("Expiration", "Credentials/Expiration")?
         .ok_or(XmlError::Missing {
@@ -638,9 +653,9 @@ pub fn parse_create_session(input: &str) -> Result<Credentials, XmlError> {
         Some(token.trim().to_owned()),
         Some(expiry),
     )
-    .map(|c| c.with_source(CredentialSource::S3ExpressSession))
+    .map(|c| c.with_source(source))
     .map_err(|_| XmlError::InvalidValue {
-        element: "CreateSessionResult/Credentials",
+        element,
         value: "<redacted>".to_owned(),
         expected: "non-empty key id, secret and token without control characters",
     })
@@ -663,26 +678,11 @@ pub fn parse_assume_role_with_web_identity(input: &str) -> Result<Credentials, X
         .ok_or(XmlError::Missing {
             element: "AssumeRoleWithWebIdentityResult/Credentials",
         })?;
-    let access_key = creds.req_text("AccessKeyId", "Credentials/AccessKeyId")?;
-    let secret = creds.req_text("SecretAccessKey", "Credentials/SecretAccessKey")?;
-    let token = creds.req_text("SessionToken", "Credentials/SessionToken")?;
-    let expiry = creds
-        .opt_time("Expiration", "Credentials/Expiration")?
-        .ok_or(XmlError::Missing {
-            element: "Credentials/Expiration",
-        })?;
-    Credentials::new(
-        access_key.trim(),
-        secret.trim(),
-        Some(token.trim().to_owned()),
-        Some(expiry),
+    temporary_credentials(
+        creds,
+        "AssumeRoleWithWebIdentityResult/Credentials",
+        CredentialSource::WebIdentity,
     )
-    .map(|c| c.with_source(CredentialSource::WebIdentity))
-    .map_err(|_| XmlError::InvalidValue {
-        element: "AssumeRoleWithWebIdentityResult/Credentials",
-        value: "<redacted>".to_owned(),
-        expected: "non-empty key id, secret and token without control characters",
-    })
 }
 
 /// Parses an STS error: `<ErrorResponse><Error><Code>` (the query
