@@ -104,57 +104,34 @@ fn ours(port: u16, size: usize, conc: usize, count: usize, http2: bool, tag: &st
         // do (a fresh zeroed Vec would fault its pages in during the GETs).
         let mut dest: Vec<Vec<u8>> = (0..conc).map(|_| vec![0x5a_u8; size]).collect();
 
-        let c0 = cpu_seconds();
-        let t0 = Instant::now();
+        let bytes = (size * count) as u64;
         let next = std::cell::Cell::new(0usize);
-        let workers = (0..conc).map(|_| {
-            let (client, body, keys, next) = (client.clone(), body.clone(), &keys, &next);
-            async move {
-                loop {
-                    let i = next.get();
-                    if i >= keys.len() {
-                        return;
-                    }
-                    next.set(i + 1);
+        let put = measured(bytes, async {
+            let workers = (0..conc).map(|_| async {
+                while let Some(key) = claim(&next, &keys) {
                     client
-                        .put_object(&keys[i], SendRegion::from_bytes(body.clone()))
+                        .put_object(key, SendRegion::from_bytes(body.clone()))
                         .await
-                        .unwrap_or_else(|e| panic!("PUT {}: {e}", keys[i]));
+                        .unwrap_or_else(|e| panic!("PUT {key}: {e}"));
                 }
-            }
-        });
-        futures_util::future::join_all(workers).await;
-        let put = Run {
-            seconds: t0.elapsed().as_secs_f64(),
-            cpu_seconds: cpu_seconds() - c0,
-            bytes: (size * count) as u64,
-        };
+            });
+            futures_util::future::join_all(workers).await;
+        })
+        .await;
 
-        let c0 = cpu_seconds();
-        let t0 = Instant::now();
         next.set(0);
-        let workers = dest.iter_mut().map(|d| {
-            let (client, keys, next) = (client.clone(), &keys, &next);
-            async move {
-                loop {
-                    let i = next.get();
-                    if i >= keys.len() {
-                        return;
-                    }
-                    next.set(i + 1);
+        let get = measured(bytes, async {
+            let workers = dest.iter_mut().map(|d| async {
+                while let Some(key) = claim(&next, &keys) {
                     client
-                        .get_object_into(&keys[i], RecvRegion::from_mut_slice(d.as_mut_slice()))
+                        .get_object_into(key, RecvRegion::from_mut_slice(d.as_mut_slice()))
                         .await
-                        .unwrap_or_else(|e| panic!("GET {}: {e}", keys[i]));
+                        .unwrap_or_else(|e| panic!("GET {key}: {e}"));
                 }
-            }
-        });
-        futures_util::future::join_all(workers).await;
-        let get = Run {
-            seconds: t0.elapsed().as_secs_f64(),
-            cpu_seconds: cpu_seconds() - c0,
-            bytes: (size * count) as u64,
-        };
+            });
+            futures_util::future::join_all(workers).await;
+        })
+        .await;
         // Every buffer last held some object, and all objects hold `body`.
         for d in &dest {
             assert!(
@@ -164,6 +141,25 @@ fn ours(port: u16, size: usize, conc: usize, count: usize, http2: bool, tag: &st
         }
         (put, get)
     })
+}
+
+/// Wall and CPU time of `work`, which moves `bytes` object bytes.
+async fn measured(bytes: u64, work: impl std::future::Future<Output = ()>) -> Run {
+    let c0 = cpu_seconds();
+    let t0 = Instant::now();
+    work.await;
+    Run {
+        seconds: t0.elapsed().as_secs_f64(),
+        cpu_seconds: cpu_seconds() - c0,
+        bytes,
+    }
+}
+
+/// The next key no worker has taken yet (`next` is shared by the workers).
+fn claim<'k>(next: &std::cell::Cell<usize>, keys: &'k [String]) -> Option<&'k str> {
+    let i = next.get();
+    next.set(i + 1);
+    keys.get(i).map(String::as_str)
 }
 
 /// The (object size, requests in flight) points of a full run: every

@@ -461,87 +461,11 @@ fn seeded_usage_counts_the_bucket_and_eviction_deletes_the_oldest_first() {
     assert!(srv.metric("lmcache_mp_l2_evicted_objects_chunks_total", &[]) >= Some((N / 2) as f64));
 }
 
-/// Registers an engine_driven worker of `model` with a hidden size of 48: a
-/// chunk object of 2 x 2 layers x 16 tokens x 48 x 2 bytes = 6144 bytes,
-/// which is not a multiple of the 4096-byte L1 alignment.
-const ODD_CHUNK_BYTES: usize = 2 * 2 * ED_CHUNK * 48 * 2;
-
-fn odd_store(srv: &Server, iid: i64, toks: &[u32], n: usize, seed: u64) -> Vec<Vec<u8>> {
-    let mut c = srv.client();
-    let r = c
-        .call(
-            OP_REGISTER_ENGINE,
-            &[engine_ctx_payload(
-                iid,
-                "odd",
-                1,
-                2,
-                48,
-                false,
-                ED_CHUNK as i64,
-            )],
-        )
-        .expect("registration");
-    let mut pool = ShmMap::open(
-        r.get("shm_name").unwrap().str(),
-        r.get("pool_size").unwrap().int() as usize,
-    );
-    let key = ed_key("odd", Some(0), toks, n, "odd-store");
-    let r = c
-        .call(OP_PREPARE_STORE, &[key.clone(), V::I(iid)])
-        .expect("prepare_store reply");
-    let mut written = Vec::new();
-    for (i, slot) in ed_slots(&r).iter().enumerate() {
-        let off = slot.get("offset").unwrap().int() as usize;
-        let len = slot.get("length").unwrap().int() as usize;
-        assert_eq!(len, ODD_CHUNK_BYTES);
-        let data = pattern(seed * 100 + i as u64, len);
-        pool.bytes_mut()[off..off + len].copy_from_slice(&data);
-        written.push(data);
-    }
-    assert_eq!(written.len(), n);
-    assert_eq!(
-        c.call(OP_COMMIT_STORE, &[key, V::I(iid), V::Bin(vec![])]),
-        Some(V::B(true))
-    );
-    c.call(OP_END_SESSION, &[s("odd-store")]);
-    written
-}
-
-fn odd_lookup_retrieve(srv: &Server, iid: i64, toks: &[u32], n: usize) -> (i64, Vec<Vec<u8>>) {
-    let mut c = srv.client();
-    let r = c
-        .call(
-            OP_REGISTER_ENGINE,
-            &[engine_ctx_payload(
-                iid,
-                "odd",
-                1,
-                2,
-                48,
-                false,
-                ED_CHUNK as i64,
-            )],
-        )
-        .expect("registration");
-    let pool = ShmMap::open(
-        r.get("shm_name").unwrap().str(),
-        r.get("pool_size").unwrap().int() as usize,
-    );
-    let hits = ed_lookup(&mut c, &ed_key("odd", None, toks, n, "odd-load"));
-    let back = if hits > 0 {
-        ed_retrieve(
-            &mut c,
-            &pool,
-            &ed_key("odd", Some(0), toks, hits as usize, "odd-load"),
-            iid,
-        )
-    } else {
-        Vec::new()
-    };
-    c.call(OP_END_SESSION, &[s("odd-load")]);
-    (hits, back)
-}
+/// Hidden size of the odd layout: a chunk object of 2 x 2 layers x 16
+/// tokens x 48 x 2 bytes = 6144 bytes, which is not a multiple of the
+/// 4096-byte L1 alignment.
+const ODD_HIDDEN: usize = 48;
+const ODD_CHUNK_BYTES: usize = ed_chunk_bytes(ODD_HIDDEN);
 
 #[test]
 fn chunks_off_the_l1_alignment_are_stored_whole_and_only_whole() {
@@ -550,7 +474,7 @@ fn chunks_off_the_l1_alignment_are_stored_whole_and_only_whole() {
     let toks = ed_tokens(91, 3 * ED_CHUNK);
     let stored = {
         let srv = Server::start(&["--l2-adapter", &adapter]);
-        let stored = odd_store(&srv, 1, &toks, 3, 14);
+        let stored = ed_store_chunks_of(&srv, 1, "odd", ODD_HIDDEN, &toks, 3, 14);
         wait_until("3 objects", || {
             s3.objects("odd").len() == 3 && stores_settled(&srv)
         });
@@ -568,7 +492,7 @@ fn chunks_off_the_l1_alignment_are_stored_whole_and_only_whole() {
     };
     // And they load back as hits (the size matches the layout on lookup).
     let srv = Server::start(&["--l2-adapter", &adapter]);
-    let (hits, back) = odd_lookup_retrieve(&srv, 2, &toks, 3);
+    let (hits, back) = ed_lookup_retrieve_of(&srv, 2, "odd", ODD_HIDDEN, &toks, 3, "odd-load");
     assert_eq!(hits, 3);
     assert!(back == stored);
     assert_eq!(

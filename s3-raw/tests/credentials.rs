@@ -2,45 +2,18 @@
 //! files in temporary directories (the process environment is never read or
 //! changed).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::{Duration, UNIX_EPOCH};
 
+use common::TempDir;
 use kvshard_s3_raw::credentials::{
     from_env, parse_profile_file, plan_credentials, profile_file_paths, resolve_credentials,
     selected_profile, static_from_config, CredentialPlan, CredentialSource, Credentials,
     CredentialsError, Env, HttpCredentialFetcher, HttpCredentialSource, ProfileFileKind,
     IMDS_ENDPOINT_IPV4, IMDS_ENDPOINT_IPV6, STS_GLOBAL_ENDPOINT,
 };
-
-/// A temporary directory removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir =
-            std::env::temp_dir().join(format!("kvshard-s3raw-creds-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    fn write(&self, relative: &str, text: &str) -> PathBuf {
-        let path = self.0.join(relative);
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, text).unwrap();
-        path
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// An environment whose HOME is `home` and where IMDS is disabled, plus
 /// `vars`.

@@ -3,11 +3,12 @@
 //! HTTP servers started here on 127.0.0.1. Environments are built per test;
 //! the process environment is never read or changed.
 
+mod common;
 mod mock_http;
 
 use std::cell::Cell;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -19,38 +20,8 @@ use kvshard_s3_raw::credentials::{
 };
 use kvshard_s3_raw::net::TlsTrust;
 
+use common::TempDir;
 use mock_http::*;
-
-/// A temporary directory removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!(
-            "kvshard-s3raw-credhttp-{}-{name}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    fn write(&self, name: &str, text: &str) -> PathBuf {
-        let path = self.0.join(name);
-        std::fs::write(&path, text).unwrap();
-        path
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// HOME in an empty directory (no profile files), plus `vars`.
 fn env(home: &TempDir, vars: &[(&str, &str)]) -> Env {

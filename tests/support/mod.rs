@@ -666,8 +666,17 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// Tokens per chunk of `Server::start` (its `--chunk-size`).
 pub const ED_CHUNK: usize = 16;
 
-/// Bytes of one chunk object of an `ed_register`ed worker: [2, 2 layers, 16 slots, 64] f16.
-pub const ED_CHUNK_BYTES: usize = 2 * 2 * ED_CHUNK * 64 * 2;
+/// Hidden size of an `ed_register`ed worker.
+pub const ED_HIDDEN: usize = 64;
+
+/// Bytes of one chunk object of a worker registered with hidden size
+/// `hidden`: [2, 2 layers, 16 slots, hidden] f16.
+pub const fn ed_chunk_bytes(hidden: usize) -> usize {
+    2 * 2 * ED_CHUNK * hidden * 2
+}
+
+/// Bytes of one chunk object of an `ed_register`ed worker.
+pub const ED_CHUNK_BYTES: usize = ed_chunk_bytes(ED_HIDDEN);
 
 /// A token sequence of `n` tokens that differs for every seed.
 pub fn ed_tokens(seed: u32, n: usize) -> Vec<u32> {
@@ -711,6 +720,12 @@ pub fn with_field(v: &V, name: &str, value: V) -> V {
 /// Registers an engine_driven worker of `model` (world size 1, 2 layers, hidden
 /// 64, float16); returns the pool's (shm name, size).
 pub fn ed_register(c: &mut Client, iid: i64, model: &str) -> (String, usize) {
+    ed_register_hidden(c, iid, model, ED_HIDDEN)
+}
+
+/// [`ed_register`] with hidden size `hidden` (chunk objects of
+/// [`ed_chunk_bytes`]`(hidden)`).
+pub fn ed_register_hidden(c: &mut Client, iid: i64, model: &str, hidden: usize) -> (String, usize) {
     let r = c
         .call(
             OP_REGISTER_ENGINE,
@@ -719,7 +734,7 @@ pub fn ed_register(c: &mut Client, iid: i64, model: &str) -> (String, usize) {
                 model,
                 1,
                 2,
-                64,
+                hidden as i64,
                 false,
                 ED_CHUNK as i64,
             )],
@@ -745,6 +760,18 @@ pub fn ed_slots(reply: &V) -> Vec<V> {
 /// must succeed). Returns the bytes written, in chunk order; an empty list when
 /// nothing needed storing.
 pub fn ed_store(c: &mut Client, pool: &mut ShmMap, key: &V, iid: i64, seed: u64) -> Vec<Vec<u8>> {
+    ed_store_sized(c, pool, key, iid, seed, ED_CHUNK_BYTES)
+}
+
+/// [`ed_store`] for a worker whose chunk objects are `chunk_bytes` long.
+pub fn ed_store_sized(
+    c: &mut Client,
+    pool: &mut ShmMap,
+    key: &V,
+    iid: i64,
+    seed: u64,
+    chunk_bytes: usize,
+) -> Vec<Vec<u8>> {
     let r = c
         .call(OP_PREPARE_STORE, &[key.clone(), V::I(iid)])
         .expect("prepare_store reply");
@@ -756,7 +783,7 @@ pub fn ed_store(c: &mut Client, pool: &mut ShmMap, key: &V, iid: i64, seed: u64)
     for (i, slot) in slots.iter().enumerate() {
         let off = slot.get("offset").unwrap().int() as usize;
         let len = slot.get("length").unwrap().int() as usize;
-        assert_eq!(len, ED_CHUNK_BYTES, "slot length");
+        assert_eq!(len, chunk_bytes, "slot length");
         let data = pattern(seed.wrapping_mul(1_000_003).wrapping_add(i as u64), len);
         pool.bytes_mut()[off..off + len].copy_from_slice(&data);
         written.push(data);
@@ -826,11 +853,24 @@ pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 /// Registers worker `iid` on model "m" and stores the first `n` chunks of
 /// `toks` (engine_driven) under request "store"; returns the bytes stored.
 pub fn ed_store_chunks(srv: &Server, iid: i64, toks: &[u32], n: usize, seed: u64) -> Vec<Vec<u8>> {
+    ed_store_chunks_of(srv, iid, "m", ED_HIDDEN, toks, n, seed)
+}
+
+/// [`ed_store_chunks`] on model `model` with hidden size `hidden`.
+pub fn ed_store_chunks_of(
+    srv: &Server,
+    iid: i64,
+    model: &str,
+    hidden: usize,
+    toks: &[u32],
+    n: usize,
+    seed: u64,
+) -> Vec<Vec<u8>> {
     let mut c = srv.client();
-    let (name, size) = ed_register(&mut c, iid, "m");
+    let (name, size) = ed_register_hidden(&mut c, iid, model, hidden);
     let mut pool = ShmMap::open(&name, size);
-    let key = ed_key("m", Some(0), toks, n, "store");
-    let stored = ed_store(&mut c, &mut pool, &key, iid, seed);
+    let key = ed_key(model, Some(0), toks, n, "store");
+    let stored = ed_store_sized(&mut c, &mut pool, &key, iid, seed, ed_chunk_bytes(hidden));
     assert_eq!(stored.len(), n);
     c.call(OP_END_SESSION, &[s("store")]);
     stored
@@ -845,15 +885,28 @@ pub fn ed_lookup_retrieve(
     n: usize,
     rid: &str,
 ) -> (i64, Vec<Vec<u8>>) {
+    ed_lookup_retrieve_of(srv, iid, "m", ED_HIDDEN, toks, n, rid)
+}
+
+/// [`ed_lookup_retrieve`] on model `model` with hidden size `hidden`.
+pub fn ed_lookup_retrieve_of(
+    srv: &Server,
+    iid: i64,
+    model: &str,
+    hidden: usize,
+    toks: &[u32],
+    n: usize,
+    rid: &str,
+) -> (i64, Vec<Vec<u8>>) {
     let mut c = srv.client();
-    let (name, size) = ed_register(&mut c, iid, "m");
+    let (name, size) = ed_register_hidden(&mut c, iid, model, hidden);
     let pool = ShmMap::open(&name, size);
-    let hits = ed_lookup(&mut c, &ed_key("m", None, toks, n, rid));
+    let hits = ed_lookup(&mut c, &ed_key(model, None, toks, n, rid));
     let back = if hits > 0 {
         ed_retrieve(
             &mut c,
             &pool,
-            &ed_key("m", Some(0), toks, hits as usize, rid),
+            &ed_key(model, Some(0), toks, hits as usize, rid),
             iid,
         )
     } else {

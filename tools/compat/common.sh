@@ -18,3 +18,26 @@ while time.monotonic() < deadline:
 sys.exit(1)
 PY
 }
+
+# Sum of every series of metric NAME in /metrics on 127.0.0.1:PORT, as an integer.
+metric() { # PORT NAME
+    python3 - "$1" "$2" <<'PY'
+import sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+print(int(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(sys.argv[2] + " ") or l.startswith(sys.argv[2] + "{"))))
+PY
+}
+
+# Fails with a hint unless the lmcache client is installed in $VENV.
+need_client() { # LABEL
+    "$VENV/bin/python" -c "import lmcache" 2>/dev/null || { echo "$1: run tools/compat/run.sh first"; exit 1; }
+}
+
+# Sets BIN to the given kvshard binary, or builds the release one.
+kvshard_bin() { # [PATH]
+    BIN="${1:-}"
+    if [ -z "$BIN" ]; then
+        cargo build --release --bin kvshard
+        BIN=target/release/kvshard
+    fi
+}

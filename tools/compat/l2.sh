@@ -11,15 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+. tools/compat/common.sh
 VENV="${KVSHARD_COMPAT_VENV:-$HOME/.cache/kvshard/lmcache-0.5.6}"
-BIN="${1:-}"
 N="${KVSHARD_COMPAT_L2_REQUESTS:-4}"
 TOKENS=1024 # 4 chunks of 256 tokens, 32 MiB objects with the bench's default shape
-"$VENV/bin/python" -c "import lmcache" 2>/dev/null || { echo "compat-l2: run tools/compat/run.sh first"; exit 1; }
-if [ -z "$BIN" ]; then
-    cargo build --release --bin kvshard
-    BIN=target/release/kvshard
-fi
+need_client compat-l2
+kvshard_bin "${1:-}"
 export LMCACHE_DISABLE_BANNER=1
 WORK=$(mktemp -d)
 LOG="$WORK/server.log"
@@ -27,7 +24,6 @@ PID=""
 cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null; wait 2>/dev/null; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-. tools/compat/common.sh
 start() { # kind (kvshard|lmcache) dir [extra flags...]
     local kind="$1" dir="$2"; shift 2
     PORT=$(free_port); HTTP=$(free_port)
@@ -62,13 +58,6 @@ phase() { # store|load sums mode start
         --num-tokens "$TOKENS" --start "$4" --end "$(($4 + N))" 2>"$WORK/client.err" \
         || { echo "compat-l2: $1 ($3) failed"; tail -20 "$WORK/client.err"; tail -30 "$LOG"; exit 1; }
 }
-metric() { # name
-    python3 - "$HTTP" "$1" <<'PY'
-import sys, urllib.request
-text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
-print(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(sys.argv[2] + " ") or l.startswith(sys.argv[2] + "{")))
-PY
-}
 CHUNKS=$((N * TOKENS / 256)) # one kv rank
 
 # 1. kvshard -> restart -> kvshard
@@ -77,7 +66,7 @@ for mode in engine_driven lmcache_driven; do
     start kvshard "$dir"; phase store "$WORK/sums-$mode" "$mode" 100
     wait_files "$dir" "$CHUNKS"; stop
     start kvshard "$dir"; phase load "$WORK/sums-$mode" "$mode" 100
-    hits=$(metric lmcache_mp_lookup_hit_l2_keys_total); stop; rm -rf "$dir"
+    hits=$(metric "$HTTP" lmcache_mp_lookup_hit_l2_keys_total); stop; rm -rf "$dir"
     echo "compat-l2: kvshard restart ($mode): $N/$N requests hit from L2, checksums match ($hits keys loaded)"
 done
 
@@ -107,7 +96,7 @@ dir="$WORK/skip"; mkdir -p "$dir"
 start kvshard "$dir" --l2-store-policy skip_l1 --eviction-policy noop
 phase store "$WORK/sums-skip" engine_driven 400; wait_l1_empty
 phase load "$WORK/sums-skip" engine_driven 400; wait_l1_empty
-hits=$(metric lmcache_mp_lookup_hit_l2_keys_total); stop; rm -rf "$dir"
-[ "${hits%.*}" -eq "$CHUNKS" ] || { echo "compat-l2: skip_l1: $hits of $CHUNKS keys came from L2"; exit 1; }
+hits=$(metric "$HTTP" lmcache_mp_lookup_hit_l2_keys_total); stop; rm -rf "$dir"
+[ "$hits" -eq "$CHUNKS" ] || { echo "compat-l2: skip_l1: $hits of $CHUNKS keys came from L2"; exit 1; }
 echo "compat-l2: skip_l1: L1 empty after stores and retrieves, $N/$N requests hit from L2 ($hits keys), checksums match"
 echo "compat-l2: all passed"

@@ -12,16 +12,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
+. tools/compat/common.sh
 VENV="${KVSHARD_COMPAT_VENV:-$HOME/.cache/kvshard/lmcache-0.5.6}"
-BIN="${1:-}"
 N="${KVSHARD_COMPAT_S3_REQUESTS:-4}"
 TOKENS=1024 # 4 chunks of 256 tokens, 32 MiB objects with the bench's default shape
-"$VENV/bin/python" -c "import lmcache" 2>/dev/null || { echo "compat-s3: run tools/compat/run.sh first"; exit 1; }
+need_client compat-s3
 S3S=$(bash tools/s3/install-s3s-fs.sh)
-if [ -z "$BIN" ]; then
-    cargo build --release --bin kvshard
-    BIN=target/release/kvshard
-fi
+kvshard_bin "${1:-}"
 export LMCACHE_DISABLE_BANNER=1
 WORK=$(mktemp -d)
 LOG="$WORK/server.log"
@@ -34,7 +31,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-. tools/compat/common.sh
 AK=compat-ak
 SK=compat-secret
 S3PORT=$(free_port)
@@ -59,13 +55,6 @@ phase() { # store|load sums mode start port http
         --rpc-url "tcp://127.0.0.1:$5" --url "http://127.0.0.1:$6" \
         --num-tokens "$TOKENS" --start "$4" --end "$(($4 + N))" 2>"$WORK/client.err" \
         || { echo "compat-s3: $1 ($3) failed"; tail -20 "$WORK/client.err"; tail -30 "$LOG"; exit 1; }
-}
-metric() { # http name
-    python3 - "$1" "$2" <<'PY'
-import sys, urllib.request
-text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
-print(int(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(sys.argv[2] + " ") or l.startswith(sys.argv[2] + "{"))))
-PY
 }
 wait_objects() { # bucket count
     python3 - "$WORK/s3/$1" "$2" <<'PY' || { echo "compat-s3: $2 objects did not reach bucket $1"; find "$WORK/s3/$1" -type f | wc -l; tail -20 "$LOG"; exit 1; }

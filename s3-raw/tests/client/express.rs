@@ -23,10 +23,10 @@ use kvshard_s3_raw::addressing::{resolve_bucket, AddressingConfig, BucketAddress
 use kvshard_s3_raw::error::Cause;
 use kvshard_s3_raw::express::ExpressConfig;
 use kvshard_s3_raw::retry::{Clock, ManualClock, SystemClock};
-use kvshard_s3_raw::time::AmzDate;
 use kvshard_s3_raw::{ErrorKind, Op, Outcome, RecvRegion, S3Client, SendRegion};
 
 use crate::common::parse_amz_date;
+use crate::mock_http::iso8601;
 use crate::support::*;
 
 const BUCKET: &str = "kvshard--use1-az4--x-s3";
@@ -66,20 +66,6 @@ fn xml_response(status: u16, body: String) -> Response<Full<Bytes>> {
         .header("content-type", "application/xml")
         .body(Full::new(Bytes::from(body)))
         .unwrap()
-}
-
-fn rfc3339(t: SystemTime) -> String {
-    let d = AmzDate::from_system_time(t).unwrap();
-    let s = d.as_str();
-    format!(
-        "{}-{}-{}T{}:{}:{}Z",
-        &s[0..4],
-        &s[4..6],
-        &s[6..8],
-        &s[9..11],
-        &s[11..13],
-        &s[13..15]
-    )
 }
 
 /// `Credential=AK/date/region/service/aws4_request, SignedHeaders=.., Signature=..`
@@ -278,7 +264,7 @@ impl MockState {
         );
         let xml = format!(
             "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<CreateSessionResult xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\"><Credentials><SessionToken>{token}</SessionToken><SecretAccessKey>{secret}</SecretAccessKey><AccessKeyId>{key}</AccessKeyId><Expiration>{}</Expiration></Credentials></CreateSessionResult>",
-            rfc3339(now + self.reported_ttl)
+            iso8601(now + self.reported_ttl)
         );
         Ok(xml_response(200, xml))
     }

@@ -6,9 +6,8 @@
 #![allow(dead_code)]
 
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvshard_s3_raw::addressing::{resolve_bucket, AddressingConfig, BucketAddress};
@@ -39,31 +38,7 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
     out
 }
 
-static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// A directory removed on drop.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new(label: &str) -> TempDir {
-        let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let path =
-            std::env::temp_dir().join(format!("kvshard-s3raw-{label}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("create temp dir");
-        TempDir(path)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+pub use crate::common::TempDir;
 
 /// A port nothing listens on right now.
 pub fn free_port() -> u16 {
