@@ -482,9 +482,7 @@ impl H1Conn {
         let mut within = true;
         self.read_body(|piece| {
             received += piece.len();
-            let room = limit.saturating_sub(out.len());
-            out.extend_from_slice(&piece[..piece.len().min(room)]);
-            within = piece.len() <= room;
+            within = append_limited(out, piece, limit);
             within
         })
         .await?;
@@ -619,6 +617,14 @@ impl H1Conn {
     fn quickack(&self) {
         kvshard_io::http::set_quickack(self.fd);
     }
+}
+
+/// Appends what fits of `piece` to `out` without passing `limit` bytes;
+/// false when some of it did not fit.
+pub fn append_limited(out: &mut Vec<u8>, piece: &[u8], limit: usize) -> bool {
+    let room = limit.saturating_sub(out.len());
+    out.extend_from_slice(&piece[..piece.len().min(room)]);
+    piece.len() <= room
 }
 
 /// The receive low-water mark for reading `left` more body bytes straight

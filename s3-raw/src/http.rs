@@ -731,29 +731,49 @@ impl Lease {
         }
     }
 
+    /// Reads the response body to its end (either protocol), handing each
+    /// piece to `sink`, which returns false to stop early.
+    async fn read_body(&mut self, mut sink: impl FnMut(&[u8]) -> bool) -> Result<(), HttpError> {
+        if let Some(LeaseConn::H1(c)) = self.conn.as_mut() {
+            return c.read_body(sink).await;
+        }
+        let Some(body) = self.h2_body.as_mut() else {
+            return Ok(());
+        };
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.map_err(HttpError::Hyper)?.into_data() {
+                if !sink(&data) {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Reads the whole response body into `window`; returns the body's
     /// length (which may be less than the window). A body longer than the
     /// window is [`HttpError::TooLong`].
     pub(crate) async fn read_body_into(&mut self, window: &mut Window) -> Result<usize, HttpError> {
         if let Some(LeaseConn::H1(c)) = self.conn.as_mut() {
+            // Straight from the socket into the window.
             let n = c.read_body_into(window.unfilled_mut()).await?;
             window.advance(n);
             return Ok(n);
         }
         let capacity = window.len() - window.filled();
         let mut total = 0usize;
-        let body = self.h2_body.as_mut().expect("a response was received");
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(HttpError::Hyper)?;
-            if let Ok(data) = frame.into_data() {
-                total += data.len();
-                if !window.push(&data) {
-                    return Err(HttpError::TooLong {
-                        capacity: capacity as u64,
-                        actual: total as u64,
-                    });
-                }
-            }
+        let mut fits = true;
+        self.read_body(|piece| {
+            total += piece.len();
+            fits = window.push(piece);
+            fits
+        })
+        .await?;
+        if !fits {
+            return Err(HttpError::TooLong {
+                capacity: capacity as u64,
+                actual: total as u64,
+            });
         }
         Ok(total)
     }
@@ -766,45 +786,25 @@ impl Lease {
         out: &mut Vec<u8>,
         limit: usize,
     ) -> Result<(usize, bool), HttpError> {
-        if let Some(LeaseConn::H1(c)) = self.conn.as_mut() {
-            return c.read_body_limited(out, limit).await;
-        }
-        let body = self.h2_body.as_mut().expect("a response was received");
         let mut received = 0usize;
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(HttpError::Hyper)?;
-            if let Ok(data) = frame.into_data() {
-                received += data.len();
-                let room = limit.saturating_sub(out.len());
-                out.extend_from_slice(&data[..data.len().min(room)]);
-                if data.len() > room {
-                    return Ok((received, false));
-                }
-            }
-        }
-        Ok((received, true))
+        let mut within = true;
+        self.read_body(|piece| {
+            received += piece.len();
+            within = h1::append_limited(out, piece, limit);
+            within
+        })
+        .await?;
+        Ok((received, within))
     }
 
     /// Reads and drops the rest of the response body; returns its length.
     pub async fn discard_body(&mut self) -> Result<usize, HttpError> {
-        if let Some(LeaseConn::H1(c)) = self.conn.as_mut() {
-            let mut received = 0usize;
-            c.read_body(|piece| {
-                received += piece.len();
-                true
-            })
-            .await?;
-            return Ok(received);
-        }
-        let Some(body) = self.h2_body.as_mut() else {
-            return Ok(0);
-        };
         let mut received = 0usize;
-        while let Some(frame) = body.frame().await {
-            if let Ok(data) = frame.map_err(HttpError::Hyper)?.into_data() {
-                received += data.len();
-            }
-        }
+        self.read_body(|piece| {
+            received += piece.len();
+            true
+        })
+        .await?;
         Ok(received)
     }
 
