@@ -373,15 +373,6 @@ impl H1Conn {
         self.framing == Framing::Done
     }
 
-    /// The body length announced by `Content-Length` and not yet read.
-    pub fn body_remaining(&self) -> Option<u64> {
-        match self.framing {
-            Framing::Length(n) => Some(n),
-            Framing::Done => Some(0),
-            _ => None,
-        }
-    }
-
     /// Reads the whole body into `dst`, which must hold it; returns the
     /// body's length. A body announced longer than `dst` is refused before
     /// a byte is read; one that turns out longer is an error after `dst` is

@@ -376,12 +376,6 @@ impl Pool {
         Slot(permit)
     }
 
-    /// Waits for a request slot and a connection.
-    pub async fn acquire(&self) -> Result<Lease, ConnectError> {
-        let slot = self.acquire_slot().await;
-        self.lease(slot).await
-    }
-
     /// A connection for a request that holds `slot`.
     pub async fn lease(&self, slot: Slot) -> Result<Lease, ConnectError> {
         let inner = &self.inner;
