@@ -713,10 +713,23 @@ pub struct KvshardArgs {
         allow_negative_numbers = true
     )]
     pub max_registrations: usize,
-    /// [kvshard only] Largest request frame accepted, in bytes (default 64 MiB); a larger frame
-    /// is refused with the op's failure reply.
-    #[arg(long, value_name = "BYTES", default_value_t = 64 << 20, allow_negative_numbers = true)]
+    /// [kvshard only] Largest request payload frame accepted, in bytes (default 512 MiB: a
+    /// pickled store of 8 chunks of 32 MiB fits). A larger frame is answered with the op's
+    /// failure reply, logged and counted (kvshard_oversized_frames_total); one over twice this
+    /// (at least 1 GiB) is dropped by ZeroMQ with its connection before kvshard sees it.
+    #[arg(long, value_name = "BYTES", default_value_t = 512 << 20, allow_negative_numbers = true)]
     pub max_frame_bytes: usize,
+    /// [kvshard only] HTTP API connections kept open at once. At the bound, a new client takes
+    /// the place of the connection that has waited longest on its client (idle, or sending
+    /// slowly), counted in kvshard_http_connections_shed_total; idle clients never keep
+    /// /healthcheck or /metrics waiting.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1024,
+        allow_negative_numbers = true
+    )]
+    pub http_max_connections: usize,
     /// [kvshard only] L1 bytes being written to L2 at once, server-wide, in GiB; more
     /// stores wait their turn.
     #[arg(
@@ -1525,6 +1538,7 @@ impl ServerArgs {
             max_sessions: nonzero("--max-sessions", kvshard.max_sessions)?,
             max_registrations: nonzero("--max-registrations", kvshard.max_registrations)?,
             max_frame_bytes: nonzero("--max-frame-bytes", kvshard.max_frame_bytes)?,
+            http_max_connections: nonzero("--http-max-connections", kvshard.http_max_connections)?,
         };
         Ok((config, notes))
     }
@@ -1688,7 +1702,7 @@ mod tests {
         assert_eq!(a.kvshard.shard_queue_depth, 4096);
         assert_eq!(a.kvshard.max_sessions, 65536);
         assert_eq!(a.kvshard.max_registrations, 4096);
-        assert_eq!(a.kvshard.max_frame_bytes, 64 * 1024 * 1024);
+        assert_eq!(a.kvshard.max_frame_bytes, 512 * 1024 * 1024);
     }
 
     #[test]
@@ -1719,7 +1733,7 @@ mod tests {
         assert_eq!(c.l1.read_ttl, Duration::from_secs(300));
         assert_eq!(c.l1.eviction_policy, EvictionPolicyName::Lru);
         assert_eq!(c.lookup_hash_log, None);
-        assert_eq!(c.max_frame_bytes, 64 << 20);
+        assert_eq!(c.max_frame_bytes, 512 << 20);
         // A fresh UUID v4 per start.
         assert_eq!(c.instance_id.len(), 36);
         assert_ne!(config(&[]).instance_id, c.instance_id);
@@ -2199,6 +2213,7 @@ mod tests {
             (&["--max-sessions", "0"], "--max-sessions"),
             (&["--max-registrations", "0"], "--max-registrations"),
             (&["--max-frame-bytes", "0"], "--max-frame-bytes"),
+            (&["--http-max-connections", "0"], "--http-max-connections"),
         ];
         for (argv, flag) in cases {
             rejected(argv, flag, false);

@@ -284,3 +284,42 @@ fn pipelined_lookup_and_wait_prefetch_status() {
         Some(V::I(0))
     );
 }
+
+#[test]
+fn a_reaped_worker_takes_its_lookup_locks_with_it() {
+    let srv = Server::start(&[
+        "--worker-reap-timeout-seconds",
+        "30",
+        "--worker-registration-grace-seconds",
+        "30",
+    ]);
+    let mut c = srv.client();
+    let (name, size) = register(&mut c, 7, 1, false);
+    let mut pool = ShmMap::open(&name, size);
+    let toks = tokens(21, 3 * CS);
+    store_all(&mut c, &mut pool, 7, 1, 0, &toks, "s");
+    assert_eq!(c.call(OP_PING, &[V::I(7)]), Some(V::B(true)));
+    // The scheduler looks the prefix up for worker 7, which then dies.
+    let key = ipc_key("m", 1, None, &toks, 0, 3 * CS as i64, "r", 1);
+    assert_eq!(c.call(OP_LOOKUP, &[key, V::I(1)]), None);
+    assert_eq!(c.prefetch_result("r"), 3);
+    let read_locked = || {
+        srv.get_json("/status")["storage_manager"]["l1_manager"]["read_locked_count"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(read_locked(), 3);
+    // Reaped within 37.5 s of its last request; its locks go with it, long
+    // before their 300 s TTL.
+    wait_until_within(
+        "worker 7 to be reaped",
+        std::time::Duration::from_secs(60),
+        std::time::Duration::from_millis(250),
+        || srv.metric("kvshard_reaped_workers_total", &[]) == Some(1.0),
+    );
+    wait_until("its lookup locks to be released", || read_locked() == 0);
+    assert_eq!(
+        srv.metric("kvshard_orphaned_read_locks_released_total", &[]),
+        Some(3.0)
+    );
+}

@@ -383,3 +383,28 @@ fn eager_l1_is_fully_allocated_from_the_start() {
     assert_eq!(store(&mut c, &mut pool, 0).len(), PER);
     assert_eq!(used_total(&srv), ((PER * OBJ) as u64, CONFIGURED));
 }
+
+#[test]
+fn allocation_failures_are_the_store_and_load_refusals() {
+    let srv = start(&[]);
+    let mut c = srv.client();
+    let _pool = register(&mut c);
+    // Reservations never committed hold their memory until the write TTL, so
+    // 1.5x what fits leaves the last third of the chunks without room.
+    let reqs = 3 * fit() / 2 / PER;
+    let mut refused = 0;
+    for req in 0..reqs {
+        let r = c
+            .call(OP_PREPARE_STORE, &[key(req, Some(0), &rid(req)), V::I(IID)])
+            .expect("prepare_store reply");
+        let reserved = r.get("context").unwrap().get("slots").unwrap().arr().len();
+        refused += PER - reserved;
+    }
+    assert!(refused >= fit() / 2 - PER, "{refused} chunks found no room");
+    let failures = metric(&srv, "lmcache_mp_l1_allocation_failure_chunks_total");
+    assert_eq!(failures, refused as u64);
+    assert_eq!(metric(&srv, "kvshard_store_oom_chunks_total"), failures);
+    assert_eq!(metric(&srv, "kvshard_l2_load_oom_chunks_total"), 0);
+    let mut srv = srv;
+    assert!(srv.alive());
+}

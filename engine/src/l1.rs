@@ -464,7 +464,8 @@ impl L1Shard {
             });
             self.stats.expired_stages += freed.len() as u64;
             if let Some(stage) = taken.as_mut() {
-                log::warn!(
+                kvshard_io::log_limited!(
+                    log::Level::Warn,
                     "L1: write reservation of {key:?} (tag {}) expired; handing its slab to tag {}",
                     stage.tag.0,
                     tag.0
@@ -627,7 +628,8 @@ impl L1Shard {
             .position(|s| s.tag == tag)
             .ok_or(L1Error::KeyNotExist)?;
         if !entry.stages[at].write_lock.is_locked(now) {
-            log::warn!(
+            kvshard_io::log_limited!(
+                log::Level::Warn,
                 "L1: finish_write on {key:?} (tag {}) after its write reservation expired",
                 tag.0
             );
@@ -730,7 +732,10 @@ impl L1Shard {
                 continue;
             };
             if !r.read_lock.is_locked(now) {
-                log::warn!("L1: finish_read on {key:?}, which holds no live read lock");
+                kvshard_io::log_limited!(
+                    log::Level::Warn,
+                    "L1: finish_read on {key:?}, which holds no live read lock"
+                );
                 out.push(Err(L1Error::KeyInWrongState));
                 continue;
             }
@@ -840,7 +845,8 @@ impl L1Shard {
                     return true;
                 }
                 if live {
-                    log::warn!(
+                    kvshard_io::log_limited!(
+                        log::Level::Warn,
                         "L1: force-discarding live staging object {key:?} (tag {})",
                         s.tag.0
                     );
@@ -859,7 +865,10 @@ impl L1Shard {
                     Some(r) if r.read_lock.is_locked(now) && !force => Err(L1Error::KeyIsLocked),
                     Some(r) => {
                         if r.read_lock.is_locked(now) {
-                            log::warn!("L1: force-deleting read-locked key {key:?}");
+                            kvshard_io::log_limited!(
+                                log::Level::Warn,
+                                "L1: force-deleting read-locked key {key:?}"
+                            );
                         }
                         freed.push(entry.resident.take().expect("resident matched").slab);
                         Ok(())

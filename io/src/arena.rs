@@ -20,6 +20,8 @@ use std::fmt;
 use std::io;
 use std::ptr::NonNull;
 
+use crate::shm_segment::{OwnedSegment, SegmentError};
+
 /// How to build an [`Arena`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ArenaConfig {
@@ -76,6 +78,9 @@ pub enum ArenaError {
         size_bytes: u64,
         reason: String,
     },
+    /// A live process holds the shm segment of that name (another server
+    /// started with the same `--shm-name`).
+    ShmInUse(SegmentError),
     /// `/dev/shm` has less free room than the arena needs.
     ShmNoSpace {
         name: String,
@@ -148,6 +153,7 @@ impl fmt::Display for ArenaError {
                 "invalid L1 arena config ({}, {size_bytes} bytes): {reason}",
                 fmt_name(name)
             ),
+            ArenaError::ShmInUse(e) => e.fmt(f),
             ArenaError::ShmNoSpace {
                 name,
                 size_bytes,
@@ -221,7 +227,8 @@ pub struct Arena {
     len: usize,
     /// Length of the mapping: `len` rounded up to the page size in use.
     map_len: usize,
-    shm_name: Option<String>,
+    /// The named segment behind the mapping, with its ownership lock.
+    segment: Option<OwnedSegment>,
     huge_pages: HugePages,
 }
 
@@ -239,7 +246,7 @@ impl fmt::Debug for Arena {
         f.debug_struct("Arena")
             .field("base", &self.base)
             .field("len", &self.len)
-            .field("shm_name", &self.shm_name)
+            .field("shm_name", &self.shm_name())
             .field("huge_pages", &self.huge_pages)
             .finish()
     }
@@ -341,16 +348,6 @@ fn free_bytes(path: &str) -> io::Result<u64> {
         return Err(last_os_error());
     }
     Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
-}
-
-/// Owns an fd until dropped, so every early return closes it.
-struct Fd(libc::c_int);
-
-impl Drop for Fd {
-    fn drop(&mut self) {
-        // SAFETY: the fd was opened by us and is closed exactly once.
-        unsafe { libc::close(self.0) };
-    }
 }
 
 /// Maps `len` bytes with `flags` (and `fd`, or -1). With `huge_aligned` the
@@ -541,7 +538,7 @@ impl Arena {
             base,
             len,
             map_len: len.next_multiple_of(page_size()),
-            shm_name: None,
+            segment: None,
             huge_pages: cfg.huge_pages,
         };
         if thp {
@@ -589,7 +586,7 @@ impl Arena {
             base,
             len,
             map_len,
-            shm_name: None,
+            segment: None,
             huge_pages: HugePages::Hugetlb,
         })
     }
@@ -606,20 +603,16 @@ impl Arena {
             size_bytes: cfg.size_bytes,
             source,
         };
-        let cname = CString::new(format!("/{name}")).expect("validated: no NUL in name");
-
-        // A segment left by a crashed run would make O_EXCL fail; lmcache 0.5.6
-        // removes it the same way. Clients that still map it keep their pages.
-        // SAFETY: `cname` is NUL-terminated.
-        if unsafe { libc::shm_unlink(cname.as_ptr()) } != 0 {
-            let e = last_os_error();
-            if e.raw_os_error() != Some(libc::ENOENT) {
-                return Err(os_err("shm_unlink (stale segment)", e));
-            }
-        } else {
-            log::warn!("removed stale shm segment /dev/shm/{name}");
-        }
-
+        // A segment left by a crashed run is replaced, as lmcache 0.5.6 does;
+        // one a live server holds is not. From here on dropping `segment`
+        // removes what it created.
+        let segment = OwnedSegment::create(name).map_err(|e| match e {
+            SegmentError::InUse { .. } => ArenaError::ShmInUse(e),
+            SegmentError::Os { op, source, .. } => os_err(op, source),
+        })?;
+        let fd = segment.fd();
+        // Checked after the claim: a stale segment's pages are only freed once
+        // it is removed.
         let available = free_bytes("/dev/shm").map_err(|e| os_err("statvfs(/dev/shm)", e))?;
         if available < cfg.size_bytes {
             return Err(ArenaError::ShmNoSpace {
@@ -628,29 +621,9 @@ impl Arena {
                 available_bytes: available,
             });
         }
-
-        // SAFETY: `cname` is NUL-terminated.
-        let raw = unsafe {
-            libc::shm_open(
-                cname.as_ptr(),
-                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
-                0o600 as libc::mode_t,
-            )
-        };
-        if raw < 0 {
-            return Err(os_err("shm_open", last_os_error()));
-        }
-        let fd = Fd(raw);
-        // From here on a failure must remove the segment we created.
-        let fail = |op: &'static str, e: io::Error| {
-            // SAFETY: `cname` is NUL-terminated.
-            unsafe { libc::shm_unlink(cname.as_ptr()) };
-            os_err(op, e)
-        };
-
         // SAFETY: `fd` is an open shm fd.
-        if unsafe { libc::ftruncate(fd.0, cfg.size_bytes as libc::off_t) } != 0 {
-            return Err(fail("ftruncate", last_os_error()));
+        if unsafe { libc::ftruncate(fd, cfg.size_bytes as libc::off_t) } != 0 {
+            return Err(os_err("ftruncate", last_os_error()));
         }
         let thp = cfg.huge_pages == HugePages::Transparent;
         // With transparent huge pages the pages are allocated through the
@@ -659,23 +632,23 @@ impl Arena {
         if populate && !thp {
             // Reserve the tmpfs pages now: ENOSPC here beats SIGBUS later.
             // SAFETY: `fd` is an open shm fd.
-            let rc = unsafe { libc::fallocate(fd.0, 0, 0, cfg.size_bytes as libc::off_t) };
+            let rc = unsafe { libc::fallocate(fd, 0, 0, cfg.size_bytes as libc::off_t) };
             if rc != 0 {
-                return Err(fail("fallocate", last_os_error()));
+                return Err(os_err("fallocate", last_os_error()));
             }
         }
         let mut flags = libc::MAP_SHARED;
         if populate && !thp {
             flags |= libc::MAP_POPULATE;
         }
-        let base = map_region(len, flags, fd.0, thp).map_err(|e| fail("mmap", e))?;
-        drop(fd); // the mapping keeps the segment alive
-                  // From here on dropping `arena` unmaps and unlinks.
+        let base = map_region(len, flags, fd, thp).map_err(|e| os_err("mmap", e))?;
+        // From here on dropping `arena` unmaps and unlinks. The segment's fd
+        // stays open: it holds the lock that marks the segment as live.
         let arena = Arena {
             base,
             len,
             map_len: len.next_multiple_of(page_size()),
-            shm_name: Some(name.to_string()),
+            segment: Some(segment),
             huge_pages: cfg.huge_pages,
         };
         if thp {
@@ -759,7 +732,7 @@ impl Arena {
 
     /// The shm segment name (without '/'), for a named arena.
     pub fn shm_name(&self) -> Option<&str> {
-        self.shm_name.as_deref()
+        self.segment.as_ref().map(OwnedSegment::name)
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<(usize, usize), ArenaError> {
@@ -839,16 +812,8 @@ impl Drop for Arena {
                 io::Error::last_os_error()
             );
         }
-        if let Some(name) = &self.shm_name {
-            let cname = CString::new(format!("/{name}")).expect("validated: no NUL in name");
-            // SAFETY: `cname` is NUL-terminated.
-            if unsafe { libc::shm_unlink(cname.as_ptr()) } != 0 {
-                let e = io::Error::last_os_error();
-                if e.raw_os_error() != Some(libc::ENOENT) {
-                    log::warn!("shm_unlink(/{name}) failed: {e}");
-                }
-            }
-        }
+        // The segment (if any) drops after this: it unlinks the name only if
+        // the name still refers to the segment this arena created.
     }
 }
 

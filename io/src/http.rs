@@ -1,13 +1,14 @@
 //! hyper 1.x on glommio: an IO adapter over glommio's TcpStream, a local
 //! executor, a timer, and an HTTP/1.1 accept loop.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::os::fd::RawFd;
 use std::pin::Pin;
 use std::rc::Rc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
@@ -277,24 +278,192 @@ impl Drop for LocalSleep {
 /// Limits for [`serve_http1_with`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HttpServeConfig {
-    /// Connections served at once; further clients wait in the listen
-    /// backlog until one closes. Default 256.
+    /// Connections kept open at once. A client arriving when they are all open
+    /// takes the place of the one that has waited longest on its client (idle
+    /// between requests, or sending its headers or body slowly); if every
+    /// connection is being answered, the newcomer gets 503. Default 1024.
     pub max_connections: usize,
     /// Time a client has to send a request's headers, also the idle limit of
-    /// a kept-alive connection (None = unlimited). Default 30 s.
+    /// a kept-alive connection (None = unlimited). Default 10 s.
     pub header_read_timeout: Option<Duration>,
+    /// Most bytes buffered per connection for a request's headers (hyper's
+    /// read buffer; at least 8192). Default 64 KiB.
+    pub max_buf_size: usize,
 }
 
 impl Default for HttpServeConfig {
     fn default() -> Self {
         HttpServeConfig {
-            max_connections: 256,
-            header_read_timeout: Some(Duration::from_secs(30)),
+            max_connections: 1024,
+            header_read_timeout: Some(Duration::from_secs(10)),
+            max_buf_size: 64 * 1024,
         }
     }
 }
 
-/// Serve HTTP/1.1 on `listener` with the default [`HttpServeConfig`].
+/// Counters of one HTTP server, read on its executor (for `/metrics`).
+#[derive(Debug, Default)]
+pub struct HttpStats {
+    /// Connections open now.
+    pub open: Cell<u64>,
+    pub accepted: Cell<u64>,
+    /// Connections closed to make room while they waited on their client.
+    pub shed: Cell<u64>,
+    /// Clients answered 503 because every connection was being answered.
+    pub refused: Cell<u64>,
+    /// Connections closed because the client did not send its headers in time.
+    pub header_timeouts: Cell<u64>,
+}
+
+fn bump(c: &Cell<u64>) {
+    c.set(c.get() + 1);
+}
+
+/// Who a connection is waiting on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pace {
+    /// The client: the next request's headers, or a request body. Such a
+    /// connection may be shed to make room.
+    Client,
+    /// The server: a request is being answered.
+    Server,
+}
+
+struct ConnState {
+    pace: Cell<Pace>,
+    /// When `pace` last changed.
+    since: Cell<Instant>,
+    shed: Cell<bool>,
+    waker: Cell<Option<Waker>>,
+}
+
+impl ConnState {
+    fn set_pace(&self, pace: Pace) {
+        self.pace.set(pace);
+        self.since.set(Instant::now());
+    }
+
+    fn shed(&self) {
+        self.shed.set(true);
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+}
+
+/// A served connection, as its service sees it.
+#[derive(Clone)]
+pub struct Conn(Rc<ConnState>);
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("pace", &self.0.pace.get())
+            .field("shed", &self.0.shed.get())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Conn {
+    /// Runs `fut` (reading a request body, say) as time spent waiting on the
+    /// client: if the server is full meanwhile, this connection may be closed
+    /// to make room, as an idle one would.
+    pub async fn client_paced<F: Future>(&self, fut: F) -> F::Output {
+        struct Back<'a>(&'a ConnState);
+        impl Drop for Back<'_> {
+            fn drop(&mut self) {
+                self.0.set_pace(Pace::Server);
+            }
+        }
+        self.0.set_pace(Pace::Client);
+        let _back = Back(&self.0);
+        fut.await
+    }
+}
+
+/// Resolves once the connection is shed.
+struct Shed<'a>(&'a ConnState);
+
+impl Future for Shed<'_> {
+    type Output = ();
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.0.shed.get() {
+            return Poll::Ready(());
+        }
+        self.0.waker.set(Some(cx.waker().clone()));
+        Poll::Pending
+    }
+}
+
+/// A service that marks its connection server-paced while it answers.
+struct Tracked<S> {
+    inner: S,
+    conn: Conn,
+}
+
+impl<S, Req> Service<Req> for Tracked<S>
+where
+    S: Service<Req>,
+    S::Future: 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>>>>;
+
+    fn call(&self, req: Req) -> Self::Future {
+        struct Idle(Conn);
+        impl Drop for Idle {
+            fn drop(&mut self) {
+                // Answered (or dropped): the connection waits on its client again.
+                self.0 .0.set_pace(Pace::Client);
+            }
+        }
+        self.conn.0.set_pace(Pace::Server);
+        let idle = Idle(self.conn.clone());
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let out = fut.await;
+            drop(idle);
+            out
+        })
+    }
+}
+
+/// The open connections of one server.
+#[derive(Default)]
+struct Conns {
+    next_id: u64,
+    open: HashMap<u64, Rc<ConnState>>,
+}
+
+impl Conns {
+    /// The connection that has waited longest on its client, not shed yet.
+    fn longest_waiting(&self) -> Option<&Rc<ConnState>> {
+        self.open
+            .values()
+            .filter(|c| c.pace.get() == Pace::Client && !c.shed.get())
+            .min_by_key(|c| c.since.get())
+    }
+
+    /// Connections not shed.
+    fn live(&self) -> usize {
+        self.open.values().filter(|c| !c.shed.get()).count()
+    }
+}
+
+/// The answer to a client that finds every connection being answered.
+fn refusal() -> Vec<u8> {
+    let body = r#"{"detail":"every connection is busy; retry in a moment"}"#;
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\nretry-after: 1\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Serve HTTP/1.1 on `listener` with the default [`HttpServeConfig`], giving
+/// each connection a fresh service from `make_service`.
 pub async fn serve_http1<M, S, B>(
     listener: glommio::net::TcpListener,
     make_service: M,
@@ -307,20 +476,29 @@ where
     B: Body + 'static,
     B::Error: Into<BoxError>,
 {
-    serve_http1_with(listener, HttpServeConfig::default(), make_service).await
+    let stats = Rc::new(HttpStats::default());
+    serve_http1_with(listener, HttpServeConfig::default(), stats, |_| {
+        make_service()
+    })
+    .await
 }
 
 /// Accept connections forever, serving each on its own detached task with a
-/// fresh service from `make_service`. A failing connection is logged at
+/// service from `make_service` (which gets the connection's [`Conn`]). Open
+/// connections are bounded by `cfg.max_connections`: at the bound, a new
+/// client takes the place of the connection that has waited longest on its
+/// client, or gets 503 when none is waiting on its client. Nothing a client
+/// does or fails to do makes others wait. A failing connection is logged at
 /// debug and does not stop the loop. Returns only on a listener error that
 /// retrying cannot fix. Must run inside a glommio executor.
 pub async fn serve_http1_with<M, S, B>(
     listener: glommio::net::TcpListener,
     cfg: HttpServeConfig,
+    stats: Rc<HttpStats>,
     make_service: M,
 ) -> io::Result<()>
 where
-    M: Fn() -> S,
+    M: Fn(&Conn) -> S,
     S: Service<Request<Incoming>, Response = Response<B>> + 'static,
     S::Error: Into<BoxError>,
     S::Future: 'static,
@@ -336,20 +514,10 @@ where
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(LocalTimer)
-        .header_read_timeout(cfg.header_read_timeout);
-    let slots = Rc::new(glommio::sync::Semaphore::new(cfg.max_connections as u64));
-    let saturated = Rc::new(Cell::new(false));
+        .header_read_timeout(cfg.header_read_timeout)
+        .max_buf_size(cfg.max_buf_size.max(8192));
+    let conns = Rc::new(RefCell::new(Conns::default()));
     loop {
-        if slots.available() == 0 && !saturated.replace(true) {
-            log::warn!(
-                "http: {} connections open (the limit); new clients wait",
-                cfg.max_connections
-            );
-        }
-        let permit = slots
-            .acquire_static_permit(1)
-            .await
-            .map_err(io::Error::from)?;
         let stream = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
@@ -366,20 +534,102 @@ where
                 return Err(e);
             }
         };
+        bump(&stats.accepted);
+        if conns.borrow().live() >= cfg.max_connections {
+            let victim = conns.borrow().longest_waiting().cloned();
+            match victim {
+                Some(v) => {
+                    v.shed();
+                    bump(&stats.shed);
+                }
+                None => {
+                    bump(&stats.refused);
+                    log_refusal(cfg.max_connections);
+                    glommio::spawn_local(refuse(stream)).detach();
+                    continue;
+                }
+            }
+        }
         // Small responses: do not let Nagle hold them back.
         let _ = stream.set_nodelay(true);
         let peer = stream.peer_addr().ok();
-        let conn = builder.serve_connection(HyperIo::new(stream), make_service());
-        let saturated = saturated.clone();
+        let state = Rc::new(ConnState {
+            pace: Cell::new(Pace::Client),
+            since: Cell::new(Instant::now()),
+            shed: Cell::new(false),
+            waker: Cell::new(None),
+        });
+        let conn = Conn(state.clone());
+        let service = Tracked {
+            inner: make_service(&conn),
+            conn,
+        };
+        let id = {
+            let mut c = conns.borrow_mut();
+            c.next_id += 1;
+            let id = c.next_id;
+            c.open.insert(id, state.clone());
+            id
+        };
+        stats.open.set(stats.open.get() + 1);
+        let served = builder.serve_connection(HyperIo::new(stream), service);
+        let (conns, stats) = (conns.clone(), stats.clone());
         glommio::spawn_local(async move {
-            if let Err(e) = conn.await {
-                log::debug!("http connection from {peer:?}: {e}");
+            let ended = futures_lite::future::or(async { Some(served.await) }, async {
+                Shed(&state).await;
+                None
+            })
+            .await;
+            match ended {
+                // Shed: dropping the connection closed its socket.
+                None => log::debug!("http connection from {peer:?} shed to make room"),
+                Some(Ok(())) => {}
+                Some(Err(e)) if e.is_timeout() => {
+                    bump(&stats.header_timeouts);
+                    log::debug!("http connection from {peer:?}: headers not sent in time");
+                }
+                Some(Err(e)) => log::debug!("http connection from {peer:?}: {e}"),
             }
-            drop(permit);
-            saturated.set(false);
+            conns.borrow_mut().open.remove(&id);
+            stats.open.set(stats.open.get() - 1);
         })
         .detach();
     }
+}
+
+/// Answers 503 and closes, within a second whatever the client does. The
+/// request is read (and dropped) before closing: closing a socket with unread
+/// bytes resets it, and the client could lose the answer.
+async fn refuse(mut stream: glommio::net::TcpStream) {
+    use futures_lite::{AsyncReadExt, AsyncWriteExt};
+    let answer = refusal();
+    let exchange = async {
+        stream.write_all(&answer).await?;
+        stream.shutdown(std::net::Shutdown::Write).await?;
+        let mut sink = [0u8; 4096];
+        let mut budget: usize = 64 * 1024;
+        while budget > 0 {
+            match stream.read(&mut sink).await? {
+                0 => break,
+                n => budget = budget.saturating_sub(n),
+            }
+        }
+        io::Result::Ok(())
+    };
+    let _ = futures_lite::future::or(async { exchange.await.is_ok() }, async {
+        glommio::timer::sleep(Duration::from_secs(1)).await;
+        false
+    })
+    .await;
+}
+
+/// Logs that a client was refused because every connection is busy (at most
+/// a few lines per window: a flood of clients must not flood the log).
+fn log_refusal(max: usize) {
+    crate::log_limited!(
+        log::Level::Warn,
+        "http: all {max} connections are being answered; a new client got 503"
+    );
 }
 
 fn accept_error_is_transient(e: &io::Error) -> bool {
@@ -409,12 +659,30 @@ mod tests {
 
     type TestResult = Result<Response<Full<Bytes>>, hyper::Error>;
 
-    async fn handle(req: Request<Incoming>) -> TestResult {
+    async fn handle(req: Request<Incoming>, conn: Conn, stats: Rc<HttpStats>) -> TestResult {
         let method = req.method().clone();
         let path = req.uri().path().to_string();
-        let body = req.into_body().collect().await?.to_bytes();
+        let body = conn
+            .client_paced(req.into_body().collect())
+            .await?
+            .to_bytes();
         let (status, text) = match (method.as_str(), path.as_str()) {
             ("GET", "/health") => (200, "ok".to_string()),
+            ("GET", "/sleep") => {
+                glommio::timer::sleep(Duration::from_millis(500)).await;
+                (200, "slept".to_string())
+            }
+            ("GET", "/stats") => (
+                200,
+                format!(
+                    "open={} accepted={} shed={} refused={} header_timeouts={}",
+                    stats.open.get(),
+                    stats.accepted.get(),
+                    stats.shed.get(),
+                    stats.refused.get(),
+                    stats.header_timeouts.get()
+                ),
+            ),
             ("POST", "/echo") => (
                 201,
                 format!(
@@ -439,6 +707,17 @@ mod tests {
             .unwrap())
     }
 
+    fn serve_test(
+        listener: glommio::net::TcpListener,
+        cfg: HttpServeConfig,
+    ) -> impl Future<Output = io::Result<()>> {
+        let stats = Rc::new(HttpStats::default());
+        serve_http1_with(listener, cfg, stats.clone(), move |conn| {
+            let (conn, stats) = (conn.clone(), stats.clone());
+            hyper::service::service_fn(move |req| handle(req, conn.clone(), stats.clone()))
+        })
+    }
+
     /// Starts a server shard; returns its address and a stop handle.
     fn start_server(
         cfg: HttpServeConfig,
@@ -454,7 +733,7 @@ mod tests {
                 let mut stop_rx = stop_rx;
                 let listener = glommio::net::TcpListener::bind("127.0.0.1:0").unwrap();
                 addr_tx.send(listener.local_addr().unwrap()).unwrap();
-                let serve = serve_http1_with(listener, cfg, || hyper::service::service_fn(handle));
+                let serve = serve_test(listener, cfg);
                 let stop = async {
                     stop_rx.recv().await;
                     Ok(())
@@ -463,6 +742,28 @@ mod tests {
             })
             .unwrap();
         (addr_rx.recv().unwrap(), stop_tx, shard)
+    }
+
+    fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        exchange(
+            addr,
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+    }
+
+    /// A client that sent `head` and waits; reads what the server says.
+    fn stalled(addr: SocketAddr, head: &[u8]) -> TcpStream {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(head).unwrap();
+        s
+    }
+
+    /// True if the server closed `s` without answering.
+    fn closed_unanswered(s: &mut TcpStream) -> bool {
+        let mut rest = Vec::new();
+        let n = s.read_to_end(&mut rest).unwrap_or(0);
+        n == 0 || !rest.starts_with(b"HTTP/1.1 2")
     }
 
     fn exchange(addr: SocketAddr, raw: &[u8]) -> (u16, String) {
@@ -541,29 +842,95 @@ mod tests {
     }
 
     #[test]
-    fn slow_headers_are_cut_off_and_limit_queues_clients() {
+    fn a_full_server_sheds_the_client_waiting_longest() {
+        let (addr, stop, shard) = start_server(HttpServeConfig {
+            max_connections: 2,
+            ..HttpServeConfig::default()
+        });
+        let mut oldest = stalled(addr, b"GET /health HTTP/1.1\r\n");
+        std::thread::sleep(Duration::from_millis(50));
+        let mut newer = stalled(addr, b"GET /health HTTP/1.1\r\nHost:");
+        std::thread::sleep(Duration::from_millis(50));
+        // Both places are taken by clients that never finish their headers.
+        let started = Instant::now();
+        assert_eq!(get(addr, "/health"), (200, "ok".to_string()));
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(
+            closed_unanswered(&mut oldest),
+            "the longest-waiting client is shed"
+        );
+        // The other one is still open: it can finish its request.
+        newer.write_all(b" x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        newer.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let (_, stats) = get(addr, "/stats");
+        assert_eq!(
+            stats, "open=1 accepted=4 shed=1 refused=0 header_timeouts=0",
+            "one shed, none refused"
+        );
+        stop.try_send(()).unwrap();
+        shard.join().unwrap();
+    }
+
+    #[test]
+    fn a_slow_body_is_shed_but_an_answer_in_progress_is_not() {
         let (addr, stop, shard) = start_server(HttpServeConfig {
             max_connections: 1,
+            ..HttpServeConfig::default()
+        });
+        // Headers done, body promised but not sent: the client sets the pace.
+        let mut slow_body = stalled(
+            addr,
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc",
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(get(addr, "/health"), (200, "ok".to_string()));
+        assert!(closed_unanswered(&mut slow_body));
+
+        // A request being answered holds its place: the newcomer gets 503 at once.
+        let sleeper = std::thread::spawn(move || get(addr, "/sleep"));
+        std::thread::sleep(Duration::from_millis(150));
+        let started = Instant::now();
+        let (st, body) = get(addr, "/health");
+        assert_eq!(st, 503, "{body}");
+        assert!(started.elapsed() < Duration::from_millis(400));
+        assert_eq!(sleeper.join().unwrap(), (200, "slept".to_string()));
+        let (_, stats) = get(addr, "/stats");
+        assert!(stats.contains("shed=1 refused=1"), "{stats}");
+        stop.try_send(()).unwrap();
+        shard.join().unwrap();
+    }
+
+    #[test]
+    fn slow_headers_are_cut_off_and_counted() {
+        let (addr, stop, shard) = start_server(HttpServeConfig {
             header_read_timeout: Some(Duration::from_millis(200)),
+            ..HttpServeConfig::default()
         });
         let started = Instant::now();
-        let mut slow = TcpStream::connect(addr).unwrap();
-        slow.set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        slow.write_all(b"GET /health HTTP/1.1\r\nHost:").unwrap();
-        // The single slot is taken: this client waits until `slow` is cut off.
-        let (st, body) = exchange(
-            addr,
-            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-        );
-        assert_eq!((st, body.as_str()), (200, "ok"));
+        let mut slow = stalled(addr, b"GET /health HTTP/1.1\r\nHost:");
+        assert!(closed_unanswered(&mut slow));
         assert!(started.elapsed() >= Duration::from_millis(150));
-        let mut rest = Vec::new();
-        let n = slow.read_to_end(&mut rest).unwrap_or(0);
-        assert!(
-            n == 0 || !rest.starts_with(b"HTTP/1.1 200"),
-            "slow client got a response"
+        let (_, stats) = get(addr, "/stats");
+        assert!(stats.ends_with("header_timeouts=1"), "{stats}");
+        stop.try_send(()).unwrap();
+        shard.join().unwrap();
+    }
+
+    #[test]
+    fn oversized_headers_are_refused() {
+        let (addr, stop, shard) = start_server(HttpServeConfig {
+            max_buf_size: 8192,
+            ..HttpServeConfig::default()
+        });
+        let big = format!(
+            "GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n",
+            "a".repeat(20_000)
         );
+        let (st, _) = exchange(addr, big.as_bytes());
+        assert_eq!(st, 431);
+        assert_eq!(get(addr, "/health"), (200, "ok".to_string()));
         stop.try_send(()).unwrap();
         shard.join().unwrap();
     }
@@ -577,7 +944,7 @@ mod tests {
                 max_connections: 0,
                 ..HttpServeConfig::default()
             };
-            let r = serve_http1_with(listener, cfg, || hyper::service::service_fn(handle)).await;
+            let r = serve_test(listener, cfg).await;
             tx.send(r.map_err(|e| e.kind())).unwrap();
         })
         .unwrap()

@@ -4,4 +4,6 @@
 pub mod arena;
 pub mod executor;
 pub mod http;
+pub mod log_limit;
 pub mod mailbox;
+pub mod shm_segment;

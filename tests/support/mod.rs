@@ -443,12 +443,29 @@ pub struct Server {
     pub port: u16,
     pub http_port: u16,
     pub shm_name: String,
+    /// The command line after the binary, to start the same server again.
+    pub args: Vec<String>,
 }
 
 impl Server {
     /// Starts `kvshard server` with small defaults plus `extra` flags and waits
     /// until it answers a noop.
     pub fn start(extra: &[&str]) -> Server {
+        let stderr = if std::env::var_os("KVSHARD_TEST_LOG").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        };
+        Self::start_with_stderr(extra, stderr)
+    }
+
+    /// [`Server::start`] with the server's log (stderr) written to `log`.
+    pub fn start_logged(extra: &[&str], log: &std::path::Path) -> Server {
+        let file = std::fs::File::create(log).expect("create the server log");
+        Self::start_with_stderr(extra, Stdio::from(file))
+    }
+
+    fn start_with_stderr(extra: &[&str], stderr: Stdio) -> Server {
         let port = free_port();
         let http_port = free_port();
         let shm = unique("kvtest");
@@ -474,11 +491,7 @@ impl Server {
             .args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(if std::env::var_os("KVSHARD_TEST_LOG").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            })
+            .stderr(stderr)
             .spawn()
             .expect("spawn kvshard");
         let srv = Server {
@@ -486,6 +499,7 @@ impl Server {
             port,
             http_port,
             shm_name: format!("lmcache_l1_pool_{shm}"),
+            args,
         };
         let mut c = Client::connect(port);
         c.noop_ok();
@@ -839,14 +853,21 @@ pub fn ed_retrieve(c: &mut Client, pool: &ShmMap, key: &V, iid: i64) -> Vec<Vec<
 
 static SERVING_SEQ: AtomicU32 = AtomicU32::new(0);
 /// Polls `f` every 20 ms until it holds; fails the test after 30 s.
-pub fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+pub fn wait_until(what: &str, f: impl FnMut() -> bool) {
+    wait_until_within(what, Duration::from_secs(30), Duration::from_millis(20), f)
+}
+
+/// Polls `f` every `every` until it holds; fails the test after `limit`.
+pub fn wait_until_within(
+    what: &str,
+    limit: Duration,
+    every: Duration,
+    mut f: impl FnMut() -> bool,
+) {
     let t0 = Instant::now();
     while !f() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
+        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(every);
     }
 }
 

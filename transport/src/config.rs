@@ -272,6 +272,8 @@ pub struct ServerConfig {
     pub max_registrations: usize,
     /// Request frames larger than this are refused with the op's failure reply.
     pub max_frame_bytes: usize,
+    /// HTTP API connections kept open at once (`--http-max-connections`).
+    pub http_max_connections: usize,
 }
 
 impl ServerConfig {
@@ -457,7 +459,8 @@ mod tests {
             shard_queue_depth: 4096,
             max_sessions: 65536,
             max_registrations: 4096,
-            max_frame_bytes: 64 << 20,
+            max_frame_bytes: 512 << 20,
+            http_max_connections: 1024,
         }
     }
 

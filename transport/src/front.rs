@@ -13,13 +13,16 @@ use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::{self, ObjectKey};
 use kvshard_engine::slab::Slab;
+use kvshard_io::log_limit::Level;
+use kvshard_io::log_limited;
 use kvshard_io::mailbox::{MailboxSender, NotifyReceiver};
 
 use crate::config::ServerConfig;
 use crate::control::{ControlBody, ControlRequest, ControlResponse, Responder};
 use crate::cpu_shm::CpuShmRegistration;
+use crate::lookup_leases::{Grant, LeaseBook};
 use crate::lookup_log::LookupHashLog;
-use crate::metrics::{Metrics, PromText};
+use crate::metrics::{FrontGauges, Metrics, PromText};
 use crate::registry::{EngineEntry, Layout, Layouts, LmcEntry, Registry, TransferKey};
 use crate::session::{LookupScope, Sessions};
 use crate::shard::{Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome};
@@ -59,14 +62,8 @@ enum InflightKind {
         /// first status poll finds it (the 0.5.6 bench client sleeps 50 ms after a
         /// poll that finds the prefetch still running).
         ack: ReplyTo,
-        request_id: String,
-        keys: Vec<ObjectKey>,
-        num_ranks: usize,
-        readers: u32,
-        /// Bytes of one object of the request's layout (for L2 loads).
-        size: u64,
-        /// Per key: `shard_l2::FOUND_*`.
-        found: Vec<u8>,
+        /// What was asked (its `found` is filled in as the shards answer).
+        lookup: PendingLoad,
     },
     /// A lookup's L2 loads.
     Load {
@@ -85,6 +82,10 @@ enum InflightKind {
     PrepareRetrieve {
         to: ReplyTo,
         tkey: TransferKey,
+        /// The request and its chunk index of `keys[0]`: the locks read here
+        /// are that request's lookup's.
+        request_id: String,
+        first_chunk: usize,
         keys: Vec<ObjectKey>,
         layout: Layout,
         slabs: Vec<Option<Slab>>,
@@ -116,10 +117,15 @@ struct PendingLoad {
     job_seq: Seq,
     /// The prefix's keys, chunk-major.
     keys: Vec<ObjectKey>,
+    /// Per key: `shard_l2::FOUND_*`.
     found: Vec<u8>,
     num_ranks: usize,
+    world_size: u32,
     readers: u32,
+    /// Bytes of one object of the request's layout (for L2 loads).
     size: u64,
+    /// When the lookup was sent to the shards (its read locks' TTL starts after).
+    sent_at: Instant,
 }
 
 /// A lookup's result as `query_prefetch_status` sees it.
@@ -149,6 +155,8 @@ pub struct Front {
     events: NotifyReceiver<FrontEvent>,
     sessions: Sessions,
     jobs: HashMap<String, Job>,
+    /// Read locks concluded lookups still hold, per request.
+    leases: LeaseBook,
     registry: Registry,
     layouts: Layouts,
     inflight: HashMap<Seq, Inflight>,
@@ -168,6 +176,8 @@ pub struct Front {
     started: Instant,
     next_reap: Instant,
     next_session_sweep: Instant,
+    /// When rate-limited log lines are next reported (`log_limit::flush`).
+    next_log_flush: Instant,
 }
 
 const SESSION_SWEEP: Duration = Duration::from_secs(60);
@@ -200,6 +210,7 @@ impl Front {
             });
         Front {
             sessions: Sessions::new(cfg.session_ttl, cfg.max_sessions),
+            leases: LeaseBook::new(cfg.max_sessions, cfg.l1.read_ttl),
             registry: Registry::new(cfg.max_registrations),
             layouts: Layouts::default(),
             jobs: HashMap::new(),
@@ -216,6 +227,7 @@ impl Front {
             started: now,
             next_reap: now + reap_interval(&cfg),
             next_session_sweep: now + SESSION_SWEEP,
+            next_log_flush: now,
             cfg,
             setup,
             socket,
@@ -238,7 +250,7 @@ impl Front {
                     Ok(_) => (items[0].is_readable(), items[1].is_readable()),
                     Err(zmq::Error::EINTR) => continue,
                     Err(e) => {
-                        log::error!("zmq poll failed: {e}");
+                        log_limited!(Level::Error, "zmq poll failed: {e}");
                         std::thread::sleep(Duration::from_millis(10));
                         (false, false)
                     }
@@ -253,12 +265,12 @@ impl Front {
             if sock_ready {
                 // Bounded batch so shard replies are not starved by a flood of requests.
                 for _ in 0..256 {
-                    match self.socket.recv_multipart(zmq::DONTWAIT) {
+                    match self.recv_frames() {
                         Ok(frames) => self.on_message(frames),
                         Err(zmq::Error::EAGAIN) => break,
                         Err(zmq::Error::EINTR) => break,
                         Err(e) => {
-                            log::error!("zmq recv failed: {e}");
+                            log_limited!(Level::Error, "zmq recv failed: {e}");
                             break;
                         }
                     }
@@ -287,12 +299,17 @@ impl Front {
     // ---------------------------------------------------------------- timers
 
     fn on_timers(&mut self, now: Instant) {
+        if now >= self.next_log_flush {
+            self.next_log_flush = now + Duration::from_secs(1);
+            kvshard_io::log_limit::flush(now);
+        }
         if now >= self.next_session_sweep {
             self.next_session_sweep = now + SESSION_SWEEP;
             let n = self.sessions.expire(now);
             if n > 0 {
                 log::debug!("expired {n} idle sessions");
             }
+            self.leases.expire(now);
             let dropped = self.drop_orphan_jobs();
             if dropped > 0 {
                 log::debug!("dropped {dropped} unconsumed prefetch results of expired sessions");
@@ -307,7 +324,7 @@ impl Front {
                     self.cfg.worker_registration_grace,
                 );
                 for (iid, released) in reaped {
-                    log::warn!("reaped silent worker instance {iid}");
+                    log_limited!(Level::Warn, "reaped silent worker instance {iid}");
                     self.metrics.reaped_workers += 1;
                     self.release_instance(released);
                 }
@@ -376,26 +393,44 @@ impl Front {
 
     // -------------------------------------------------------------- requests
 
-    fn on_message(&mut self, frames: Vec<Vec<u8>>) {
+    /// Receives one multipart message, its frames left in ZeroMQ's own buffers
+    /// (a payload frame can be hundreds of MiB; it is read in place, never copied).
+    fn recv_frames(&self) -> Result<Vec<zmq::Message>, zmq::Error> {
+        let mut frames = Vec::with_capacity(4);
+        loop {
+            let mut m = zmq::Message::new();
+            // The parts of a message arrive together: only the first can find none.
+            self.socket.recv(&mut m, zmq::DONTWAIT)?;
+            let more = m.get_more();
+            frames.push(m);
+            if !more {
+                return Ok(frames);
+            }
+        }
+    }
+
+    fn on_message(&mut self, frames: Vec<zmq::Message>) {
         self.metrics.requests += 1;
         if frames.len() < 3 {
             // [identity, uid] without an op cannot be a 0.5.6 request; echo what came.
             self.metrics.bad_requests += 1;
-            log::warn!(
+            log_limited!(
+                Level::Warn,
                 "dropping a {}-frame message: a request needs uid and op frames",
                 frames.len()
             );
             if frames.len() == 2 {
-                let res = self.socket.send_multipart(frames, zmq::DONTWAIT);
+                let res = self
+                    .socket
+                    .send_multipart([&*frames[0], &*frames[1]], zmq::DONTWAIT);
                 self.count_undelivered(res);
             }
             return;
         }
         let mut it = frames.into_iter();
-        let identity = it.next().unwrap_or_default();
-        let uid = it.next().unwrap_or_default();
-        let op_frame = it.next().unwrap_or_default();
-        let payloads: Vec<Vec<u8>> = it.collect();
+        let mut small = || it.next().map(|m| m.to_vec()).unwrap_or_default();
+        let (identity, uid, op_frame) = (small(), small(), small());
+        let payloads: Vec<zmq::Message> = it.collect();
         if op_frame.is_empty() {
             // Stream credit/cancel controls (subscribe_kv_events): kvshard has no streams.
             return;
@@ -409,20 +444,25 @@ impl Front {
             Ok(op) => op,
             Err(e) => {
                 self.metrics.unknown_ops += 1;
-                log::warn!("unknown operation: {e}; answering with no payload");
+                log_limited!(
+                    Level::Warn,
+                    "unknown operation: {e}; answering with no payload"
+                );
                 self.reply(&to, None);
                 return;
             }
         };
         if let Some(big) = payloads
             .iter()
-            .map(Vec::len)
+            .map(|m| m.len())
             .max()
             .filter(|n| *n > self.cfg.max_frame_bytes)
         {
             self.metrics.bad_requests += 1;
-            log::warn!(
-                "{}: payload frame of {big} bytes exceeds --max-frame-bytes {}",
+            self.metrics.oversized_frames += 1;
+            log_limited!(
+                Level::Warn,
+                "{}: payload frame of {big} bytes exceeds --max-frame-bytes {}; answered with the failure reply",
                 op.name(),
                 self.cfg.max_frame_bytes
             );
@@ -430,13 +470,14 @@ impl Front {
             self.reply(&to, payload);
             return;
         }
-        let views: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
+        let views: Vec<&[u8]> = payloads.iter().map(|m| &**m).collect();
         match wire::decode_request(op, &views) {
             Ok(req) => self.dispatch(to, req),
             Err(RequestError::Unsupported(op)) => {
                 self.metrics.count_unsupported(op.name());
                 if self.unsupported_logged.insert(op.name()) {
-                    log::warn!(
+                    log_limited!(
+                        Level::Warn,
                         "operation {} is not supported by kvshard (logged once)",
                         op.name()
                     );
@@ -445,7 +486,7 @@ impl Front {
             }
             Err(e) => {
                 self.metrics.bad_requests += 1;
-                log::warn!("bad {} request: {e}", op.name());
+                log_limited!(Level::Warn, "bad {} request: {e}", op.name());
                 let payload = self.failure_payload(op);
                 self.reply(&to, payload);
             }
@@ -491,7 +532,8 @@ impl Front {
         self.metrics.reply_failures += 1;
         let n = self.metrics.reply_failures;
         if e == zmq::Error::EAGAIN && n.is_power_of_two() {
-            log::warn!(
+            log_limited!(
+                Level::Warn,
                 "reply dropped: the client's queue is full ({n} undelivered replies so far)"
             );
         } else {
@@ -542,13 +584,19 @@ impl Front {
             Request::UnregisterEngineDriven { instance_id } => {
                 match self.registry.remove_engine(instance_id) {
                     Some(entry) => {
-                        log::info!("unregistered engine_driven instance {instance_id}");
+                        log_limited!(
+                            Level::Info,
+                            "unregistered engine_driven instance {instance_id}"
+                        );
                         self.release_instance(crate::registry::Released::Engine(
                             instance_id,
                             entry,
                         ));
                     }
-                    None => log::warn!("unregister: no engine_driven instance {instance_id}"),
+                    None => log_limited!(
+                        Level::Warn,
+                        "unregister: no engine_driven instance {instance_id}"
+                    ),
                 }
                 self.reply(&to, None)
             }
@@ -576,10 +624,16 @@ impl Front {
             Request::UnregisterKvCache { instance_id } => {
                 match self.registry.remove_lmc(instance_id) {
                     Some(entry) => {
-                        log::info!("unregistered lmcache_driven instance {instance_id}");
+                        log_limited!(
+                            Level::Info,
+                            "unregistered lmcache_driven instance {instance_id}"
+                        );
                         self.release_instance(crate::registry::Released::Lmc(instance_id, entry));
                     }
-                    None => log::warn!("unregister: no lmcache_driven instance {instance_id}"),
+                    None => log_limited!(
+                        Level::Warn,
+                        "unregister: no lmcache_driven instance {instance_id}"
+                    ),
                 }
                 self.reply(&to, None)
             }
@@ -589,9 +643,9 @@ impl Front {
             Request::CommitStore {
                 key,
                 instance_id,
-                data,
+                inline_bytes,
             } => {
-                let ok = self.commit_store(&key, instance_id, &data, now);
+                let ok = self.commit_store(&key, instance_id, inline_bytes, now);
                 self.reply(&to, Some(wire::encode_bool(ok)))
             }
             Request::PrepareRetrieve { key, instance_id } => {
@@ -739,7 +793,8 @@ impl Front {
 
     fn on_shard_reply(&mut self, reply: ShardReply) {
         let Some(mut inf) = self.inflight.remove(&reply.seq) else {
-            log::error!(
+            log_limited!(
+                Level::Error,
                 "reply for unknown request {} from shard {}",
                 reply.seq,
                 reply.shard
@@ -758,27 +813,8 @@ impl Front {
 
     fn complete(&mut self, seq: Seq, kind: InflightKind) {
         match kind {
-            InflightKind::Lookup {
-                ack,
-                request_id,
-                keys,
-                num_ranks,
-                readers,
-                size,
-                found,
-            } => {
-                let waiting = self.finish_lookup(
-                    seq,
-                    PendingLoad {
-                        request_id,
-                        job_seq: seq,
-                        keys,
-                        found,
-                        num_ranks,
-                        readers,
-                        size,
-                    },
-                );
+            InflightKind::Lookup { ack, lookup } => {
+                let waiting = self.finish_lookup(seq, lookup);
                 // The ack goes first, as it would have without the waiters.
                 self.reply(&ack, None);
                 if let Some((waiters, hits)) = waiting {
@@ -828,11 +864,18 @@ impl Front {
             InflightKind::PrepareRetrieve {
                 to,
                 tkey,
+                request_id,
+                first_chunk,
                 keys,
                 layout,
                 slabs,
             } => {
+                let iid = tkey.instance_id;
                 if slabs.iter().all(Option::is_some) && !slabs.is_empty() {
+                    // One lock per key passes from the lookup to this transfer,
+                    // which commit_retrieve (or the worker's departure) releases.
+                    let chunks = keys.iter().enumerate().map(|(i, k)| (first_chunk + i, k));
+                    self.leases.released(&request_id, chunks, 1, Some(iid));
                     let slots: Vec<_> = slabs
                         .iter()
                         .map(|s| layout.slot(s.as_ref().map_or(0, |s| s.offset)))
@@ -843,6 +886,13 @@ impl Front {
                     self.reply(&to, Some(wire::encode_prepare_retrieve_reply(true, &slots)));
                 } else {
                     // Not all read-locked: release this worker's share of what was found.
+                    let chunks = keys
+                        .iter()
+                        .enumerate()
+                        .zip(&slabs)
+                        .filter(|(_, s)| s.is_some())
+                        .map(|((i, k), _)| (first_chunk + i, k));
+                    self.leases.released(&request_id, chunks, 1, Some(iid));
                     let found: Vec<ObjectKey> = keys
                         .into_iter()
                         .zip(&slabs)
@@ -859,15 +909,10 @@ impl Front {
                     .iter()
                     .filter(|o| **o == StoreOutcome::Failed)
                     .count();
-                let oom = outcomes
-                    .iter()
-                    .filter(|o| **o == StoreOutcome::OutOfMemory)
-                    .count();
                 self.metrics.stored_chunks += outcomes
                     .iter()
                     .filter(|o| **o == StoreOutcome::Stored)
                     .count() as u64;
-                self.metrics.store_oom_chunks += oom as u64;
                 self.metrics.finished_stores += 1;
                 self.reply(&to, Some(wire::encode_store_reply(b"", failed == 0)));
             }
@@ -885,7 +930,7 @@ impl Front {
                 responder,
                 cleared,
             } => {
-                log::info!("cleared {cleared} L1 objects");
+                log_limited!(Level::Info, "cleared {cleared} L1 objects");
                 if let Some(to) = to {
                     self.reply(&to, None);
                 }
@@ -997,7 +1042,8 @@ impl Front {
             .and_then(|ws| self.layouts.get(&key.model_name, ws))
             .cloned()
         else {
-            log::error!(
+            log_limited!(
+                Level::Error,
                 "No GPU context found for model {} with world size {} during lookup",
                 key.model_name,
                 key.world_size
@@ -1007,7 +1053,7 @@ impl Front {
         let readers = match u32::try_from(key.num_kv_readers) {
             Ok(r) if r >= 1 => r,
             _ => {
-                log::error!(
+                log_limited!(Level::Error,
                     "lookup {rid}: num_kv_readers={} — this server requires clients that send num_kv_readers",
                     key.num_kv_readers
                 );
@@ -1018,7 +1064,7 @@ impl Front {
         let ranks = match Self::ranks_of(&key) {
             Ok(r) => r,
             Err(e) => {
-                log::error!("lookup {rid}: {e}");
+                log_limited!(Level::Error, "lookup {rid}: {e}");
                 self.metrics.bad_requests += 1;
                 return early(self, "bad_request");
             }
@@ -1026,7 +1072,7 @@ impl Front {
         let hashes = match self.key_hashes(&key, true, ranks.len(), now) {
             Ok(h) => h,
             Err(e) => {
-                log::error!("lookup {rid}: {e}");
+                log_limited!(Level::Error, "lookup {rid}: {e}");
                 self.metrics.bad_requests += 1;
                 return early(self, "bad_request");
             }
@@ -1071,12 +1117,17 @@ impl Front {
         let size = layout.bytes;
         let kind = InflightKind::Lookup {
             ack: to,
-            request_id: rid.clone(),
-            keys: objs,
-            num_ranks,
-            readers,
-            size,
-            found: Vec::new(),
+            lookup: PendingLoad {
+                request_id: rid.clone(),
+                job_seq: seq,
+                keys: objs,
+                found: Vec::new(),
+                num_ranks,
+                world_size: key.world_size as u32,
+                readers,
+                size,
+                sent_at: now,
+            },
         };
         let mut sent = sent.into_iter();
         let immediate = self.fan_out(parts, kind, |_| ShardOp::Lookup {
@@ -1124,6 +1175,7 @@ impl Front {
         p.keys.truncate(keep);
         p.found.truncate(keep);
         if p.found.iter().all(|f| *f == FOUND_L1) {
+            self.grant_lease(&p);
             return self.conclude_lookup(&p.request_id, prefix, nr, 0);
         }
         if self.loads_inflight < self.cfg.l2.prefetch_max_in_flight {
@@ -1132,6 +1184,31 @@ impl Front {
             self.load_queue.push_back(p);
         }
         None
+    }
+
+    /// Records the read locks a concluded lookup holds on its prefix (`p.keys`)
+    /// for the workers that will read it.
+    fn grant_lease(&mut self, p: &PendingLoad) {
+        if p.keys.len() < p.num_ranks || p.num_ranks == 0 {
+            return;
+        }
+        let ranks: Vec<u32> = p.keys[..p.num_ranks].iter().map(|k| k.kv_rank).collect();
+        self.leases.grant(Grant {
+            request_id: &p.request_id,
+            world_size: p.world_size,
+            ranks: &ranks,
+            keys: &p.keys,
+            readers: p.readers,
+            sent_at: p.sent_at,
+        });
+    }
+
+    /// Notes which kv rank instance `iid` transfers (from a worker key), so
+    /// that its departure releases only what it could have read.
+    fn note_reader(&mut self, iid: i64, key: &IpcKey) {
+        if let Ok([rank]) = Self::ranks_of(key).as_deref() {
+            self.registry.note_rank(iid, *rank);
+        }
     }
 
     fn is_current(&self, rid: &str, seq: Seq) -> bool {
@@ -1219,7 +1296,7 @@ impl Front {
     /// Second half: the prefix is what is in L1 now (hits and loaded objects).
     fn finish_load(
         &mut self,
-        p: PendingLoad,
+        mut p: PendingLoad,
         loading: &[usize],
         loaded: &[bool],
     ) -> Option<(Vec<(ReplyTo, Instant)>, i64)> {
@@ -1248,7 +1325,7 @@ impl Front {
         });
         let failed = loaded.iter().filter(|l| !**l).count();
         if failed > 0 {
-            log::warn!(
+            log_limited!(Level::Warn,
                 "lookup {}: {failed} objects found in L2 could not be loaded; the hit prefix is cut at the first",
                 p.request_id
             );
@@ -1260,6 +1337,8 @@ impl Front {
         let l2_chunks = (0..prefix)
             .filter(|c| p.found[c * nr..(c + 1) * nr].iter().any(|f| *f >= FOUND_L2))
             .count();
+        p.keys.truncate(keep);
+        self.grant_lease(&p);
         self.conclude_lookup(&p.request_id, prefix, nr, l2_chunks)
     }
 
@@ -1340,11 +1419,11 @@ impl Front {
                         h
                     }
                     Some(Job::Pending { .. }) => {
-                        log::warn!("free_lookup_locks for {rid} while its lookup is running; its locks expire by TTL");
+                        log_limited!(Level::Warn, "free_lookup_locks for {rid} while its lookup is running; its locks expire by TTL");
                         return;
                     }
                     None => {
-                        log::warn!("free_lookup_locks for {rid} without a lookup result; nothing to release");
+                        log_limited!(Level::Warn, "free_lookup_locks for {rid} without a lookup result; nothing to release");
                         return;
                     }
                 }
@@ -1353,7 +1432,8 @@ impl Front {
         let readers = match u32::try_from(key.num_kv_readers) {
             Ok(r) if r >= 1 => r,
             _ => {
-                log::error!(
+                log_limited!(
+                    Level::Error,
                     "free_lookup_locks {rid}: num_kv_readers={} is invalid",
                     key.num_kv_readers
                 );
@@ -1368,15 +1448,18 @@ impl Front {
         }
         let ranks = match Self::ranks_of(key) {
             Ok(r) => r,
-            Err(e) => return log::error!("free_lookup_locks {rid}: {e}"),
+            Err(e) => return log_limited!(Level::Error, "free_lookup_locks {rid}: {e}"),
         };
         let mut range_key = key.clone();
         range_key.end = hi * cs;
         let hashes = match self.key_hashes(&range_key, false, ranks.len(), now) {
             Ok(h) => h,
-            Err(e) => return log::error!("free_lookup_locks {rid}: {e}"),
+            Err(e) => return log_limited!(Level::Error, "free_lookup_locks {rid}: {e}"),
         };
         let objs = Self::object_keys(&key.model_name, &key.cache_salt, &hashes, &ranks);
+        let (first, nr) = (start_chunk as usize, ranks.len());
+        let chunks = objs.iter().enumerate().map(|(i, k)| (first + i / nr, k));
+        self.leases.released(&rid, chunks, readers, None);
         self.post(objs, |keys| ShardOp::Release {
             keys,
             count: readers,
@@ -1409,6 +1492,11 @@ impl Front {
     }
 
     fn clear(&mut self, to: Option<ReplyTo>, responder: Option<Responder>, force: bool) {
+        if force {
+            // Locked objects go too: a lock on a key stored again later is
+            // nobody's here.
+            self.leases.clear();
+        }
         self.broadcast(
             InflightKind::Clear {
                 to,
@@ -1427,7 +1515,7 @@ impl Front {
         now: Instant,
     ) -> Option<Vec<u8>> {
         if !self.cfg.transfer_mode.engine_driven_enabled() {
-            log::error!(
+            log_limited!(Level::Error,
                 "register_kv_cache_engine_driven_context from instance {}: engine_driven transfer is not enabled \
                  (--supported-transfer-mode {:?})",
                 p.instance_id,
@@ -1436,7 +1524,7 @@ impl Front {
             return None;
         }
         let Some((shm_name, pool_size)) = self.setup.shm_pool.clone() else {
-            log::error!(
+            log_limited!(Level::Error,
                 "register_kv_cache_engine_driven_context from instance {}: the SHM pool is disabled (--shm-name \"\") \
                  and kvshard does not support the pickle transfer fallback",
                 p.instance_id
@@ -1444,9 +1532,10 @@ impl Front {
             return None;
         };
         let reply = wire::encode_register_engine_driven_reply(&shm_name, pool_size);
-        if self.registry.touch_existing(p.instance_id, now) {
-            log::info!(
-                "instance {} already registered; refreshing liveness",
+        if self.registry.touch_engine(p.instance_id, now) {
+            log_limited!(
+                Level::Info,
+                "engine_driven instance {} already registered; refreshing liveness",
                 p.instance_id
             );
             return Some(reply);
@@ -1454,7 +1543,8 @@ impl Front {
         let layout = match Layout::engine_driven(&p, self.cfg.chunk_size) {
             Ok(l) => l,
             Err(e) => {
-                log::error!(
+                log_limited!(
+                    Level::Error,
                     "register_kv_cache_engine_driven_context from instance {}: {e}",
                     p.instance_id
                 );
@@ -1464,7 +1554,8 @@ impl Front {
         };
         let ws = p.world_size as u32;
         if let Err(e) = self.layouts.register(&p.model_name, ws, &layout) {
-            log::error!(
+            log_limited!(
+                Level::Error,
                 "register_kv_cache_engine_driven_context from instance {}: {e}",
                 p.instance_id
             );
@@ -1478,13 +1569,15 @@ impl Front {
             use_mla: p.use_mla,
             last_seen: now,
             pinged: false,
+            kv_ranks: Vec::new(),
         };
         if let Err(e) = self.registry.insert_engine(p.instance_id, entry) {
             self.layouts.unregister(&p.model_name, ws);
-            log::error!("register_kv_cache_engine_driven_context: {e}");
+            log_limited!(Level::Error, "register_kv_cache_engine_driven_context: {e}");
             return None;
         }
-        log::info!(
+        log_limited!(
+            Level::Info,
             "registered engine_driven instance {} (model={}, world_size={ws})",
             p.instance_id,
             p.model_name
@@ -1510,18 +1603,19 @@ impl Front {
     fn prepare_store(&mut self, to: ReplyTo, key: IpcKey, iid: i64, now: Instant) {
         self.metrics.submitted_stores += 1;
         let Some(layout) = self.registry.engine_layout(iid, now) else {
-            log::error!("prepare_store: engine_driven context not registered (or reaped) for instance {iid}");
+            log_limited!(Level::Error, "prepare_store: engine_driven context not registered (or reaped) for instance {iid}");
             self.metrics.unregistered_instance += 1;
             return self.reply(&to, Some(wire::encode_prepare_store_reply(&[], &[])));
         };
         let objs = match self.worker_keys(&key, now) {
             Ok(o) => o,
             Err(e) => {
-                log::error!("prepare_store from instance {iid}: {e}");
+                log_limited!(Level::Error, "prepare_store from instance {iid}: {e}");
                 self.metrics.bad_requests += 1;
                 return self.reply(&to, Some(wire::encode_prepare_store_reply(&[], &[])));
             }
         };
+        self.note_reader(iid, &key);
         let tkey = TransferKey::new(iid, &key);
         let parts = self.split(&objs);
         let size = layout.bytes;
@@ -1543,10 +1637,16 @@ impl Front {
         }
     }
 
-    fn commit_store(&mut self, key: &IpcKey, iid: i64, data: &[u8], now: Instant) -> bool {
-        if !data.is_empty() {
-            log::error!("commit_store from instance {iid} carries inline data: the pickle transfer path is not supported");
+    fn commit_store(&mut self, key: &IpcKey, iid: i64, inline_bytes: usize, now: Instant) -> bool {
+        if inline_bytes > 0 {
+            log_limited!(
+                Level::Error,
+                "commit_store from instance {iid} carries {inline_bytes} bytes of inline (pickled) data: \
+                 kvshard does not support the pickle transfer fallback; the worker must map the SHM pool \
+                 advertised at registration"
+            );
             self.metrics.bad_requests += 1;
+            self.metrics.pickle_refused += 1;
             return false;
         }
         self.registry.touch_traffic(iid, now);
@@ -1555,7 +1655,10 @@ impl Front {
             .pending_writes
             .remove(&TransferKey::new(iid, key))
         else {
-            log::warn!("commit_store from instance {iid} without a pending prepare_store");
+            log_limited!(
+                Level::Warn,
+                "commit_store from instance {iid} without a pending prepare_store"
+            );
             self.metrics.bad_requests += 1;
             return false;
         };
@@ -1573,7 +1676,7 @@ impl Front {
     fn prepare_retrieve(&mut self, to: ReplyTo, key: IpcKey, iid: i64, now: Instant) {
         self.metrics.submitted_retrieves += 1;
         let Some(layout) = self.registry.engine_layout(iid, now) else {
-            log::error!("prepare_retrieve: engine_driven context not registered (or reaped) for instance {iid}");
+            log_limited!(Level::Error, "prepare_retrieve: engine_driven context not registered (or reaped) for instance {iid}");
             self.metrics.unregistered_instance += 1;
             return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
         };
@@ -1581,11 +1684,12 @@ impl Front {
             Ok(o) if !o.is_empty() => o,
             Ok(_) => return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[]))),
             Err(e) => {
-                log::error!("prepare_retrieve from instance {iid}: {e}");
+                log_limited!(Level::Error, "prepare_retrieve from instance {iid}: {e}");
                 self.metrics.bad_requests += 1;
                 return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
             }
         };
+        self.note_reader(iid, &key);
         let tkey = TransferKey::new(iid, &key);
         let parts = self.split(&objs);
         let n = objs.len();
@@ -1593,6 +1697,8 @@ impl Front {
         let kind = InflightKind::PrepareRetrieve {
             to,
             tkey,
+            request_id: key.request_id.clone(),
+            first_chunk: first_chunk_of(&key, self.cfg.chunk_size),
             keys: objs,
             layout,
             slabs: vec![None; n],
@@ -1619,7 +1725,8 @@ impl Front {
                 true
             }
             None => {
-                log::warn!(
+                log_limited!(
+                    Level::Warn,
                     "commit_retrieve from instance {iid} without a pending prepare_retrieve"
                 );
                 self.metrics.bad_requests += 1;
@@ -1643,11 +1750,14 @@ impl Front {
         now: Instant,
     ) {
         if !self.cfg.transfer_mode.lmcache_driven_enabled() {
-            log::error!("register_kv_cache from instance {iid}: lmcache_driven transfer is not enabled (--supported-transfer-mode {:?})", self.cfg.transfer_mode);
+            log_limited!(Level::Error, "register_kv_cache from instance {iid}: lmcache_driven transfer is not enabled (--supported-transfer-mode {:?})", self.cfg.transfer_mode);
             return;
         }
-        if self.registry.touch_existing(iid, now) {
-            log::info!("instance {iid} already registered; refreshing liveness");
+        if self.registry.touch_lmc(iid, now) {
+            log_limited!(
+                Level::Info,
+                "lmcache_driven instance {iid} already registered; refreshing liveness"
+            );
             return;
         }
         let ws = match u32::try_from(world_size)
@@ -1656,7 +1766,8 @@ impl Front {
         {
             Some(w) => w,
             None => {
-                return log::error!(
+                return log_limited!(
+                    Level::Error,
                     "register_kv_cache from instance {iid}: world_size {world_size} is invalid"
                 )
             }
@@ -1672,13 +1783,16 @@ impl Front {
             Ok(r) => Arc::new(r),
             Err(e) => {
                 self.metrics.failed_registrations += 1;
-                return log::error!("register_kv_cache from instance {iid} failed: {e}");
+                return log_limited!(
+                    Level::Error,
+                    "register_kv_cache from instance {iid} failed: {e}"
+                );
             }
         };
         let layout = Layout::from_registration(&reg);
         if let Err(e) = self.layouts.register(&model_name, ws, &layout) {
             self.metrics.failed_registrations += 1;
-            return log::error!("register_kv_cache from instance {iid}: {e}");
+            return log_limited!(Level::Error, "register_kv_cache from instance {iid}: {e}");
         }
         let entry = LmcEntry {
             model_name: model_name.clone(),
@@ -1687,12 +1801,13 @@ impl Front {
             layout,
             last_seen: now,
             pinged: false,
+            kv_ranks: Vec::new(),
         };
         if let Err(e) = self.registry.insert_lmc(iid, entry) {
             self.layouts.unregister(&model_name, ws);
-            return log::error!("register_kv_cache: {e}");
+            return log_limited!(Level::Error, "register_kv_cache: {e}");
         }
-        log::info!("registered lmcache_driven cpu_shm instance {iid} (model={model_name}, world_size={ws}, {} layers)", kv_cache.len());
+        log_limited!(Level::Info, "registered lmcache_driven cpu_shm instance {iid} (model={model_name}, world_size={ws}, {} layers)", kv_cache.len());
     }
 
     /// Per-chunk block id lists of group 0, or why they do not fit.
@@ -1736,14 +1851,17 @@ impl Front {
     ) {
         self.metrics.submitted_stores += 1;
         let Some((reg, layout)) = self.registry.lmc_reg(iid, now) else {
-            log::error!("store: no lmcache_driven registration for instance {iid}");
+            log_limited!(
+                Level::Error,
+                "store: no lmcache_driven registration for instance {iid}"
+            );
             self.metrics.unregistered_instance += 1;
             return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
         };
         let objs = match self.worker_keys(&key, now) {
             Ok(o) => o,
             Err(e) => {
-                log::error!("store from instance {iid}: {e}");
+                log_limited!(Level::Error, "store from instance {iid}: {e}");
                 self.metrics.bad_requests += 1;
                 return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
             }
@@ -1751,11 +1869,12 @@ impl Front {
         let blocks = match Self::chunk_blocks(&reg, &block_ids, objs.len()) {
             Ok(b) => b,
             Err(e) => {
-                log::error!("store from instance {iid}: {e}");
+                log_limited!(Level::Error, "store from instance {iid}: {e}");
                 self.metrics.bad_requests += 1;
                 return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
             }
         };
+        self.note_reader(iid, &key);
         // All-null chunks carry no KV (align-mode recurrent layers): never store them.
         let null = self.cfg.null_block_id;
         let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = objs
@@ -1794,14 +1913,17 @@ impl Front {
     ) {
         self.metrics.submitted_retrieves += 1;
         let Some((reg, _)) = self.registry.lmc_reg(iid, now) else {
-            log::error!("retrieve: no lmcache_driven registration for instance {iid}");
+            log_limited!(
+                Level::Error,
+                "retrieve: no lmcache_driven registration for instance {iid}"
+            );
             self.metrics.unregistered_instance += 1;
             return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
         };
         let objs = match self.worker_keys(&key, now) {
             Ok(o) => o,
             Err(e) => {
-                log::error!("retrieve from instance {iid}: {e}");
+                log_limited!(Level::Error, "retrieve from instance {iid}: {e}");
                 self.metrics.bad_requests += 1;
                 return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
             }
@@ -1809,12 +1931,18 @@ impl Front {
         let blocks = match Self::chunk_blocks(&reg, &block_ids, objs.len()) {
             Ok(b) => b,
             Err(e) => {
-                log::error!("retrieve from instance {iid}: {e}");
+                log_limited!(Level::Error, "retrieve from instance {iid}: {e}");
                 self.metrics.bad_requests += 1;
                 return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
             }
         };
+        self.note_reader(iid, &key);
         let cs = self.cfg.chunk_size;
+        // The shard releases one lock on each object it finds read-locked: on
+        // the objects this request's lookup holds, that is one of its locks.
+        let first = first_chunk_of(&key, cs);
+        let chunks = objs.iter().enumerate().map(|(i, k)| (first + i, k));
+        self.leases.released(&key.request_id, chunks, 1, Some(iid));
         let skip = usize::try_from(skip).unwrap_or(0);
         let parts = self.split(&objs);
         let n = objs.len();
@@ -1839,19 +1967,57 @@ impl Front {
         }
     }
 
-    /// Releases what a removed registration held: pending reservations and read locks.
+    /// Releases what a removed registration held: pending reservations and read
+    /// locks, and the lookup locks that no live instance can release any more.
     fn release_instance(&mut self, released: crate::registry::Released) {
         let (iid, model, ws) = released.identity();
         self.layouts.unregister(&model, ws);
-        let (writes, reads) = self.registry.take_pending(iid);
-        for keys in writes {
-            self.post(keys, |keys| ShardOp::AbortWrite {
-                keys,
-                tag: iid as u64,
-            });
+        // Pending SHM transfers belong to the engine_driven context only.
+        if matches!(released, crate::registry::Released::Engine(..)) {
+            let (writes, reads) = self.registry.take_pending(iid);
+            for keys in writes {
+                self.post(keys, |keys| ShardOp::AbortWrite {
+                    keys,
+                    tag: iid as u64,
+                });
+            }
+            for keys in reads {
+                self.post(keys, |keys| ShardOp::Release { keys, count: 1 });
+            }
         }
-        for keys in reads {
-            self.post(keys, |keys| ShardOp::Release { keys, count: 1 });
+        self.release_orphaned_locks(&model, ws, iid);
+    }
+
+    /// Releases the read locks of `model`/`ws` lookups beyond what the live
+    /// instances may still read (instance `gone` just left).
+    fn release_orphaned_locks(&mut self, model: &str, ws: u32, gone: i64) {
+        // A lease past its TTL may hold locks the shard has already expired.
+        self.leases.expire(Instant::now());
+        let registry = &self.registry;
+        let orphans = self.leases.orphaned(model, ws, |rank, done| {
+            registry
+                .readers_of(model, ws, rank)
+                .iter()
+                .filter(|i| !done.contains(i))
+                .count() as u32
+        });
+        if orphans.is_empty() {
+            return;
+        }
+        let total: u64 = orphans.iter().map(|(_, n)| *n as u64).sum();
+        self.metrics.orphaned_read_locks += total;
+        log_limited!(
+            Level::Info,
+            "released {total} read locks on {} objects: lookups of model {model} (world size {ws}) \
+             held them for workers that are gone (instance {gone} was the last that could read them)",
+            orphans.len()
+        );
+        let mut by_count: HashMap<u32, Vec<ObjectKey>> = HashMap::new();
+        for (k, n) in orphans {
+            by_count.entry(n).or_default().push(k);
+        }
+        for (count, keys) in by_count {
+            self.post(keys, |keys| ShardOp::Release { keys, count });
         }
     }
 
@@ -1931,7 +2097,7 @@ impl Front {
                                 responder.send(resp);
                             });
                         if let Err(e) = spawned {
-                            log::error!("cannot start a checksum thread: {e}");
+                            log_limited!(Level::Error, "cannot start a checksum thread: {e}");
                         }
                     }
                 }
@@ -1977,8 +2143,15 @@ impl Front {
             ControlRequest::Status => ControlResponse::json(self.status_json(reports)),
             ControlRequest::Metrics => {
                 let mut t = PromText::default();
-                self.metrics
-                    .render(&mut t, reports, self.sessions.len(), self.jobs.len());
+                self.metrics.render(
+                    &mut t,
+                    reports,
+                    FrontGauges {
+                        sessions: self.sessions.len(),
+                        jobs: self.jobs.len(),
+                        leases: self.leases.len(),
+                    },
+                );
                 ControlResponse {
                     status: 200,
                     body: ControlBody::Text(t.finish()),
@@ -2154,6 +2327,11 @@ impl Front {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// The request's chunk index of a worker key's first object.
+fn first_chunk_of(key: &IpcKey, chunk_size: usize) -> usize {
+    usize::try_from(key.start).unwrap_or(0) / chunk_size.max(1)
+}
+
 fn reap_interval(cfg: &ServerConfig) -> Duration {
     let t = cfg.worker_reap_timeout;
     if t.is_zero() {
@@ -2166,7 +2344,8 @@ fn reap_interval(cfg: &ServerConfig) -> Duration {
 /// Folds one shard's reply into the request it belongs to.
 fn merge(kind: &mut InflightKind, idx: &[usize], shard: usize, body: ShardReplyBody) {
     match (kind, body) {
-        (InflightKind::Lookup { found, keys, .. }, ShardReplyBody::Found(f)) => {
+        (InflightKind::Lookup { lookup, .. }, ShardReplyBody::Found(f)) => {
+            let (found, keys) = (&mut lookup.found, &lookup.keys);
             if found.is_empty() {
                 *found = vec![FOUND_MISS; keys.len()];
             }
@@ -2201,6 +2380,9 @@ fn merge(kind: &mut InflightKind, idx: &[usize], shard: usize, body: ShardReplyB
         (InflightKind::Reports { reports, .. }, ShardReplyBody::Status(r)) => {
             reports[shard] = Some(*r)
         }
-        (_, _) => log::error!("shard {shard} answered with a reply of the wrong kind"),
+        (_, _) => log_limited!(
+            Level::Error,
+            "shard {shard} answered with a reply of the wrong kind"
+        ),
     }
 }

@@ -30,7 +30,10 @@ use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Map, Value};
 
+use kvshard_io::http::{Conn, HttpServeConfig, HttpStats};
+
 use crate::control::{ControlBody, ControlHandle, ControlRequest, ControlResponse};
+use crate::metrics::PromText;
 
 /// Request bodies larger than this are refused with 413. The largest legitimate body
 /// is a `/cache/checksums` block list: 1 MiB holds well over 100k block ids.
@@ -59,6 +62,8 @@ pub struct HttpInfo {
     /// How long a request may take to send its body, and how long the front may take
     /// to answer a control request, before the client gets 408 / 504.
     pub control_timeout: Duration,
+    /// Connections kept open at once (see [`HttpServeConfig::max_connections`]).
+    pub max_connections: usize,
 }
 
 impl HttpInfo {
@@ -67,6 +72,7 @@ impl HttpInfo {
             version: version.into(),
             commit_id: commit_id.into(),
             control_timeout: DEFAULT_CONTROL_TIMEOUT,
+            max_connections: HttpServeConfig::default().max_connections,
         }
     }
 }
@@ -74,21 +80,33 @@ impl HttpInfo {
 struct Ctx {
     control: ControlHandle,
     info: Rc<HttpInfo>,
+    /// This server's connection counters, appended to `/metrics`.
+    stats: Rc<HttpStats>,
 }
 
 /// Serves the HTTP API on `listener` until accepting fails. Runs inside a glommio
-/// executor; each connection is a task on it.
+/// executor; each connection is a task on it. Idle or slow clients cannot make
+/// others wait: see [`HttpServeConfig`] for the bounds.
 pub async fn serve(
     listener: glommio::net::TcpListener,
     control: ControlHandle,
     info: Rc<HttpInfo>,
 ) -> io::Result<()> {
-    let ctx = Rc::new(Ctx { control, info });
-    kvshard_io::http::serve_http1(listener, move || {
-        let ctx = ctx.clone();
+    let cfg = HttpServeConfig {
+        max_connections: info.max_connections,
+        ..HttpServeConfig::default()
+    };
+    let stats = Rc::new(HttpStats::default());
+    let ctx = Rc::new(Ctx {
+        control,
+        info,
+        stats: stats.clone(),
+    });
+    kvshard_io::http::serve_http1_with(listener, cfg, stats, move |conn| {
+        let (ctx, conn) = (ctx.clone(), conn.clone());
         hyper::service::service_fn(move |req| {
-            let ctx = ctx.clone();
-            async move { Ok::<_, Infallible>(handle(req, &ctx).await) }
+            let (ctx, conn) = (ctx.clone(), conn.clone());
+            async move { Ok::<_, Infallible>(handle(req, &ctx, &conn).await) }
         })
     })
     .await
@@ -232,14 +250,14 @@ fn percent_decode(raw: &str) -> String {
 
 // ------------------------------------------------------------------ handling
 
-async fn handle<B>(req: Request<B>, ctx: &Ctx) -> Response<Full<Bytes>>
+async fn handle<B>(req: Request<B>, ctx: &Ctx, conn: &Conn) -> Response<Full<Bytes>>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
     let path = percent_decode(req.uri().path());
     match resolve(req.method(), &path) {
-        Resolved::Found(ep) => endpoint(ep, req, ctx).await,
+        Resolved::Found(ep) => endpoint(ep, req, ctx, conn).await,
         Resolved::MethodNotAllowed(allow) => {
             let allow = allow
                 .iter()
@@ -291,7 +309,7 @@ fn slash_redirect<B>(req: &Request<B>, path: &str) -> Option<Response<Full<Bytes
     Some(resp)
 }
 
-async fn endpoint<B>(ep: Endpoint, req: Request<B>, ctx: &Ctx) -> Response<Full<Bytes>>
+async fn endpoint<B>(ep: Endpoint, req: Request<B>, ctx: &Ctx, conn: &Conn) -> Response<Full<Bytes>>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
@@ -339,7 +357,10 @@ where
             JsonStyle::Pretty,
         ),
         Endpoint::Metrics => {
-            let r = call(ctx, ControlRequest::Metrics).await;
+            let mut r = call(ctx, ControlRequest::Metrics).await;
+            if let (200, ControlBody::Text(text)) = (r.status, &mut r.body) {
+                render_http_stats(text, &ctx.stats, ctx.info.max_connections);
+            }
             let exposition = r.status == 200 && matches!(r.body, ControlBody::Text(_));
             let mut resp = control_response(r, JsonStyle::Compact);
             if exposition {
@@ -357,7 +378,7 @@ where
             }
         }
         Endpoint::CacheClear => {
-            let body = match read_body(req, ctx).await {
+            let body = match read_body(req, ctx, conn).await {
                 Ok(b) => b,
                 Err(resp) => return *resp,
             };
@@ -370,7 +391,7 @@ where
             }
         }
         Endpoint::CacheChecksums => {
-            let body = match read_body(req, ctx).await {
+            let body = match read_body(req, ctx, conn).await {
                 Ok(b) => b,
                 Err(resp) => return *resp,
             };
@@ -380,7 +401,7 @@ where
             }
         }
         Endpoint::QuotaSet(cache_salt) => {
-            let body = match read_body(req, ctx).await {
+            let body = match read_body(req, ctx, conn).await {
                 Ok(b) => b,
                 Err(resp) => return *resp,
             };
@@ -444,8 +465,45 @@ async fn call(ctx: &Ctx, req: ControlRequest) -> ControlResponse {
         })
 }
 
-/// Reads the whole body, bounded in size and time.
-async fn read_body<B>(req: Request<B>, ctx: &Ctx) -> Result<Bytes, Reject>
+/// This server's `kvshard_http_*` series, in the front's exposition format.
+fn render_http_stats(text: &mut String, stats: &HttpStats, max_connections: usize) {
+    let mut t = PromText::default();
+    t.gauge(
+        "kvshard_http_connections_open",
+        "HTTP API connections open",
+        stats.open.get() as f64,
+    );
+    t.gauge(
+        "kvshard_http_connections_max",
+        "HTTP API connections kept open at most",
+        max_connections as f64,
+    );
+    t.counter(
+        "kvshard_http_connections_accepted_total",
+        "HTTP API connections accepted",
+        stats.accepted.get(),
+    );
+    t.counter(
+        "kvshard_http_connections_shed_total",
+        "HTTP API connections closed to make room while they waited on their client",
+        stats.shed.get(),
+    );
+    t.counter(
+        "kvshard_http_connections_refused_total",
+        "HTTP API clients answered 503 because every connection was being answered",
+        stats.refused.get(),
+    );
+    t.counter(
+        "kvshard_http_header_timeouts_total",
+        "HTTP API connections closed because the client did not send its headers in time",
+        stats.header_timeouts.get(),
+    );
+    text.push_str(&t.finish());
+}
+
+/// Reads the whole body, bounded in size and time. The wait counts as time
+/// spent on the client: the connection may be shed meanwhile when the server is full.
+async fn read_body<B>(req: Request<B>, ctx: &Ctx, conn: &Conn) -> Result<Bytes, Reject>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
@@ -467,11 +525,12 @@ where
         return Err(Box::new(too_large()));
     }
     let limit = ctx.info.control_timeout;
-    let collected = with_deadline(
-        limit,
-        Limited::new(req.into_body(), MAX_BODY_BYTES).collect(),
-    )
-    .await;
+    let collected = conn
+        .client_paced(with_deadline(
+            limit,
+            Limited::new(req.into_body(), MAX_BODY_BYTES).collect(),
+        ))
+        .await;
     match collected {
         None => {
             let msg = format!("request body not received within {} ms", limit.as_millis());
@@ -1072,6 +1131,7 @@ mod tests {
                     version: "0.1.0".into(),
                     commit_id: "abc123".into(),
                     control_timeout: TEST_TIMEOUT,
+                    max_connections: 64,
                 };
                 serve(listener, ControlHandle::new(tx), Rc::new(info))
                     .await
@@ -1197,7 +1257,22 @@ mod tests {
         let r = req("GET", "/metrics", None);
         assert_eq!(r.status, 200);
         assert_eq!(r.header("content-type"), Some(PROMETHEUS_TEXT));
-        assert_eq!(r.body, "# TYPE x counter\nx_total 1\n");
+        // The front's exposition, then this server's own connection series.
+        let (front, http) = r.body.split_at("# TYPE x counter\nx_total 1\n".len());
+        assert_eq!(front, "# TYPE x counter\nx_total 1\n");
+        assert!(
+            http.contains("\nkvshard_http_connections_max 64\n"),
+            "{http}"
+        );
+        for name in [
+            "kvshard_http_connections_open",
+            "kvshard_http_connections_accepted_total",
+            "kvshard_http_connections_shed_total",
+            "kvshard_http_connections_refused_total",
+            "kvshard_http_header_timeouts_total",
+        ] {
+            assert!(http.contains(&format!("# TYPE {name} ")), "{name}: {http}");
+        }
         let r = req("POST", "/metrics/reset", None);
         assert_eq!((r.status, r.body.as_str()), (200, "ok"));
         assert_eq!(r.header("content-type"), Some(TEXT));

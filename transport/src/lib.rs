@@ -6,6 +6,7 @@ pub mod control;
 pub mod cpu_shm;
 pub mod front;
 pub mod http_api;
+pub mod lookup_leases;
 pub mod lookup_log;
 pub mod metrics;
 pub mod msgpack;

@@ -10,11 +10,25 @@ use std::fmt::Write;
 
 use crate::shard::ShardReport;
 
+/// Sizes of front tables, shown as gauges.
+#[derive(Debug, Clone, Copy)]
+pub struct FrontGauges {
+    pub sessions: usize,
+    /// Lookup results not consumed yet.
+    pub jobs: usize,
+    /// Requests whose lookup still holds read locks.
+    pub leases: usize,
+}
+
 /// Counters owned by the front thread.
 #[derive(Debug, Default, Clone)]
 pub struct Metrics {
     pub requests: u64,
     pub bad_requests: u64,
+    /// Requests refused because a payload frame exceeded `--max-frame-bytes`.
+    pub oversized_frames: u64,
+    /// commit_store requests carrying pickled chunks (the unsupported fallback).
+    pub pickle_refused: u64,
     pub unknown_ops: u64,
     pub unsupported_ops: BTreeMap<&'static str, u64>,
     pub reply_failures: u64,
@@ -32,11 +46,12 @@ pub struct Metrics {
     pub finished_retrieves: u64,
     pub stored_chunks: u64,
     pub retrieved_chunks: u64,
-    pub store_oom_chunks: u64,
     pub retrieve_misses: u64,
     pub unregistered_instance: u64,
     pub failed_registrations: u64,
     pub reaped_workers: u64,
+    /// Lookup read locks released because no live instance could release them.
+    pub orphaned_read_locks: u64,
     pub block_allocation_records: u64,
 }
 
@@ -49,7 +64,12 @@ impl Metrics {
         *self.early_exits.entry(reason).or_default() += 1;
     }
 
-    pub fn render(&self, t: &mut PromText, shards: &[ShardReport], sessions: usize, jobs: usize) {
+    pub fn render(&self, t: &mut PromText, shards: &[ShardReport], gauges: FrontGauges) {
+        let FrontGauges {
+            sessions,
+            jobs,
+            leases,
+        } = gauges;
         let sum = |f: &dyn Fn(&ShardReport) -> u64| shards.iter().map(f).sum::<u64>();
         // Shard (L1) counters.
         t.counter(
@@ -79,7 +99,7 @@ impl Metrics {
         );
         t.counter(
             "lmcache_mp_l1_allocation_failure_chunks_total",
-            "Chunks that could not be allocated in L1",
+            "Chunks that could not be allocated in L1 (client stores and L2 loads)",
             sum(&|r| r.stats.allocation_failure_chunks),
         );
         t.counter(
@@ -197,6 +217,16 @@ impl Metrics {
             self.bad_requests,
         );
         t.counter(
+            "kvshard_oversized_frames_total",
+            "Requests answered with a failure because a payload frame exceeded --max-frame-bytes",
+            self.oversized_frames,
+        );
+        t.counter(
+            "kvshard_pickle_stores_refused_total",
+            "commit_store requests carrying pickled chunks (the pickle fallback is not supported)",
+            self.pickle_refused,
+        );
+        t.counter(
             "kvshard_unknown_ops_total",
             "Requests with an unknown operation",
             self.unknown_ops,
@@ -219,10 +249,16 @@ impl Metrics {
             "Times the front waited on a full shard mailbox",
             self.mailbox_full,
         );
+        // Together these two are lmcache_mp_l1_allocation_failure_chunks_total.
         t.counter(
             "kvshard_store_oom_chunks_total",
-            "Chunks not stored for lack of L1 memory",
-            self.store_oom_chunks,
+            "Chunks of client stores (both transfer modes) refused for lack of L1 memory",
+            sum(&|r| r.store_oom_chunks),
+        );
+        t.counter(
+            "kvshard_l2_load_oom_chunks_total",
+            "Chunks found in L2 that could not be loaded for lack of L1 memory",
+            sum(&|r| r.l2_ctl.prefetch_load_oom_objects),
         );
         t.counter(
             "kvshard_retrieve_misses_total",
@@ -245,11 +281,21 @@ impl Metrics {
             self.reaped_workers,
         );
         t.counter(
+            "kvshard_orphaned_read_locks_released_total",
+            "Lookup read locks released when the last worker that could read them was reaped or unregistered",
+            self.orphaned_read_locks,
+        );
+        t.counter(
             "kvshard_expired_stages_total",
             "Write reservations reclaimed after their TTL",
             sum(&|r| r.stats.expired_stages),
         );
         t.gauge("kvshard_active_sessions", "Sessions held", sessions as f64);
+        t.gauge(
+            "kvshard_lookup_leases",
+            "Requests whose lookup still holds read locks the front tracks",
+            leases as f64,
+        );
         t.gauge(
             "kvshard_shards",
             "Shards (one per core)",

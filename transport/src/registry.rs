@@ -169,6 +169,8 @@ pub struct EngineEntry {
     pub use_mla: bool,
     pub last_seen: Instant,
     pub pinged: bool,
+    /// kv ranks this worker has sent keys for (empty until its first transfer).
+    pub kv_ranks: Vec<u32>,
 }
 
 pub struct LmcEntry {
@@ -178,6 +180,8 @@ pub struct LmcEntry {
     pub layout: Layout,
     pub last_seen: Instant,
     pub pinged: bool,
+    /// kv ranks this worker has sent keys for (empty until its first transfer).
+    pub kv_ranks: Vec<u32>,
 }
 
 /// A registration taken out of the registry (unregistered or reaped).
@@ -266,13 +270,58 @@ impl Registry {
         }
     }
 
-    /// A repeated registration of a known instance only refreshes its liveness.
-    pub fn touch_existing(&mut self, iid: i64, now: Instant) -> bool {
-        let known = self.engine.contains_key(&iid) || self.lmc.contains_key(&iid);
-        if known {
-            self.touch_traffic(iid, now);
+    /// A repeated engine_driven registration of a known instance only refreshes
+    /// its liveness (0.5.6). An lmcache_driven registration of the same id is
+    /// another context: the two coexist, as in 0.5.6's two transfer modules.
+    pub fn touch_engine(&mut self, iid: i64, now: Instant) -> bool {
+        self.engine
+            .get_mut(&iid)
+            .map(|e| e.last_seen = now)
+            .is_some()
+    }
+
+    /// [`touch_engine`](Self::touch_engine) for lmcache_driven registrations.
+    pub fn touch_lmc(&mut self, iid: i64, now: Instant) -> bool {
+        self.lmc.get_mut(&iid).map(|e| e.last_seen = now).is_some()
+    }
+
+    /// Notes that instance `iid` reads and writes objects of kv rank `rank`.
+    pub fn note_rank(&mut self, iid: i64, rank: u32) {
+        let note = |ranks: &mut Vec<u32>| {
+            if !ranks.contains(&rank) {
+                ranks.push(rank);
+            }
+        };
+        if let Some(e) = self.engine.get_mut(&iid) {
+            note(&mut e.kv_ranks);
         }
-        known
+        if let Some(e) = self.lmc.get_mut(&iid) {
+            note(&mut e.kv_ranks);
+        }
+    }
+
+    /// Live instances (either mode, each once) of `model`/`world_size` that may
+    /// read objects of kv rank `rank`: those seen with that rank, and those
+    /// whose rank is not known yet.
+    pub fn readers_of(&self, model: &str, world_size: u32, rank: u32) -> Vec<i64> {
+        let may = |m: &str, ws: u32, ranks: &[u32]| {
+            m == model && ws == world_size && (ranks.is_empty() || ranks.contains(&rank))
+        };
+        let mut ids: Vec<i64> = self
+            .engine
+            .iter()
+            .filter(|(_, e)| may(&e.model_name, e.world_size, &e.kv_ranks))
+            .map(|(i, _)| *i)
+            .chain(
+                self.lmc
+                    .iter()
+                    .filter(|(_, e)| may(&e.model_name, e.world_size, &e.kv_ranks))
+                    .map(|(i, _)| *i),
+            )
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 
     pub fn engine_layout(&mut self, iid: i64, now: Instant) -> Option<Layout> {
@@ -465,7 +514,8 @@ pub fn open_cpu_shm(
         _ => None,
     };
     if engine_type != "vllm" && engine_type != "mock" {
-        log::warn!(
+        kvshard_io::log_limited!(
+            log::Level::Warn,
             "register_kv_cache: engine_type {engine_type:?} is treated like vllm's paged layout"
         );
     }

@@ -37,6 +37,27 @@ fn install_signal_handlers() {
     }
 }
 
+/// Raises the soft open-file limit to the hard one: every HTTP connection,
+/// ZeroMQ peer, shm mapping and L2 file is a descriptor, and soft limits of
+/// 1024 are common.
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit pointer.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 || lim.rlim_cur >= lim.rlim_max {
+            return;
+        }
+        let before = lim.rlim_cur;
+        lim.rlim_cur = lim.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
+            log::info!("open-file limit raised from {before} to {}", lim.rlim_max);
+        }
+    }
+}
+
 /// Asks a running server (this process) to stop, as SIGTERM does.
 pub fn request_stop() {
     STOP.store(true, Ordering::Relaxed);
@@ -75,6 +96,7 @@ fn policy_of(cfg: &ServerConfig) -> EvictionPolicy {
 pub fn run(cfg: ServerConfig) -> Result<(), String> {
     let cfg = Arc::new(cfg);
     install_signal_handlers();
+    raise_open_file_limit();
     let n = cfg.cores.len().max(1);
     let align = cfg.l1.align_bytes;
     let slices = shard_slices(
@@ -128,8 +150,10 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     socket
         .set_linger(0)
         .map_err(|e| format!("zmq linger: {e}"))?;
-    // Memory backstop far above the logical frame limit the front enforces with a reply.
-    let hard_cap = (cfg.max_frame_bytes as i64).saturating_mul(4);
+    // ZeroMQ drops a message over this with its connection, before the front
+    // could answer it: keep it well above the limit the front answers with a
+    // failure reply, and still bound what one message can make libzmq allocate.
+    let hard_cap = zmq_message_cap(cfg.max_frame_bytes);
     socket
         .set_maxmsgsize(hard_cap)
         .map_err(|e| format!("zmq maxmsgsize: {e}"))?;
@@ -197,6 +221,12 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     Ok(())
 }
 
+/// Largest message ZeroMQ delivers (`ZMQ_MAXMSGSIZE`): twice the payload frame
+/// limit, at least 1 GiB.
+pub fn zmq_message_cap(max_frame_bytes: usize) -> i64 {
+    (max_frame_bytes as i64).saturating_mul(2).max(1 << 30)
+}
+
 /// The arena's page policy: the hugetlb pool when asked; transparent huge
 /// pages when the arena is pre-faulted at start anyway (the page faults, and
 /// any compaction they need, then happen before serving, never on a request);
@@ -251,6 +281,7 @@ fn start_http(cfg: &ServerConfig, control: ControlHandle) -> Result<(), String> 
         version: env!("CARGO_PKG_VERSION").to_owned(),
         commit_id: option_env!("KVSHARD_COMMIT_ID").unwrap_or("").to_owned(),
         control_timeout: http_api::DEFAULT_CONTROL_TIMEOUT,
+        max_connections: cfg.http_max_connections,
     };
     spawn_shard(
         usize::MAX,

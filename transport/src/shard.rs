@@ -138,6 +138,11 @@ pub struct ShardReport {
     pub capacity_max_bytes: u64,
     pub bytes_by_salt: Vec<(String, u64)>,
     pub mailbox_full: u64,
+    /// Chunks of client stores (engine_driven prepare_store and lmcache_driven
+    /// store) refused for lack of L1 memory. With the L2 loads that found no
+    /// room (`l2_ctl.prefetch_load_oom_objects`) these are every L1 allocation
+    /// failure (`stats.allocation_failure_chunks`).
+    pub store_oom_chunks: u64,
     pub l2: Vec<TierReport>,
     pub l2_ctl: L2CtlStats,
 }
@@ -162,6 +167,8 @@ pub(crate) struct ShardState {
     /// Keys that became resident (not temporary) during the current message:
     /// the store controller writes them behind to L2.
     to_l2: Vec<ObjectKey>,
+    /// See [`ShardReport::store_oom_chunks`].
+    store_oom_chunks: u64,
 }
 
 impl ShardState {
@@ -233,6 +240,7 @@ impl ShardState {
                 let res = self
                     .l1
                     .reserve_write(&keys, size, WriterTag(tag), false, now);
+                self.store_oom_chunks += count_oom(&res);
                 ShardReplyBody::Slabs(res.into_iter().map(|r| r.ok()).collect())
             }
             ShardOp::FinishWrite { keys, tag } => {
@@ -273,6 +281,7 @@ impl ShardState {
             }
             ShardOp::ResetStats => {
                 self.l1.reset_stats();
+                self.store_oom_chunks = 0;
                 ShardReplyBody::Done
             }
         }
@@ -318,6 +327,7 @@ impl ShardState {
         self.maybe_grow(size * keys.len() as u64, None);
         let tag = WriterTag(tag);
         let reserved = self.l1.reserve_write(&keys, size, tag, false, now);
+        self.store_oom_chunks += count_oom(&reserved);
         let mut out = Vec::with_capacity(keys.len());
         let mut written = Vec::new();
         let mut failed = Vec::new();
@@ -333,7 +343,10 @@ impl ShardState {
                             out.push(StoreOutcome::Stored);
                         }
                         Err(e) => {
-                            log::error!("store of {key:?} failed in gather: {e}");
+                            kvshard_io::log_limited!(
+                                log::Level::Error,
+                                "store of {key:?} failed in gather: {e}"
+                            );
                             failed.push(key);
                             out.push(StoreOutcome::Failed);
                         }
@@ -374,7 +387,10 @@ impl ShardState {
                     ) {
                         Ok(()) => true,
                         Err(e) => {
-                            log::error!("retrieve of {key:?} failed in scatter: {e}");
+                            kvshard_io::log_limited!(
+                                log::Level::Error,
+                                "retrieve of {key:?} failed in scatter: {e}"
+                            );
                             false
                         }
                     };
@@ -402,6 +418,7 @@ impl ShardState {
                 .map(|(s, b)| (s.to_owned(), b))
                 .collect(),
             mailbox_full: 0,
+            store_oom_chunks: self.store_oom_chunks,
             l2: Vec::new(),
             l2_ctl: L2CtlStats::default(),
         }
@@ -413,7 +430,15 @@ impl ShardState {
         let mark = self.l1.policy().config().trigger_watermark;
         self.maybe_grow(0, Some(mark));
         self.l1.evict(now);
+        kvshard_io::log_limit::flush(now);
     }
+}
+
+/// Reservations refused for lack of L1 memory.
+pub(crate) fn count_oom<T>(res: &[Result<T, L1Error>]) -> u64 {
+    res.iter()
+        .filter(|r| matches!(r, Err(L1Error::OutOfMemory)))
+        .count() as u64
 }
 
 /// Where a shard's answer to one message goes; the notify queue is only
@@ -466,6 +491,7 @@ pub async fn run_shard(
         locked_bytes: 0,
         mlock_warned: false,
         to_l2: Vec::new(),
+        store_oom_chunks: 0,
     }));
     state.borrow_mut().lock_prefix(initial);
 

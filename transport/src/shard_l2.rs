@@ -55,6 +55,8 @@ pub struct L2CtlStats {
     pub prefetch_load_submitted_objects: u64,
     pub prefetch_load_completed_objects: u64,
     pub prefetch_failure_objects: u64,
+    /// L2 hits that could not be loaded because L1 had no room for them.
+    pub prefetch_load_oom_objects: u64,
     /// L2 hits whose size is not the registered object size (treated as misses).
     pub size_mismatch_objects: u64,
     pub inflight_stores: u64,
@@ -493,6 +495,10 @@ pub(crate) async fn load(
         st.maybe_grow(size * plain.len() as u64, None);
         st.l1.reserve_write(&plain, size, tag, temporary, now)
     };
+    let oom = crate::shard::count_oom(&slabs);
+    if oom > 0 {
+        l2.bump(|s| s.prefetch_load_oom_objects += oom);
+    }
     let mut ok = vec![false; keys.len()];
     // Keys that are resident already (another load or a store won the race):
     // read-lock the resident copy instead.

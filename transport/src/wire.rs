@@ -615,8 +615,10 @@ pub enum Request {
     CommitStore {
         key: IpcKey,
         instance_id: i64,
-        /// Empty in SHM mode; a pickle in the (unsupported) pickle fallback.
-        data: Vec<u8>,
+        /// Bytes of the `data` frame's payload: 0 in SHM mode; a pickle of the
+        /// chunks in the pickle fallback, which kvshard refuses (so the bytes
+        /// themselves are never copied out of the frame).
+        inline_bytes: usize,
     },
     PrepareRetrieve {
         key: IpcKey,
@@ -886,7 +888,7 @@ pub fn decode_request(op: Op, payload_frames: &[&[u8]]) -> Result<Request, Reque
             Request::CommitStore {
                 key,
                 instance_id,
-                data: p.take(read_bytes)?,
+                inline_bytes: p.take(|r| r.read_bin().map(<[u8]>::len))?,
             }
         }
         Op::PrepareRetrieve => {
@@ -2359,7 +2361,13 @@ mod tests {
             &[key.clone(), encode_int(1), vec![0xc4, 0x00]],
         )
         .unwrap();
-        assert!(matches!(req, Request::CommitStore { ref data, .. } if data.is_empty()));
+        assert!(matches!(
+            req,
+            Request::CommitStore {
+                inline_bytes: 0,
+                ..
+            }
+        ));
         assert_eq!(req.op(), Op::CommitStore);
         for op in [Op::PrepareStore, Op::PrepareRetrieve, Op::CommitRetrieve] {
             assert_eq!(decode(op, &[key.clone(), encode_int(1)]).unwrap().op(), op);

@@ -1,0 +1,412 @@
+//! Which read locks each lookup still holds, so that locks nobody can release any
+//! more are released when their workers go away.
+//!
+//! A lookup read-locks the prefix it found, `readers` locks per object, on behalf
+//! of the workers that will retrieve it: each worker that retrieves an object (or
+//! the scheduler's `free_lookup_locks`) releases its share. A worker that dies
+//! between the lookup and its retrieve never does, and its locks would pin the
+//! objects until the read-lock TTL (300 s by default).
+//!
+//! The book keeps, per request id, what the latest lookup holds: the prefix's
+//! chunk hashes and kv ranks and the count of locks still held per object, which
+//! every release sent on the request's behalf decrements. The lookup does not say
+//! which worker will read it (the scheduler asks, the workers read), so when an
+//! instance is reaped or unregistered the front counts, per object, the live
+//! instances that may still read it (same model and world size, that kv rank or a
+//! rank not known yet, not already done with this lookup). Locks beyond that
+//! count can be released by nobody: those are released. The count errs on the
+//! side of keeping a lock: an instance that may read the object keeps it held.
+//!
+//! The book only ever releases locks it saw granted and not released. An entry
+//! is dropped before its locks' TTL can have passed (the TTL counts from when the
+//! lookup was sent, which is before the shard locked), so a lock the shard has
+//! already expired and perhaps re-granted to someone else is never released.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvshard_engine::keys::{ChunkHash, ObjectKey};
+use kvshard_engine::l1::MAX_READ_LOCK_COUNT;
+
+/// Locks one call takes or releases per key, as the shard clamps it.
+fn clamped(count: u32) -> u32 {
+    count.clamp(1, MAX_READ_LOCK_COUNT)
+}
+
+/// What one request's lookup holds.
+#[derive(Debug, Clone)]
+struct Lease {
+    model: String,
+    salt: String,
+    world_size: u32,
+    /// kv ranks of one chunk, in key order.
+    ranks: Vec<u32>,
+    /// The held prefix's chunk hashes, from chunk 0.
+    hashes: Vec<ChunkHash>,
+    /// Locks still held, per object (chunk-major, rank-minor).
+    held: Vec<u32>,
+    /// Instances that released locks of this lease (they are done with it).
+    consumers: Vec<i64>,
+    /// When the shard's locks may start expiring: forget the lease then.
+    expires: Instant,
+}
+
+impl Lease {
+    fn key(&self, chunk: usize, rank: u32) -> ObjectKey {
+        ObjectKey {
+            chunk_hash: self.hashes[chunk],
+            model_name: self.model.clone(),
+            kv_rank: rank,
+            object_group_id: 0,
+            cache_salt: self.salt.clone(),
+        }
+    }
+
+    /// Index of `key` (chunk `chunk` of the request) in `held`, if this lease
+    /// covers it.
+    fn position(&self, chunk: usize, key: &ObjectKey) -> Option<usize> {
+        if self.hashes.get(chunk) != Some(&key.chunk_hash)
+            || key.model_name != self.model
+            || key.cache_salt != self.salt
+            || key.object_group_id != 0
+        {
+            return None;
+        }
+        let r = self.ranks.iter().position(|r| *r == key.kv_rank)?;
+        Some(chunk * self.ranks.len() + r)
+    }
+}
+
+/// The lookup leases of every live request, bounded in number.
+#[derive(Debug)]
+pub struct LeaseBook {
+    leases: HashMap<String, Lease>,
+    max: usize,
+    ttl: Duration,
+}
+
+/// A lookup's grant: what [`LeaseBook::grant`] records.
+pub struct Grant<'a> {
+    pub request_id: &'a str,
+    pub world_size: u32,
+    /// kv ranks of one chunk, in key order.
+    pub ranks: &'a [u32],
+    /// Chunk-major, rank-minor, from chunk 0.
+    pub keys: &'a [ObjectKey],
+    pub readers: u32,
+    /// When the lookup was sent to the shards (before they locked).
+    pub sent_at: Instant,
+}
+
+impl LeaseBook {
+    /// A book of at most `max` leases, each forgotten `ttl` (the read-lock
+    /// TTL) after its lookup was sent.
+    pub fn new(max: usize, ttl: Duration) -> Self {
+        LeaseBook {
+            leases: HashMap::new(),
+            max: max.max(1),
+            ttl,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.leases.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.leases.is_empty()
+    }
+
+    /// Records that a lookup holds `readers` read locks on each of its keys. A
+    /// later lookup of the same request adds to what the earlier one still
+    /// holds on the same objects (and every instance has to read them again);
+    /// on other objects, the earlier lease is forgotten (its locks then end by
+    /// TTL or by the workers' releases).
+    pub fn grant(&mut self, g: Grant<'_>) {
+        let nr = g.ranks.len();
+        if nr == 0 || g.keys.is_empty() || g.keys.len() % nr != 0 {
+            return;
+        }
+        let first = &g.keys[0];
+        let mut lease = Lease {
+            model: first.model_name.clone(),
+            salt: first.cache_salt.clone(),
+            world_size: g.world_size,
+            ranks: g.ranks.to_vec(),
+            hashes: g.keys.iter().step_by(nr).map(|k| k.chunk_hash).collect(),
+            held: vec![clamped(g.readers); g.keys.len()],
+            consumers: Vec::new(),
+            expires: g.sent_at + self.ttl,
+        };
+        if let Some(old) = self.leases.get(g.request_id) {
+            let common = old.hashes.len().min(lease.hashes.len());
+            if old.model == lease.model
+                && old.salt == lease.salt
+                && old.ranks == lease.ranks
+                && old.hashes[..common] == lease.hashes[..common]
+            {
+                for (h, o) in lease.held.iter_mut().zip(&old.held) {
+                    *h = h.saturating_add(*o);
+                }
+                // The older locks may expire first.
+                lease.expires = lease.expires.min(old.expires);
+            }
+        }
+        self.insert(g.request_id, lease);
+    }
+
+    fn insert(&mut self, rid: &str, lease: Lease) {
+        if !self.leases.contains_key(rid) && self.leases.len() >= self.max {
+            // Full: forget the lease closest to expiry (its locks still end by TTL).
+            if let Some(victim) = self
+                .leases
+                .iter()
+                .min_by_key(|(_, l)| l.expires)
+                .map(|(k, _)| k.clone())
+            {
+                self.leases.remove(&victim);
+            }
+        }
+        self.leases.insert(rid.to_owned(), lease);
+    }
+
+    /// Records that `count` locks were released for request `rid` on each key
+    /// of `keys` (with the request's chunk index it belongs to), by instance
+    /// `by` if a worker released them. Keys the lease does not cover are ignored.
+    pub fn released<'k>(
+        &mut self,
+        rid: &str,
+        keys: impl IntoIterator<Item = (usize, &'k ObjectKey)>,
+        count: u32,
+        by: Option<i64>,
+    ) {
+        let Some(lease) = self.leases.get_mut(rid) else {
+            return;
+        };
+        let count = clamped(count);
+        for (chunk, k) in keys {
+            if let Some(p) = lease.position(chunk, k) {
+                lease.held[p] = lease.held[p].saturating_sub(count);
+            }
+        }
+        if let Some(iid) = by {
+            if !lease.consumers.contains(&iid) {
+                lease.consumers.push(iid);
+            }
+        }
+        if lease.held.iter().all(|h| *h == 0) {
+            self.leases.remove(rid);
+        }
+    }
+
+    /// The locks of `model`/`world_size` leases that no live instance can
+    /// release any more, taken out of the book: per object, the locks held
+    /// beyond `readers(rank, consumers)`, the number of live instances that may
+    /// still read an object of that kv rank (those in `consumers` are done with
+    /// the lease). Returns `(key, locks)` pairs to release.
+    pub fn orphaned(
+        &mut self,
+        model: &str,
+        world_size: u32,
+        readers: impl Fn(u32, &[i64]) -> u32,
+    ) -> Vec<(ObjectKey, u32)> {
+        let mut out = Vec::new();
+        let mut emptied = Vec::new();
+        for (rid, lease) in self.leases.iter_mut() {
+            if lease.model != model || lease.world_size != world_size {
+                continue;
+            }
+            let nr = lease.ranks.len();
+            let may_read: Vec<u32> = lease
+                .ranks
+                .iter()
+                .map(|r| readers(*r, &lease.consumers))
+                .collect();
+            for p in 0..lease.held.len() {
+                let keep = may_read[p % nr];
+                if lease.held[p] > keep {
+                    out.push((lease.key(p / nr, lease.ranks[p % nr]), lease.held[p] - keep));
+                    lease.held[p] = keep;
+                }
+            }
+            if lease.held.iter().all(|h| *h == 0) {
+                emptied.push(rid.clone());
+            }
+        }
+        for rid in emptied {
+            self.leases.remove(&rid);
+        }
+        out
+    }
+
+    /// Forgets leases whose locks may have expired by `now`. Returns how many.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let before = self.leases.len();
+        self.leases.retain(|_, l| l.expires > now);
+        before - self.leases.len()
+    }
+
+    /// Forgets every lease (a forced clear removed locked objects: a lock on a
+    /// key stored again later is not theirs to release).
+    pub fn clear(&mut self) {
+        self.leases.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(chunk: u8, rank: u32) -> ObjectKey {
+        ObjectKey {
+            chunk_hash: [chunk; 32],
+            model_name: "m".into(),
+            kv_rank: rank,
+            object_group_id: 0,
+            cache_salt: String::new(),
+        }
+    }
+
+    /// Keys of chunks 0..n over `ranks`, chunk-major.
+    fn keys(n: u8, ranks: &[u32]) -> Vec<ObjectKey> {
+        (0..n)
+            .flat_map(|c| ranks.iter().map(move |r| key(c, *r)))
+            .collect()
+    }
+
+    /// `keys` with their chunk indices: `per` keys per chunk from chunk `first`.
+    fn chunks(first: usize, per: usize, keys: &[ObjectKey]) -> Vec<(usize, &ObjectKey)> {
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| (first + i / per, k))
+            .collect()
+    }
+
+    fn book() -> LeaseBook {
+        LeaseBook::new(16, Duration::from_secs(300))
+    }
+
+    fn grant(b: &mut LeaseBook, rid: &str, ranks: &[u32], n: u8, readers: u32, t: Instant) {
+        b.grant(Grant {
+            request_id: rid,
+            world_size: ranks.len() as u32,
+            ranks,
+            keys: &keys(n, ranks),
+            readers,
+            sent_at: t,
+        });
+    }
+
+    #[test]
+    fn a_worker_that_never_came_leaves_its_share_to_release() {
+        let t = Instant::now();
+        let mut b = book();
+        // TP 2: one lock per object, rank 0 read by worker 10, rank 1 by worker 11.
+        grant(&mut b, "r", &[0, 1], 3, 1, t);
+        // Worker 10 retrieves its rank.
+        b.released("r", chunks(0, 1, &keys(3, &[0])), 1, Some(10));
+        // Worker 11 dies: nobody else may read rank 1; rank 0 is done.
+        let out = b.orphaned("m", 2, |_, _| 0);
+        assert_eq!(out, (0..3).map(|c| (key(c, 1), 1)).collect::<Vec<_>>());
+        assert!(b.is_empty(), "nothing left held");
+    }
+
+    #[test]
+    fn locks_a_live_reader_may_still_release_are_kept() {
+        let t = Instant::now();
+        let mut b = book();
+        // MLA over TP 3: every worker reads rank 0, three locks per object.
+        grant(&mut b, "r", &[0], 2, 3, t);
+        b.released("r", chunks(0, 1, &keys(2, &[0])), 1, Some(1));
+        // Worker 2 died; worker 3 is alive and has not read yet; worker 1 is done.
+        let out = b.orphaned("m", 1, |rank, consumers| {
+            assert_eq!(rank, 0);
+            assert_eq!(consumers, &[1]);
+            1
+        });
+        assert_eq!(out, vec![(key(0, 0), 1), (key(1, 0), 1)]);
+        // Worker 3 reads later: its lock is still there and the lease empties.
+        b.released("r", chunks(0, 1, &keys(2, &[0])), 1, Some(3));
+        assert!(b.is_empty());
+    }
+
+    #[test]
+    fn other_models_and_world_sizes_are_untouched() {
+        let t = Instant::now();
+        let mut b = book();
+        grant(&mut b, "r", &[0], 2, 1, t);
+        assert!(b.orphaned("other", 1, |_, _| 0).is_empty());
+        assert!(b.orphaned("m", 2, |_, _| 0).is_empty());
+        assert_eq!(b.orphaned("m", 1, |_, _| 0).len(), 2);
+    }
+
+    #[test]
+    fn releases_of_other_objects_do_not_count() {
+        let t = Instant::now();
+        let mut b = book();
+        grant(&mut b, "r", &[0], 2, 1, t);
+        // Same request, other tokens: not what the lookup locked.
+        b.released("r", [(0, &key(9, 0))], 1, Some(1));
+        // Past the held prefix.
+        b.released("r", [(2, &key(2, 0))], 1, Some(1));
+        assert_eq!(b.orphaned("m", 1, |_, _| 0).len(), 2);
+    }
+
+    #[test]
+    fn free_lookup_locks_release_every_reader_and_partial_ranges() {
+        let t = Instant::now();
+        let mut b = book();
+        grant(&mut b, "r", &[0, 1], 4, 2, t);
+        // The scheduler frees chunks 2..4 (both ranks, both readers).
+        let tail: Vec<ObjectKey> = keys(4, &[0, 1])[4..].to_vec();
+        b.released("r", chunks(2, 2, &tail), 2, None);
+        let out = b.orphaned("m", 2, |_, _| 0);
+        assert_eq!(
+            out,
+            vec![
+                (key(0, 0), 2),
+                (key(0, 1), 2),
+                (key(1, 0), 2),
+                (key(1, 1), 2)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_second_lookup_adds_to_the_same_objects_and_replaces_others() {
+        let t = Instant::now();
+        let mut b = book();
+        grant(&mut b, "r", &[0], 2, 1, t);
+        grant(&mut b, "r", &[0], 3, 1, t);
+        let out = b.orphaned("m", 1, |_, _| 0);
+        assert_eq!(out, vec![(key(0, 0), 2), (key(1, 0), 2), (key(2, 0), 1)]);
+
+        grant(&mut b, "s", &[0], 2, 1, t);
+        // Another model under the same request id: the old lease is forgotten.
+        let mut other = keys(1, &[0]);
+        other[0].model_name = "n".into();
+        b.grant(Grant {
+            request_id: "s",
+            world_size: 1,
+            ranks: &[0],
+            keys: &other,
+            readers: 1,
+            sent_at: t,
+        });
+        assert!(b.orphaned("m", 1, |_, _| 0).is_empty());
+        assert_eq!(b.orphaned("n", 1, |_, _| 0), vec![(other[0].clone(), 1)]);
+    }
+
+    #[test]
+    fn leases_expire_with_their_locks_and_the_book_is_bounded() {
+        let t = Instant::now();
+        let mut b = LeaseBook::new(2, Duration::from_secs(10));
+        grant(&mut b, "a", &[0], 1, 1, t);
+        grant(&mut b, "b", &[0], 1, 1, t + Duration::from_secs(1));
+        grant(&mut b, "c", &[0], 1, 1, t + Duration::from_secs(2));
+        assert_eq!(b.len(), 2, "the one nearest expiry was forgotten");
+        assert_eq!(b.expire(t + Duration::from_secs(11)), 1);
+        assert_eq!(b.expire(t + Duration::from_secs(12)), 1);
+        assert!(b.is_empty());
+    }
+}
