@@ -194,15 +194,20 @@ fn mla_single_writer_many_readers() {
     assert_eq!(r.get("success"), Some(&V::B(false)), "both locks released");
 }
 
-#[test]
-fn reaper_releases_silent_workers() {
-    // 30 s is the smallest reap timeout 0.5.6 (and so kvshard) accepts.
-    let srv = Server::start(&[
+/// A server that reaps silent workers as soon as it may: 30 s is the smallest
+/// reap timeout 0.5.6 (and so kvshard) accepts.
+fn reaping_server() -> Server {
+    Server::start(&[
         "--worker-reap-timeout-seconds",
         "30",
         "--worker-registration-grace-seconds",
         "30",
-    ]);
+    ])
+}
+
+#[test]
+fn reaper_releases_silent_workers() {
+    let srv = reaping_server();
     let mut c = srv.client();
     register(&mut c, 7, 1, false);
     register(&mut c, 8, 1, false);
@@ -287,12 +292,7 @@ fn pipelined_lookup_and_wait_prefetch_status() {
 
 #[test]
 fn a_reaped_worker_takes_its_lookup_locks_with_it() {
-    let srv = Server::start(&[
-        "--worker-reap-timeout-seconds",
-        "30",
-        "--worker-registration-grace-seconds",
-        "30",
-    ]);
+    let srv = reaping_server();
     let mut c = srv.client();
     let (name, size) = register(&mut c, 7, 1, false);
     let mut pool = ShmMap::open(&name, size);
@@ -303,12 +303,7 @@ fn a_reaped_worker_takes_its_lookup_locks_with_it() {
     let key = ipc_key("m", 1, None, &toks, 0, 3 * CS as i64, "r", 1);
     assert_eq!(c.call(OP_LOOKUP, &[key, V::I(1)]), None);
     assert_eq!(c.prefetch_result("r"), 3);
-    let read_locked = || {
-        srv.get_json("/status")["storage_manager"]["l1_manager"]["read_locked_count"]
-            .as_u64()
-            .unwrap()
-    };
-    assert_eq!(read_locked(), 3);
+    assert_eq!(srv.l1_count("read_locked_count"), 3);
     // Reaped within 37.5 s of its last request; its locks go with it, long
     // before their 300 s TTL.
     wait_until_within(
@@ -317,7 +312,9 @@ fn a_reaped_worker_takes_its_lookup_locks_with_it() {
         std::time::Duration::from_millis(250),
         || srv.metric("kvshard_reaped_workers_total", &[]) == Some(1.0),
     );
-    wait_until("its lookup locks to be released", || read_locked() == 0);
+    wait_until("its lookup locks to be released", || {
+        srv.l1_count("read_locked_count") == 0
+    });
     assert_eq!(
         srv.metric("kvshard_orphaned_read_locks_released_total", &[]),
         Some(3.0)

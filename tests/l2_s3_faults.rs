@@ -122,12 +122,6 @@ fn stores_settled(srv: &Server) -> bool {
                 + get("kvshard_l2_store_failed_objects_total")
 }
 
-fn l1_objects(srv: &Server) -> u64 {
-    srv.get_json("/status")["storage_manager"]["l1_manager"]["total_object_count"]
-        .as_u64()
-        .unwrap()
-}
-
 #[test]
 fn a_put_cut_mid_body_leaves_no_partial_object_and_l1_keeps_serving() {
     let rig = Rig::start();
@@ -196,7 +190,9 @@ fn a_get_cut_mid_body_is_a_miss_or_a_retry_with_the_right_bytes() {
     assert!(requests(&srv, "GetObject", "transient") >= 1.0);
     assert!(counter(&srv, "kvshard_s3_retries_total") >= 1.0);
     // Loaded objects are temporary: freed once retrieved.
-    wait_until("loaded objects freed", || l1_objects(&srv) == 0);
+    wait_until("loaded objects freed", || {
+        srv.l1_count("total_object_count") == 0
+    });
 
     // Every GET cut: the lookup finds them (HEAD answers), the loads fail,
     // and the chunks are misses, never hits with half-written bytes.
@@ -206,7 +202,11 @@ fn a_get_cut_mid_body_is_a_miss_or_a_retry_with_the_right_bytes() {
     assert!(back.is_empty());
     assert!(counter(&srv, "kvshard_l2_load_failed_objects_total") >= 1.0);
     assert!(srv.metric("lmcache_mp_l2_prefetch_failure_chunks_total", &[]) >= Some(1.0));
-    assert_eq!(l1_objects(&srv), 0, "a failed load left an object in L1");
+    assert_eq!(
+        srv.l1_count("total_object_count"),
+        0,
+        "a failed load left an object in L1"
+    );
     assert_serving(&mut srv);
 
     // Recovered: a later lookup hits with the right bytes.

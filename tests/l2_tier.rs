@@ -47,12 +47,6 @@ fn data_files(dir: &Path) -> Vec<(String, u64)> {
     v
 }
 
-fn l1_objects(srv: &Server) -> u64 {
-    srv.get_json("/status")["storage_manager"]["l1_manager"]["total_object_count"]
-        .as_u64()
-        .unwrap()
-}
-
 #[test]
 fn fs_chunks_outlive_a_restart_and_load_back_from_l2() {
     let dir = TempDir::new("restart");
@@ -98,7 +92,7 @@ fn fs_chunks_outlive_a_restart_and_load_back_from_l2() {
     // A new process with an empty L1: the lookup finds the chunks in L2, loads
     // them and the retrieve returns the stored bytes.
     let srv = Server::start(&["--cores", "0,1", "--l2-adapter", &adapter]);
-    assert_eq!(l1_objects(&srv), 0);
+    assert_eq!(srv.l1_count("total_object_count"), 0);
     let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 4, "warm");
     assert_eq!(hits, 4, "every chunk hits from L2");
     assert_eq!(back, stored, "bytes loaded from L2 equal the bytes stored");
@@ -111,7 +105,9 @@ fn fs_chunks_outlive_a_restart_and_load_back_from_l2() {
         Some(4.0)
     );
     // Default prefetch policy: loaded objects are temporary, freed once read.
-    wait_until("temporary objects freed", || l1_objects(&srv) == 0);
+    wait_until("temporary objects freed", || {
+        srv.l1_count("total_object_count") == 0
+    });
     // And they hit again (loaded again).
     let (hits, back) = ed_lookup_retrieve(&srv, 3, &toks, 4, "warm2");
     assert_eq!((hits, back), (4, stored));
@@ -138,7 +134,11 @@ fn retain_keeps_loaded_chunks_in_l1() {
     let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 3, "warm");
     assert_eq!((hits, back), (3, stored));
     std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(l1_objects(&srv), 3, "retained chunks stay in L1");
+    assert_eq!(
+        srv.l1_count("total_object_count"),
+        3,
+        "retained chunks stay in L1"
+    );
     // Now they are L1 hits: nothing more is loaded from L2.
     let loaded = srv.metric("lmcache_mp_l2_prefetch_load_completed_chunks_total", &[]);
     let (hits, _) = ed_lookup_retrieve(&srv, 3, &toks, 3, "again");
@@ -161,11 +161,13 @@ fn skip_l1_keeps_l1_empty_while_hits_come_from_l2() {
     ]);
     let toks = ed_tokens(13, 3 * ED_CHUNK);
     let stored = ed_store_chunks(&srv, 1, &toks, 3, 9);
-    wait_until("L1 dropped after the L2 store", || l1_objects(&srv) == 0);
+    wait_until("L1 dropped after the L2 store", || {
+        srv.l1_count("total_object_count") == 0
+    });
     let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 3, "warm");
     assert_eq!((hits, back), (3, stored));
     wait_until("L1 empty again after the retrieve", || {
-        l1_objects(&srv) == 0
+        srv.l1_count("total_object_count") == 0
     });
     assert_eq!(
         srv.metric("lmcache_mp_lookup_hit_l2_keys_total", &[]),
@@ -328,7 +330,9 @@ fn fs_capacity_evicts_the_least_recently_used_objects() {
         );
         c.call(OP_END_SESSION, &[s(&rid)]);
         // One request at a time, so the L2 recency order is the store order.
-        wait_until("L1 copies dropped", || l1_objects(&srv) == 0);
+        wait_until("L1 copies dropped", || {
+            srv.l1_count("total_object_count") == 0
+        });
     }
     // 8 objects over a capacity of 6: a tick evicts the 4 least recent.
     wait_until("L2 eviction", || data_files(&dir.0).len() == 4);

@@ -229,12 +229,6 @@ fn one_instance_registers_in_both_transfer_modes() {
     assert_serving(&mut srv);
 }
 
-fn read_locked(srv: &Server) -> u64 {
-    srv.get_json("/status")["storage_manager"]["l1_manager"]["read_locked_count"]
-        .as_u64()
-        .unwrap()
-}
-
 #[test]
 fn lookup_locks_go_with_the_last_worker_that_could_read_them() {
     let srv = Server::start(&[]);
@@ -243,11 +237,15 @@ fn lookup_locks_go_with_the_last_worker_that_could_read_them() {
     let toks = ed_tokens(11, 3 * ED_CHUNK);
     ed_store_chunks(&srv, 1, &toks, 3, 1);
     assert_eq!(ed_lookup(&mut c, &ed_key("m", None, &toks, 3, "req")), 3);
-    assert_eq!(read_locked(&srv), 3);
+    assert_eq!(srv.l1_count("read_locked_count"), 3);
     // Another worker of the same model could still read them.
     ed_register(&mut c, 2, "m");
     assert_eq!(c.call(OP_UNREGISTER_ENGINE, &[V::I(1)]), None);
-    assert_eq!(read_locked(&srv), 3, "worker 2 may still retrieve");
+    assert_eq!(
+        srv.l1_count("read_locked_count"),
+        3,
+        "worker 2 may still retrieve"
+    );
     assert_eq!(
         metric(&srv, "kvshard_orphaned_read_locks_released_total"),
         0.0
@@ -255,7 +253,7 @@ fn lookup_locks_go_with_the_last_worker_that_could_read_them() {
     // Now nobody can: the locks go at once instead of after the 300 s TTL.
     assert_eq!(c.call(OP_UNREGISTER_ENGINE, &[V::I(2)]), None);
     wait_until("the orphaned locks to be released", || {
-        read_locked(&srv) == 0
+        srv.l1_count("read_locked_count") == 0
     });
     assert_eq!(
         metric(&srv, "kvshard_orphaned_read_locks_released_total"),
@@ -268,7 +266,7 @@ fn lookup_locks_go_with_the_last_worker_that_could_read_them() {
     ed_store_chunks(&srv, 3, &toks, 3, 2);
     let (hits, back) = ed_lookup_retrieve(&srv, 3, &toks, 3, "req-2");
     assert_eq!((hits, back.len()), (3, 3));
-    assert_eq!(read_locked(&srv), 0);
+    assert_eq!(srv.l1_count("read_locked_count"), 0);
     assert_eq!(metric(&srv, "kvshard_lookup_leases"), 0.0);
     assert_eq!(c.call(OP_UNREGISTER_ENGINE, &[V::I(3)]), None);
     assert_eq!(

@@ -820,16 +820,7 @@ impl Drop for Arena {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    fn unique_name(tag: &str) -> String {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        format!(
-            "kvshard_test_{tag}_{}_{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        )
-    }
+    use crate::shm_segment::tests::unique_name;
 
     fn shm_path(name: &str) -> std::path::PathBuf {
         std::path::PathBuf::from(format!("/dev/shm/{name}"))

@@ -295,14 +295,15 @@ fn flock_holder(locks: &str, major: u32, minor: u32, ino: u64) -> Option<u32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    fn unique_name(tag: &str) -> String {
+    /// A segment name no other test (or test process) uses.
+    pub(crate) fn unique_name(tag: &str) -> String {
         static N: AtomicUsize = AtomicUsize::new(0);
         format!(
-            "kvshard_seg_test_{tag}_{}_{}",
+            "kvshard_test_{tag}_{}_{}",
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         )

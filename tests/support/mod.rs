@@ -1097,6 +1097,14 @@ impl Server {
             .map(|x| x.value)
     }
 
+    /// A count of `/status`'s `storage_manager.l1_manager` (`total_object_count`,
+    /// `read_locked_count`, ...).
+    pub fn l1_count(&self, field: &str) -> u64 {
+        self.get_json("/status")["storage_manager"]["l1_manager"][field]
+            .as_u64()
+            .unwrap_or_else(|| panic!("l1_manager.{field} is not a count"))
+    }
+
     /// `GET` of a JSON endpoint that must answer 200.
     pub fn get_json(&self, path: &str) -> serde_json::Value {
         let (st, body) = self.http("GET", path, None);

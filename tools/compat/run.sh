@@ -27,10 +27,21 @@ fi
 PORT=$(free_port)
 HTTP_PORT=$(free_port)
 LOG=$(mktemp)
-"$BIN" server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT" \
-    --http-port "$HTTP_PORT" --shm-name "compat_$$" >"$LOG" 2>&1 &
+ARGS=(server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT"
+    --http-port "$HTTP_PORT" --shm-name "compat_$$")
+"$BIN" "${ARGS[@]}" >"$LOG" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -f "$LOG"' EXIT
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -f "$LOG" "$LOG.second"' EXIT
+wait_http "$HTTP_PORT" || { echo "compat: kvshard did not start"; cat "$LOG"; exit 1; }
+
+# The same command run twice: the second must fail naming the live server and
+# leave its SHM pool alone (the benches below then need it).
+if "$BIN" "${ARGS[@]}" >"$LOG.second" 2>&1; then
+    echo "compat: a second server with the same --shm-name started"; exit 1
+fi
+grep -q "in use by process $SERVER" "$LOG.second" \
+    || { echo "compat: the second start did not name the live server:"; cat "$LOG.second"; exit 1; }
+echo "compat: a second start with the same --shm-name was refused and named process $SERVER"
 
 export LMCACHE_DISABLE_BANNER=1
 run_bench() {

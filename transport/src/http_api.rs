@@ -457,7 +457,10 @@ async fn call(ctx: &Ctx, req: ControlRequest) -> ControlResponse {
     with_deadline(limit, ctx.control.call(req))
         .await
         .unwrap_or_else(|| {
-            log::warn!("http: the front did not answer a control request within {limit:?}");
+            kvshard_io::log_limited!(
+                log::Level::Warn,
+                "http: the front did not answer a control request within {limit:?}"
+            );
             ControlResponse::error(
                 504,
                 format!("the server did not answer within {} ms", limit.as_millis()),
