@@ -19,6 +19,8 @@ pub const WINDOW: Duration = Duration::from_secs(10);
 pub const BURST: u32 = 5;
 
 struct Site {
+    /// The calling module, the log target of the site's lines.
+    target: &'static str,
     level: log::Level,
     window_start: Instant,
     logged: u32,
@@ -32,10 +34,16 @@ thread_local! {
 /// Whether call site `site` may log a line at `now`: `Some(n)` with the number
 /// of its lines suppressed since it last logged (to report with this one),
 /// `None` to suppress this line.
-pub fn admit(site: &'static str, level: log::Level, now: Instant) -> Option<u64> {
+pub fn admit(
+    site: &'static str,
+    target: &'static str,
+    level: log::Level,
+    now: Instant,
+) -> Option<u64> {
     SITES.with(|sites| {
         let mut sites = sites.borrow_mut();
         let s = sites.entry(site).or_insert(Site {
+            target,
             level,
             window_start: now,
             logged: 0,
@@ -67,6 +75,7 @@ pub fn flush(now: Instant) -> usize {
             }
             if s.suppressed > 0 {
                 log::log!(
+                    target: s.target,
                     s.level,
                     "{} more lines from {site} were not logged in the last {} s (rate limit {BURST} per {} s)",
                     s.suppressed,
@@ -94,14 +103,16 @@ macro_rules! log_limited {
     ($level:expr, $($arg:tt)+) => {{
         const SITE: &str = concat!(file!(), ":", line!());
         let level: $crate::log_limit::Level = $level;
+        let target = module_path!();
         if $crate::log_limit::enabled(level) {
             if let Some(skipped) =
-                $crate::log_limit::admit(SITE, level, ::std::time::Instant::now())
+                $crate::log_limit::admit(SITE, target, level, ::std::time::Instant::now())
             {
                 if skipped == 0 {
-                    $crate::log_limit::log_line(level, format_args!($($arg)+));
+                    $crate::log_limit::log_line(target, level, format_args!($($arg)+));
                 } else {
                     $crate::log_limit::log_line(
+                        target,
                         level,
                         format_args!("{} ({skipped} similar lines were not logged)", format_args!($($arg)+)),
                     );
@@ -118,9 +129,10 @@ pub fn enabled(level: Level) -> bool {
     level <= log::max_level()
 }
 
-/// Logs one line at `level`; the macro's way to reach the `log` crate.
-pub fn log_line(level: Level, args: std::fmt::Arguments<'_>) {
-    log::log!(level, "{args}");
+/// Logs one line at `level` for module `target`; the macro's way to reach
+/// the `log` crate.
+pub fn log_line(target: &str, level: Level, args: std::fmt::Arguments<'_>) {
+    log::log!(target: target, level, "{args}");
 }
 
 #[cfg(test)]
@@ -132,16 +144,20 @@ mod tests {
         let site = "test:burst";
         let t0 = Instant::now();
         for i in 0..BURST {
-            assert_eq!(admit(site, Level::Warn, t0), Some(0), "line {i} is logged");
+            assert_eq!(
+                admit(site, "t", Level::Warn, t0),
+                Some(0),
+                "line {i} is logged"
+            );
         }
         for _ in 0..1000 {
-            assert_eq!(admit(site, Level::Warn, t0), None);
+            assert_eq!(admit(site, "t", Level::Warn, t0), None);
         }
         // Still inside the window: suppressed.
-        assert_eq!(admit(site, Level::Warn, t0 + WINDOW / 2), None);
+        assert_eq!(admit(site, "t", Level::Warn, t0 + WINDOW / 2), None);
         // A new window: the first line carries the count.
-        assert_eq!(admit(site, Level::Warn, t0 + WINDOW), Some(1001));
-        assert_eq!(admit(site, Level::Warn, t0 + WINDOW), Some(0));
+        assert_eq!(admit(site, "t", Level::Warn, t0 + WINDOW), Some(1001));
+        assert_eq!(admit(site, "t", Level::Warn, t0 + WINDOW), Some(0));
     }
 
     #[test]
@@ -149,13 +165,13 @@ mod tests {
         let (a, b) = ("test:a", "test:b");
         let t0 = Instant::now();
         for _ in 0..BURST + 3 {
-            admit(a, Level::Warn, t0);
+            admit(a, "t", Level::Warn, t0);
         }
-        assert_eq!(admit(b, Level::Warn, t0), Some(0));
+        assert_eq!(admit(b, "t", Level::Warn, t0), Some(0));
         assert_eq!(flush(t0), 0, "windows not over yet");
         assert_eq!(flush(t0 + WINDOW), 1, "only a has suppressed lines");
         // Both were forgotten: a starts over with no count to report.
-        assert_eq!(admit(a, Level::Warn, t0 + WINDOW), Some(0));
+        assert_eq!(admit(a, "t", Level::Warn, t0 + WINDOW), Some(0));
     }
 
     #[test]

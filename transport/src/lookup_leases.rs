@@ -184,12 +184,15 @@ impl LeaseBook {
             return;
         };
         let count = clamped(count);
+        let mut covered = false;
         for (chunk, k) in keys {
             if let Some(p) = lease.position(chunk, k) {
                 lease.held[p] = lease.held[p].saturating_sub(count);
+                covered = true;
             }
         }
-        if let Some(iid) = by {
+        // Only a worker that read this lookup's objects is done with it.
+        if let (Some(iid), true) = (by, covered) {
             if !lease.consumers.contains(&iid) {
                 lease.consumers.push(iid);
             }
@@ -349,7 +352,12 @@ mod tests {
         b.released("r", [(0, &key(9, 0))], 1, Some(1));
         // Past the held prefix.
         b.released("r", [(2, &key(2, 0))], 1, Some(1));
-        assert_eq!(b.orphaned("m", 1, |_, _| 0).len(), 2);
+        // Instance 1 read none of the lease's objects: it still counts as a reader.
+        let out = b.orphaned("m", 1, |_, done| {
+            assert!(done.is_empty(), "{done:?}");
+            0
+        });
+        assert_eq!(out.len(), 2);
     }
 
     #[test]
