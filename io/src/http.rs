@@ -616,11 +616,7 @@ async fn refuse(mut stream: glommio::net::TcpStream) {
         }
         io::Result::Ok(())
     };
-    let _ = futures_lite::future::or(async { exchange.await.is_ok() }, async {
-        glommio::timer::sleep(Duration::from_secs(1)).await;
-        false
-    })
-    .await;
+    let _ = crate::timeout::with_timeout(Duration::from_secs(1), exchange).await;
 }
 
 /// Logs that a client was refused because every connection is busy (at most

@@ -7,3 +7,4 @@ pub mod http;
 pub mod log_limit;
 pub mod mailbox;
 pub mod shm_segment;
+pub mod timeout;

@@ -29,6 +29,7 @@ use bytes::Bytes;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::Method;
+use kvshard_io::timeout::with_timeout;
 
 use crate::addressing::{BucketAddress, Scheme, S3EXPRESS_SERVICE, S3_SERVICE};
 use crate::breaker::{Breaker, BreakerConfig, BreakerStatus};
@@ -481,16 +482,6 @@ impl fmt::Debug for S3Client {
             .field("pool", &self.inner.pool)
             .finish_non_exhaustive()
     }
-}
-
-/// Runs `fut` under a time limit (a glommio timer); `None` when it ran
-/// out, the future then dropped.
-pub(crate) async fn with_timeout<T>(limit: Duration, fut: impl Future<Output = T>) -> Option<T> {
-    futures_lite::future::or(async { Some(fut.await) }, async {
-        glommio::timer::sleep(limit).await;
-        None
-    })
-    .await
 }
 
 async fn tagged<F: Future>(index: usize, fut: F) -> (usize, F::Output) {

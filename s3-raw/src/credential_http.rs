@@ -46,7 +46,6 @@ use futures_rustls::TlsConnector;
 use hyper::header::{HeaderName, HeaderValue};
 use serde_json::{Map, Value};
 
-use crate::client::with_timeout;
 use crate::credentials::{
     CredentialSource, Credentials, CredentialsError, HttpCredentialFetcher, HttpCredentialSource,
 };
@@ -55,6 +54,7 @@ use crate::net::{self, Stream, TlsTrust};
 use crate::sigv4::encode_query;
 use crate::time::parse_rfc3339;
 use crate::xml;
+use kvshard_io::timeout::with_timeout;
 
 /// Lifetime asked for an IMDSv2 session token, seconds (the SDKs' 6 h).
 pub const IMDS_TOKEN_TTL_SECS: u32 = 21_600;

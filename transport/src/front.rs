@@ -1203,14 +1203,6 @@ impl Front {
         });
     }
 
-    /// Notes which kv rank instance `iid` transfers (from a worker key), so
-    /// that its departure releases only what it could have read.
-    fn note_reader(&mut self, iid: i64, key: &IpcKey) {
-        if let Ok([rank]) = Self::ranks_of(key).as_deref() {
-            self.registry.note_rank(iid, *rank);
-        }
-    }
-
     fn is_current(&self, rid: &str, seq: Seq) -> bool {
         matches!(self.jobs.get(rid), Some(Job::Pending { seq: s, .. }) if *s == seq)
     }
@@ -1585,12 +1577,22 @@ impl Front {
         Some(reply)
     }
 
-    /// Resolves `key` to this worker's object keys for `[start, end)`.
-    fn worker_keys(&mut self, key: &IpcKey, now: Instant) -> Result<Vec<ObjectKey>, String> {
+    /// Resolves `key` to the object keys of `[start, end)` that worker
+    /// instance `iid` transfers, and notes the kv rank it transfers (so that
+    /// its departure releases only lookup locks it could have read).
+    fn worker_keys(
+        &mut self,
+        iid: i64,
+        key: &IpcKey,
+        now: Instant,
+    ) -> Result<Vec<ObjectKey>, String> {
         if key.worker_id.is_none() {
             return Err("key has no worker_id".into());
         }
         let ranks = Self::ranks_of(key)?;
+        if let [rank] = ranks[..] {
+            self.registry.note_rank(iid, rank);
+        }
         let hashes = self.key_hashes(key, false, ranks.len(), now)?;
         Ok(Self::object_keys(
             &key.model_name,
@@ -1607,7 +1609,7 @@ impl Front {
             self.metrics.unregistered_instance += 1;
             return self.reply(&to, Some(wire::encode_prepare_store_reply(&[], &[])));
         };
-        let objs = match self.worker_keys(&key, now) {
+        let objs = match self.worker_keys(iid, &key, now) {
             Ok(o) => o,
             Err(e) => {
                 log_limited!(Level::Error, "prepare_store from instance {iid}: {e}");
@@ -1615,7 +1617,6 @@ impl Front {
                 return self.reply(&to, Some(wire::encode_prepare_store_reply(&[], &[])));
             }
         };
-        self.note_reader(iid, &key);
         let tkey = TransferKey::new(iid, &key);
         let parts = self.split(&objs);
         let size = layout.bytes;
@@ -1680,7 +1681,7 @@ impl Front {
             self.metrics.unregistered_instance += 1;
             return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
         };
-        let objs = match self.worker_keys(&key, now) {
+        let objs = match self.worker_keys(iid, &key, now) {
             Ok(o) if !o.is_empty() => o,
             Ok(_) => return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[]))),
             Err(e) => {
@@ -1689,7 +1690,6 @@ impl Front {
                 return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
             }
         };
-        self.note_reader(iid, &key);
         let tkey = TransferKey::new(iid, &key);
         let parts = self.split(&objs);
         let n = objs.len();
@@ -1858,7 +1858,7 @@ impl Front {
             self.metrics.unregistered_instance += 1;
             return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
         };
-        let objs = match self.worker_keys(&key, now) {
+        let objs = match self.worker_keys(iid, &key, now) {
             Ok(o) => o,
             Err(e) => {
                 log_limited!(Level::Error, "store from instance {iid}: {e}");
@@ -1874,7 +1874,6 @@ impl Front {
                 return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
             }
         };
-        self.note_reader(iid, &key);
         // All-null chunks carry no KV (align-mode recurrent layers): never store them.
         let null = self.cfg.null_block_id;
         let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = objs
@@ -1920,7 +1919,7 @@ impl Front {
             self.metrics.unregistered_instance += 1;
             return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
         };
-        let objs = match self.worker_keys(&key, now) {
+        let objs = match self.worker_keys(iid, &key, now) {
             Ok(o) => o,
             Err(e) => {
                 log_limited!(Level::Error, "retrieve from instance {iid}: {e}");
@@ -1936,7 +1935,6 @@ impl Front {
                 return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
             }
         };
-        self.note_reader(iid, &key);
         let cs = self.cfg.chunk_size;
         // The shard releases one lock on each object it finds read-locked: on
         // the objects this request's lookup holds, that is one of its locks.

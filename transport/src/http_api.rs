@@ -18,7 +18,6 @@
 
 use std::convert::Infallible;
 use std::error::Error as StdError;
-use std::future::Future;
 use std::io;
 use std::rc::Rc;
 use std::time::Duration;
@@ -31,6 +30,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Map, Value};
 
 use kvshard_io::http::{Conn, HttpServeConfig, HttpStats};
+use kvshard_io::timeout::with_timeout;
 
 use crate::control::{ControlBody, ControlHandle, ControlRequest, ControlResponse};
 use crate::metrics::PromText;
@@ -443,18 +443,9 @@ where
     }
 }
 
-/// Runs `fut` with the request deadline; `None` when it ran out.
-async fn with_deadline<T>(limit: Duration, fut: impl Future<Output = T>) -> Option<T> {
-    futures_lite::future::or(async { Some(fut.await) }, async {
-        glommio::timer::sleep(limit).await;
-        None
-    })
-    .await
-}
-
 async fn call(ctx: &Ctx, req: ControlRequest) -> ControlResponse {
     let limit = ctx.info.control_timeout;
-    with_deadline(limit, ctx.control.call(req))
+    with_timeout(limit, ctx.control.call(req))
         .await
         .unwrap_or_else(|| {
             kvshard_io::log_limited!(
@@ -529,7 +520,7 @@ where
     }
     let limit = ctx.info.control_timeout;
     let collected = conn
-        .client_paced(with_deadline(
+        .client_paced(with_timeout(
             limit,
             Limited::new(req.into_body(), MAX_BODY_BYTES).collect(),
         ))
