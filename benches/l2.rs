@@ -27,12 +27,15 @@
 //! something); with `KVSHARD_BENCH_DIR` set, the `l2-bench-<pid>` directory is
 //! made there instead. It is removed at the end.
 
+#[path = "common/bench_dir.rs"]
+mod bench_dir;
+#[path = "common/raw_direct.rs"]
+mod raw_direct;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
 use std::alloc::Layout;
 use std::fs::{self, File, OpenOptions};
-use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -40,12 +43,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bench_dir::BenchDir;
 use hdrhistogram::Histogram;
-use io_uring::{opcode, types, IoUring};
+use io_uring::IoUring;
 use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::l2::config::FsConfig;
 use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::{L2Adapter, ObjectBytes, StoreResult};
+use raw_direct::{raw_direct, RawOp};
 use support::*;
 
 const ALIGN: usize = 4096;
@@ -78,33 +83,6 @@ fn p50_ratio(a: &Histogram<u64>, b: &Histogram<u64>) -> f64 {
 
 fn p99_ratio(a: &Histogram<u64>, b: &Histogram<u64>) -> f64 {
     a.value_at_quantile(0.99) as f64 / b.value_at_quantile(0.99) as f64
-}
-
-/// Removes the bench directory however the bench ends.
-struct BenchDir(PathBuf);
-
-impl BenchDir {
-    fn new() -> BenchDir {
-        let parent = match std::env::var_os("KVSHARD_BENCH_DIR") {
-            Some(p) => PathBuf::from(p),
-            None => Path::new(env!("CARGO_MANIFEST_DIR")).join("target"),
-        };
-        let dir = parent.join(format!("l2-bench-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
-        BenchDir(dir)
-    }
-
-    fn sub(&self, name: &str) -> PathBuf {
-        let p = self.0.join(name);
-        fs::create_dir_all(&p).unwrap_or_else(|e| panic!("create {}: {e}", p.display()));
-        p
-    }
-}
-
-impl Drop for BenchDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Alignment of bench buffers: 2 MiB, so that transparent huge pages can back
@@ -193,50 +171,16 @@ fn raw_uring(ring: &mut IoUring, paths: &[PathBuf], bufs: &mut [&mut [u8]], writ
                 .unwrap_or_else(|e| panic!("open {} O_DIRECT: {e}", p.display()))
         })
         .collect();
-    let mut done = vec![0usize; paths.len()];
-    let mut queue: std::collections::VecDeque<usize> = (0..paths.len()).collect();
-    let mut in_flight = 0;
-    loop {
-        while in_flight < RAW_DEPTH {
-            let Some(i) = queue.pop_front() else { break };
-            let fd = types::Fd(files[i].as_raw_fd());
-            let n = (bufs[i].len() - done[i]) as u32;
-            // SAFETY: the range lies inside bufs[i], which outlives the ring
-            // work: this function waits for every request it queued.
-            let p = unsafe { bufs[i].as_mut_ptr().add(done[i]) };
-            let sqe = if write {
-                opcode::Write::new(fd, p, n).offset(done[i] as u64).build()
-            } else {
-                opcode::Read::new(fd, p, n).offset(done[i] as u64).build()
-            }
-            .user_data(i as u64);
-            // SAFETY: see above.
-            unsafe { ring.submission().push(&sqe) }.expect("submission queue has room");
-            in_flight += 1;
-        }
-        if in_flight == 0 {
-            break;
-        }
-        ring.submit_and_wait(1).expect("io_uring submit");
-        let cqes: Vec<(usize, i32)> = ring
-            .completion()
-            .map(|c| (c.user_data() as usize, c.result()))
-            .collect();
-        for (i, res) in cqes {
-            in_flight -= 1;
-            assert!(
-                res > 0,
-                "raw {} of {}: {}",
-                if write { "write" } else { "read" },
-                paths[i].display(),
-                io::Error::from_raw_os_error(-res)
-            );
-            done[i] += res as usize;
-            if done[i] < bufs[i].len() {
-                queue.push_back(i);
-            }
-        }
-    }
+    let mut ops: Vec<RawOp<'_>> = files
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(f, buf)| RawOp {
+            fd: f.as_raw_fd(),
+            offset: 0,
+            buf: &mut buf[..],
+        })
+        .collect();
+    raw_direct(ring, &mut ops, write, RAW_DEPTH);
     drop(files);
 }
 
@@ -979,7 +923,7 @@ fn main() {
     if !full {
         println!("(smoke run under cargo test: debug build, tiny sizes, few iterations; figures come from `cargo bench`)");
     }
-    let dir = BenchDir::new();
+    let dir = BenchDir::new("l2-bench");
     let t0 = Instant::now();
     if full {
         // 8 layers x hidden 512: one 256-token chunk is 4 MiB.

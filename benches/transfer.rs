@@ -1,16 +1,41 @@
-//! cpu_shm gather/scatter bandwidth next to a single-thread memcpy of the same
-//! bytes, measured in the same run (the bar: >= 50% of memcpy).
+//! Transfer paths, each beside a baseline measured in the same run:
 //!
-//! Layout of `lmcache bench server`'s default KV cache: 32 layers of
-//! [2, blocks, 16, 8, 128] float16; one 256-token chunk is 32 MiB.
+//! 1. cpu_shm gather/scatter bandwidth next to a single-thread memcpy of the
+//!    same bytes (the bar: >= 50% of memcpy). Layout of `lmcache bench
+//!    server`'s default KV cache: 32 layers of [2, blocks, 16, 8, 128]
+//!    float16; one 256-token chunk is 32 MiB.
+//! 2. The GDS L1 slab's O_DIRECT path (`GdsSlab::write_many`/`read_many`:
+//!    pieces of <= 16 MiB, `RING_DEPTH` in flight) next to raw io_uring
+//!    O_DIRECT (one request per object, the same number in flight) on a
+//!    second preallocated file in the same directory, with the same objects,
+//!    offsets and buffers (the bar: >= 70% of raw). Batch throughput and
+//!    latency, and per-object latency one at a time, as hdrhistogram
+//!    percentiles. Files live in `target/transfer-bench-<pid>` (on the disk,
+//!    not tmpfs), or under `KVSHARD_BENCH_DIR`, and are removed at the end.
+//!
+//! `cargo bench --bench transfer` runs the full sizes; under `cargo test`
+//! (no `--bench` argument) it runs tiny sizes and a few iterations, still
+//! checking the bytes.
 
+#[path = "common/bench_dir.rs"]
+mod bench_dir;
+#[path = "common/raw_direct.rs"]
+mod raw_direct;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use std::fs::{self, File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
 use std::time::Instant;
 
+use bench_dir::BenchDir;
 use hdrhistogram::Histogram;
+use io_uring::IoUring;
+use kvshard_gds::slab::{AlignedBuf, FsType, GdsSlab, SlabOptions, RING_DEPTH};
 use kvshard_transport::cpu_shm::{CpuShmRegistration, ShmTensorSpec};
+use raw_direct::{raw_direct, RawOp};
 
 fn gbps(bytes: usize, ns: u64) -> f64 {
     bytes as f64 / ns as f64
@@ -21,6 +46,14 @@ fn main() {
     if !full {
         println!("(smoke run under cargo test: debug build, few iterations; figures come from `cargo bench`)");
     }
+    cpu_shm_vs_memcpy(full);
+    slab_vs_raw_odirect(full);
+}
+
+// ------------------------------------------------ 1. cpu_shm vs memcpy
+
+fn cpu_shm_vs_memcpy(full: bool) {
+    println!("== 1. cpu_shm gather/scatter vs memcpy");
     let (layers, blocks, iters) = if full {
         (32usize, 1024usize, 60usize)
     } else {
@@ -99,4 +132,252 @@ fn main() {
         gbps(obj, hg.value_at_quantile(0.5)) / m,
         gbps(obj, hs_.value_at_quantile(0.5)) / m
     );
+}
+
+// ------------------------------------- 2. GDS slab vs raw O_DIRECT
+
+fn hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 600_000_000_000, 3).expect("histogram bounds")
+}
+
+/// Bytes that differ per seed and per position.
+fn filled(len: usize, seed: u64) -> AlignedBuf {
+    let mut b = AlignedBuf::zeroed(len);
+    for (i, w) in b.chunks_exact_mut(8).enumerate() {
+        let mut x = seed
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .wrapping_add(i as u64);
+        x ^= x >> 31;
+        x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x ^= x >> 29;
+        w.copy_from_slice(&x.to_le_bytes());
+    }
+    b
+}
+
+/// The baseline's file: created, preallocated and reopened O_DIRECT as the
+/// slab's is, so both write into allocated blocks.
+fn raw_file(path: &Path, size: usize) -> File {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .open(path)
+        .unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
+    // SAFETY: an open descriptor.
+    let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, size as libc::off_t) };
+    assert_eq!(r, 0, "posix_fallocate {}: errno {r}", path.display());
+    drop(f);
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap_or_else(|e| panic!("open {} O_DIRECT: {e}", path.display()))
+}
+
+/// Raw O_DIRECT: each `(offset, buffer)` of `file` as one request,
+/// `RING_DEPTH` in flight.
+fn raw_batch(ring: &mut IoUring, file: &File, ops: &mut [(u64, &mut [u8])], write: bool) {
+    let fd = file.as_raw_fd();
+    let mut raw: Vec<RawOp<'_>> = ops
+        .iter_mut()
+        .map(|(offset, buf)| RawOp {
+            fd,
+            offset: *offset,
+            buf: &mut buf[..],
+        })
+        .collect();
+    raw_direct(ring, &mut raw, write, RING_DEPTH);
+}
+
+fn slab_vs_raw_odirect(full: bool) {
+    let dir = BenchDir::new("transfer-bench");
+    let fs_type = FsType::of(&dir.0).expect("statfs of the bench directory");
+    println!(
+        "== 2. GDS slab O_DIRECT (write_many/read_many: pieces <= 16 MiB, {RING_DEPTH} in flight) vs raw \
+         io_uring O_DIRECT (one request per object, {RING_DEPTH} in flight), same objects, offsets and \
+         buffers, two preallocated files in {} ({fs_type}); after one unrecorded warm-up round, rounds \
+         alternate which side goes first",
+        dir.0.display()
+    );
+    // (object bytes, objects per batch): 256 MiB per batch at full size.
+    let (sizes, rounds, lat_n): (&[(usize, usize)], usize, usize) = if full {
+        (&[(4 << 20, 64), (32 << 20, 8)], 10, 64)
+    } else {
+        (&[(64 << 10, 4), (1 << 20, 2)], 2, 4)
+    };
+    let mut ratios = Vec::new();
+    for &(obj, count) in sizes {
+        let total = obj * count;
+        let mut slab = GdsSlab::create(&dir.0, 0, total as u64, SlabOptions { direct_io: true })
+            .expect("gds slab on the bench directory");
+        let raw_path = dir.0.join("raw.bin");
+        let raw = raw_file(&raw_path, total);
+        let mut ring = IoUring::new(RING_DEPTH as u32).expect("io_uring");
+        let offsets: Vec<u64> = (0..count).map(|i| (i * obj) as u64).collect();
+        let src: Vec<AlignedBuf> = (0..count).map(|i| filled(obj, 0x5000 + i as u64)).collect();
+        let mut dst: Vec<AlignedBuf> = (0..count).map(|_| AlignedBuf::zeroed(obj)).collect();
+        let (mut sw, mut sr, mut rw, mut rr) = (hist(), hist(), hist(), hist());
+
+        let slab_write = |slab: &mut GdsSlab| {
+            let ops: Vec<(u64, &[u8])> = offsets
+                .iter()
+                .copied()
+                .zip(src.iter().map(|b| &b[..]))
+                .collect();
+            let t = Instant::now();
+            slab.write_many(&ops).expect("slab write");
+            t.elapsed().as_nanos() as u64
+        };
+        let slab_read = |slab: &mut GdsSlab, dst: &mut [AlignedBuf]| {
+            let mut ops: Vec<(u64, &mut [u8])> = offsets
+                .iter()
+                .copied()
+                .zip(dst.iter_mut().map(|b| &mut b[..]))
+                .collect();
+            let t = Instant::now();
+            slab.read_many(&mut ops).expect("slab read");
+            t.elapsed().as_nanos() as u64
+        };
+        // The kernel only reads from the buffers of a write; the baseline
+        // takes `&mut` for both directions, so writes go from a copy made
+        // once, outside the timing.
+        let mut src_copy: Vec<AlignedBuf> = src
+            .iter()
+            .map(|b| {
+                let mut c = AlignedBuf::zeroed(obj);
+                c.copy_from_slice(b);
+                c
+            })
+            .collect();
+        let raw_io = |ring: &mut IoUring, bufs: &mut [AlignedBuf], write: bool| {
+            let mut ops: Vec<(u64, &mut [u8])> = offsets
+                .iter()
+                .copied()
+                .zip(bufs.iter_mut().map(|b| &mut b[..]))
+                .collect();
+            let t = Instant::now();
+            raw_batch(ring, &raw, &mut ops, write);
+            t.elapsed().as_nanos() as u64
+        };
+        let check = |dst: &[AlignedBuf], what: &str| {
+            for (i, (a, b)) in src.iter().zip(dst).enumerate() {
+                assert!(a[..] == b[..], "{what}: object {i} read back differs");
+            }
+        };
+        let clear = |dst: &mut [AlignedBuf]| dst.iter_mut().for_each(|b| b.fill(0));
+
+        // Warm-up: first writes into preallocated (unwritten) extents, and
+        // the bytes checked once per side.
+        slab_write(&mut slab);
+        slab_read(&mut slab, &mut dst);
+        check(&dst, "slab");
+        clear(&mut dst);
+        raw_io(&mut ring, &mut src_copy, true);
+        raw_io(&mut ring, &mut dst, false);
+        check(&dst, "raw");
+        for round in 0..rounds {
+            for step in 0..2 {
+                if (round + step) % 2 == 0 {
+                    sw.record(slab_write(&mut slab)).unwrap();
+                    clear(&mut dst);
+                    sr.record(slab_read(&mut slab, &mut dst)).unwrap();
+                    if round == 0 {
+                        check(&dst, "slab");
+                    }
+                } else {
+                    rw.record(raw_io(&mut ring, &mut src_copy, true)).unwrap();
+                    clear(&mut dst);
+                    rr.record(raw_io(&mut ring, &mut dst, false)).unwrap();
+                    if round == 0 {
+                        check(&dst, "raw");
+                    }
+                }
+            }
+        }
+
+        // One object at a time (queue depth 1 per call), alternating sides.
+        let (mut lsw, mut lsr, mut lrw, mut lrr) = (hist(), hist(), hist(), hist());
+        for k in 0..lat_n {
+            let i = k % count;
+            let off = offsets[i];
+            let one = |h: &mut Histogram<u64>, f: &mut dyn FnMut()| {
+                let t = Instant::now();
+                f();
+                h.record(t.elapsed().as_nanos() as u64).unwrap();
+            };
+            let slab_first = k % 2 == 0;
+            for side in 0..2 {
+                if (side == 0) == slab_first {
+                    one(&mut lsw, &mut || {
+                        slab.write_at(off, &src[i]).expect("slab write_at")
+                    });
+                    one(&mut lsr, &mut || {
+                        slab.read_at(off, &mut dst[i]).expect("slab read_at")
+                    });
+                } else {
+                    one(&mut lrw, &mut || {
+                        raw_batch(&mut ring, &raw, &mut [(off, &mut src_copy[i][..])], true)
+                    });
+                    one(&mut lrr, &mut || {
+                        raw_batch(&mut ring, &raw, &mut [(off, &mut dst[i][..])], false)
+                    });
+                }
+            }
+        }
+        check(&dst, "one at a time");
+
+        let gb =
+            |bytes: usize, h: &Histogram<u64>, q: f64| bytes as f64 / h.value_at_quantile(q) as f64;
+        let us = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1e3;
+        println!(
+            "-- {count} x {} KiB objects ({} KiB per batch), {rounds} rounds; one at a time: {lat_n} objects",
+            obj >> 10,
+            total >> 10
+        );
+        let line = |name: &str, h: &Histogram<u64>, lat: &Histogram<u64>| {
+            println!(
+                "{name:<11} batch p50 {:>6.2} GB/s (p50 {:>9.1} us, p99 {:>9.1} us, max {:>9.1} us) | \
+                 one object p50 {:>8.1} us p99 {:>8.1} us",
+                gb(total, h, 0.5),
+                us(h, 0.5),
+                us(h, 0.99),
+                h.max() as f64 / 1e3,
+                us(lat, 0.5),
+                us(lat, 0.99),
+            )
+        };
+        line("slab write", &sw, &lsw);
+        line("raw write", &rw, &lrw);
+        line("slab read", &sr, &lsr);
+        line("raw read", &rr, &lrr);
+        // Throughput ratio slab/raw = raw time / slab time.
+        let ratio = |slab: &Histogram<u64>, raw: &Histogram<u64>| {
+            raw.value_at_quantile(0.5) as f64 / slab.value_at_quantile(0.5) as f64
+        };
+        let (w, r) = (ratio(&sw, &rw), ratio(&sr, &rr));
+        println!(
+            "slab/raw throughput (p50): write {w:.2}, read {r:.2} (bar >= 0.70); one object p50: write {:.2}, read {:.2}",
+            ratio(&lsw, &lrw),
+            ratio(&lsr, &lrr)
+        );
+        println!("{}", slab.describe());
+        ratios.push((obj, w, r));
+        drop(slab);
+        drop(raw);
+        fs::remove_file(&raw_path).unwrap();
+    }
+    if full {
+        for (obj, w, r) in ratios {
+            if w < 0.7 || r < 0.7 {
+                println!(
+                    "BELOW THE BAR: {} KiB objects, slab/raw write {w:.2}, read {r:.2}",
+                    obj >> 10
+                );
+            }
+        }
+    }
 }

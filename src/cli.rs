@@ -343,7 +343,11 @@ pub struct L1MemoryArgs {
     #[arg(long, overrides_with = "l1_use_hugepages")]
     pub no_l1_use_hugepages: bool,
 
-    /// /dev/dax device or mmap-able file as the L1 arena. Not supported by kvshard [default: unset].
+    /// Map the L1 arena from a device-DAX device (/dev/daxX.Y) or an existing file of at least
+    /// --l1-size-gb (e.g. on an fsdax mount; create it with `fallocate -l`). The length is rounded
+    /// down to the device alignment; the contents do not survive a restart. Needs the SHM pool off
+    /// (--shm-name ""); conflicts with --l1-use-hugepages and --gds-l1-path; turns lazy allocation
+    /// off [default: unset].
     #[arg(long, value_name = "PATH")]
     pub l1_devdax_path: Option<String>,
 }
@@ -1123,11 +1127,29 @@ impl ServerArgs {
             )?;
         }
         let use_hugepages = l1.l1_use_hugepages && !l1.no_l1_use_hugepages;
-        if l1.l1_devdax_path.is_some() {
-            refuse(
+        let devdax_path = match l1.l1_devdax_path.as_deref() {
+            None => None,
+            Some("") => {
+                return Err(ConfigError::invalid(
+                    "--l1-devdax-path",
+                    "is empty; give a /dev/daxX.Y device or a file",
+                ))
+            }
+            Some(p) => Some(PathBuf::from(p)),
+        };
+        if devdax_path.is_some() && use_hugepages {
+            return Err(ConfigError::invalid(
                 "--l1-devdax-path",
-                "a Device-DAX L1 arena is not implemented",
-            )?;
+                "conflicts with --l1-use-hugepages: the device-DAX arena is the L1 memory; drop one \
+                 of them",
+            ));
+        }
+        if devdax_path.is_some() && gds.gds_l1_path.is_some() {
+            return Err(ConfigError::invalid(
+                "--l1-devdax-path",
+                "conflicts with --gds-l1-path (as in lmcache 0.5.6): only one can hold the L1; drop \
+                 one of them",
+            ));
         }
         if gds.gds_l1_path.is_some() {
             refuse(
@@ -1162,7 +1184,16 @@ impl ServerArgs {
             ));
         }
         // BooleanOptionalAction: the last of --l1-use-lazy / --no-l1-use-lazy wins.
-        let use_lazy = !l1.no_l1_use_lazy && !use_hugepages;
+        let use_lazy = !l1.no_l1_use_lazy && !use_hugepages && devdax_path.is_none();
+        if devdax_path.is_some() && !l1.no_l1_use_lazy {
+            // 0.5.6 refuses devdax without --no-l1-use-lazy; growing shard slices
+            // lazily buys nothing on memory that is all there from the start.
+            notes.push(
+                "--l1-devdax-path turns lazy allocation off: the whole device-DAX arena is given to \
+                 the shards at start"
+                    .to_string(),
+            );
+        }
         if use_hugepages && !l1.no_l1_use_lazy {
             notes.push(
                 "--l1-use-hugepages turns lazy allocation off: the hugetlb pool is reserved at start \
@@ -1218,6 +1249,7 @@ impl ServerArgs {
             use_hugepages,
             init_size_bytes,
             align_bytes,
+            devdax_path,
             write_ttl: Duration::from_secs(ttl.l1_write_ttl_seconds),
             read_ttl: Duration::from_secs(ttl.l1_read_ttl_seconds),
             eviction_policy,
@@ -1255,6 +1287,14 @@ impl ServerArgs {
             None
         };
 
+        if l1_settings.devdax_path.is_some() && shm_name.is_some() {
+            return Err(ConfigError::invalid(
+                "--l1-devdax-path",
+                "conflicts with the engine_driven SHM pool, which lives in /dev/shm, not on the \
+                 device: add --shm-name \"\" (or --supported-transfer-mode lmcache_driven) to \
+                 disable it, as lmcache 0.5.6 requires",
+            ));
+        }
         if use_hugepages && shm_name.is_some() {
             return Err(ConfigError::invalid(
                 "--l1-use-hugepages",
@@ -1836,6 +1876,86 @@ mod tests {
     }
 
     #[test]
+    fn cli_devdax_needs_the_shm_pool_off_and_conflicts_with_hugetlb_and_gds() {
+        // Default: no devdax arena.
+        assert_eq!(config(&[]).l1.devdax_path, None);
+        // With the SHM pool advertised (the default) it is refused naming the fix.
+        let e = rejected(
+            &["--l1-devdax-path", "/dev/dax0.0"],
+            "--l1-devdax-path",
+            false,
+        );
+        assert!(e.to_string().contains("--shm-name \"\""), "{e}");
+        let e = rejected(
+            &["--l1-devdax-path", "/dev/dax0.0", "--shm-name", "pool"],
+            "--l1-devdax-path",
+            false,
+        );
+        assert!(e.to_string().contains("--shm-name \"\""), "{e}");
+        // Accepted with the pool off; lazy allocation is turned off, with a note.
+        let (c, notes) = resolve(&["--l1-devdax-path", "/dev/dax0.0", "--shm-name", ""]).unwrap();
+        assert_eq!(c.l1.devdax_path, Some(PathBuf::from("/dev/dax0.0")));
+        assert!(c.shm_name.is_none() && !c.l1.use_lazy && !c.l1.use_hugepages);
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains("--l1-devdax-path turns lazy")),
+            "{notes:?}"
+        );
+        let (_, notes) = resolve(&[
+            "--l1-devdax-path",
+            "/dev/dax0.0",
+            "--shm-name",
+            "",
+            "--no-l1-use-lazy",
+        ])
+        .unwrap();
+        assert!(
+            !notes.iter().any(|n| n.contains("--l1-devdax-path")),
+            "{notes:?}"
+        );
+        // lmcache_driven only has no SHM pool either.
+        let c = config(&[
+            "--l1-devdax-path",
+            "/pmem/l1",
+            "--supported-transfer-mode",
+            "lmcache_driven",
+        ]);
+        assert_eq!(c.l1.devdax_path, Some(PathBuf::from("/pmem/l1")));
+        // Conflicts.
+        let e = rejected(
+            &[
+                "--l1-devdax-path",
+                "/dev/dax0.0",
+                "--shm-name",
+                "",
+                "--l1-use-hugepages",
+            ],
+            "--l1-devdax-path",
+            false,
+        );
+        assert!(e.to_string().contains("--l1-use-hugepages"), "{e}");
+        let e = rejected(
+            &[
+                "--l1-devdax-path",
+                "/dev/dax0.0",
+                "--shm-name",
+                "",
+                "--gds-l1-path",
+                "/nvme",
+            ],
+            "--l1-devdax-path",
+            false,
+        );
+        assert!(e.to_string().contains("--gds-l1-path"), "{e}");
+        rejected(
+            &["--l1-devdax-path", "", "--shm-name", ""],
+            "--l1-devdax-path",
+            false,
+        );
+    }
+
+    #[test]
     fn cli_repeated_option_keeps_last_value() {
         let c = config(&["--port", "6000", "--port", "6001", "--chunk-size=512"]);
         assert_eq!(c.port, 6001);
@@ -2007,7 +2127,6 @@ mod tests {
     #[test]
     fn cli_rejects_unsupported_features_naming_the_flag() {
         let cases: &[(&[&str], &str)] = &[
-            (&["--l1-devdax-path", "/dev/dax0.0"], "--l1-devdax-path"),
             (&["--transport", "grpc"], "--transport"),
             (&["--gds-l1-path", "/nvme"], "--gds-l1-path"),
             (&["--engine-type", "blend"], "--engine-type"),

@@ -14,10 +14,15 @@
 //! virtio disk), so O_DIRECT reads from L2 into such memory run as several
 //! times more requests than into 2 MiB pages. [`HugePages`] picks how the
 //! arena gets them.
+//!
+//! An arena can also sit on a mapping somebody else made and owns (an
+//! [`ArenaRegion`], e.g. a device-DAX device): it is then split among the
+//! shards the same way, but neither mapped nor unmapped here.
 
 use std::ffi::CString;
 use std::fmt;
 use std::io;
+use std::path::Path;
 use std::ptr::NonNull;
 
 use crate::shm_segment::{OwnedSegment, SegmentError};
@@ -221,6 +226,29 @@ impl std::error::Error for ArenaError {
     }
 }
 
+/// A mapping made and owned outside this module that an [`Arena`] can be
+/// built over ([`Arena::from_region`]). The region unmaps itself when dropped.
+///
+/// Implementors promise that `[base, base + len)` is mapped readable and
+/// writable, and stays so, with the same base and length, for as long as the
+/// region lives.
+pub trait ArenaRegion: Send + Sync {
+    /// Start of the mapping.
+    fn base(&self) -> *mut u8;
+    /// Mapped length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the region maps nothing ([`Arena::from_region`] refuses it).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Short name of what backs the region, for /status ("devdax", "file").
+    fn kind(&self) -> &'static str;
+    /// The file or device behind the region, if any.
+    fn path(&self) -> Option<&Path>;
+    /// One line for logs: what is mapped, how much, how aligned.
+    fn describe(&self) -> String;
+}
+
 /// The mapped L1 region. Unmapped (and its shm name unlinked) on drop.
 pub struct Arena {
     base: NonNull<u8>,
@@ -230,6 +258,9 @@ pub struct Arena {
     /// The named segment behind the mapping, with its ownership lock.
     segment: Option<OwnedSegment>,
     huge_pages: HugePages,
+    /// The external mapping the arena sits on; `None` when the arena mapped
+    /// its memory itself (and so unmaps it on drop).
+    region: Option<Box<dyn ArenaRegion>>,
 }
 
 // SAFETY: `Arena` only holds the address of a mapping that stays valid until
@@ -248,11 +279,13 @@ impl fmt::Debug for Arena {
             .field("len", &self.len)
             .field("shm_name", &self.shm_name())
             .field("huge_pages", &self.huge_pages)
+            .field("region", &self.region.as_ref().map(|r| r.describe()))
             .finish()
     }
 }
 
-fn page_size() -> usize {
+/// The base page size (4096 when sysconf cannot say).
+pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p <= 0 {
@@ -521,6 +554,37 @@ impl Arena {
         Ok(arena)
     }
 
+    /// An arena over `region`, a mapping made elsewhere. It is split into
+    /// shard slices like any arena; it has no shm name, reports base pages
+    /// (the region's own page size is its business), and is neither
+    /// madvised, populated nor locked here. Dropping the arena drops the
+    /// region, which unmaps it.
+    pub fn from_region(region: Box<dyn ArenaRegion>) -> Result<Arena, ArenaError> {
+        let len = region.len();
+        let invalid = |reason: String| ArenaError::InvalidConfig {
+            name: None,
+            size_bytes: len as u64,
+            reason: format!("{}: {reason}", region.describe()),
+        };
+        if len == 0 {
+            return Err(invalid("size is 0".into()));
+        }
+        if len > isize::MAX as usize {
+            return Err(invalid("size does not fit in the address space".into()));
+        }
+        let Some(base) = NonNull::new(region.base()) else {
+            return Err(invalid("the region has a null base address".into()));
+        };
+        Ok(Arena {
+            base,
+            len,
+            map_len: len,
+            segment: None,
+            huge_pages: HugePages::Off,
+            region: Some(region),
+        })
+    }
+
     fn map_anonymous(cfg: &ArenaConfig, len: usize, populate: bool) -> Result<Arena, ArenaError> {
         let thp = cfg.huge_pages == HugePages::Transparent;
         let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
@@ -540,6 +604,7 @@ impl Arena {
             map_len: len.next_multiple_of(page_size()),
             segment: None,
             huge_pages: cfg.huge_pages,
+            region: None,
         };
         if thp {
             arena.advise_huge();
@@ -588,6 +653,7 @@ impl Arena {
             map_len,
             segment: None,
             huge_pages: HugePages::Hugetlb,
+            region: None,
         })
     }
 
@@ -650,6 +716,7 @@ impl Arena {
             map_len: len.next_multiple_of(page_size()),
             segment: Some(segment),
             huge_pages: cfg.huge_pages,
+            region: None,
         };
         if thp {
             arena.advise_huge();
@@ -735,6 +802,36 @@ impl Arena {
         self.segment.as_ref().map(OwnedSegment::name)
     }
 
+    /// What backs the arena: "shm" (a POSIX shm segment), "anonymous"
+    /// (private memory, base or huge pages), or the kind an [`ArenaRegion`]
+    /// names ("devdax", "file").
+    pub fn kind(&self) -> &'static str {
+        match (&self.region, &self.segment) {
+            (Some(r), _) => r.kind(),
+            (None, Some(_)) => "shm",
+            (None, None) => "anonymous",
+        }
+    }
+
+    /// The file or device behind the arena: `/dev/shm/<name>` for a named
+    /// arena, the region's path for one built over a region.
+    pub fn path(&self) -> Option<std::path::PathBuf> {
+        match (&self.region, &self.segment) {
+            (Some(r), _) => r.path().map(Path::to_path_buf),
+            (None, Some(s)) => Some(Path::new("/dev/shm").join(s.name())),
+            (None, None) => None,
+        }
+    }
+
+    /// One line for logs.
+    pub fn describe(&self) -> String {
+        match (&self.region, &self.segment) {
+            (Some(r), _) => r.describe(),
+            (None, Some(s)) => format!("POSIX shm segment /{} of {} bytes", s.name(), self.len),
+            (None, None) => format!("anonymous memory of {} bytes", self.len),
+        }
+    }
+
     fn check_range(&self, offset: u64, len: u64) -> Result<(usize, usize), ArenaError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len as u64 => Ok((offset as usize, len as usize)),
@@ -804,6 +901,10 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
+        if self.region.is_some() {
+            // The region unmaps its own mapping when it drops, after this.
+            return;
+        }
         // SAFETY: unmapping exactly the mapping created in `create`; no slice
         // can outlive `self`.
         if unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_len) } != 0 {
@@ -1133,6 +1234,133 @@ mod tests {
             unsafe { arena.slice_mut(0, 4096).fill(7) };
             assert_eq!(arena.huge_page_bytes(), Some(HUGE_PAGE_BYTES as u64));
         }
+    }
+
+    /// A private anonymous mapping standing in for an external region. Its
+    /// drop only records that it ran and leaves the memory mapped, so a test
+    /// can tell whether the arena unmapped what it does not own.
+    struct TestRegion {
+        base: *mut u8,
+        len: usize,
+        dropped: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    // SAFETY: only an address; tests touch the bytes from one thread.
+    unsafe impl Send for TestRegion {}
+    // SAFETY: see `Send`.
+    unsafe impl Sync for TestRegion {}
+
+    impl TestRegion {
+        fn new(len: usize) -> (TestRegion, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+            let base = map_region(len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, false)
+                .unwrap()
+                .as_ptr();
+            let dropped = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            (
+                TestRegion {
+                    base,
+                    len,
+                    dropped: dropped.clone(),
+                },
+                dropped,
+            )
+        }
+    }
+
+    impl ArenaRegion for TestRegion {
+        fn base(&self) -> *mut u8 {
+            self.base
+        }
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn kind(&self) -> &'static str {
+            "test"
+        }
+        fn path(&self) -> Option<&Path> {
+            Some(Path::new("/test/region"))
+        }
+        fn describe(&self) -> String {
+            format!("test region of {} bytes", self.len)
+        }
+    }
+
+    impl Drop for TestRegion {
+        fn drop(&mut self) {
+            self.dropped
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn arena_from_region_uses_the_region_and_leaves_unmapping_to_it() {
+        let len = 6 * 4096 + 512;
+        let (region, dropped) = TestRegion::new(len);
+        let base = region.base;
+        let arena = Arena::from_region(Box::new(region)).unwrap();
+        assert_eq!(arena.base(), base);
+        assert_eq!(arena.len(), len as u64);
+        assert_eq!(arena.shm_name(), None);
+        assert_eq!(arena.huge_pages(), HugePages::Off);
+        assert_eq!(arena.kind(), "test");
+        assert_eq!(arena.path(), Some(std::path::PathBuf::from("/test/region")));
+        assert!(
+            arena.describe().contains("test region"),
+            "{}",
+            arena.describe()
+        );
+        unsafe {
+            arena.slice_mut(len as u64 - 4, 4).copy_from_slice(b"tail");
+            assert_eq!(std::slice::from_raw_parts(base.add(len - 4), 4), b"tail");
+            assert_eq!(arena.slice(0, 4096), &[0u8; 4096][..]);
+        }
+        assert!(matches!(
+            arena.lock_range(len as u64 - 1, 2),
+            Err(ArenaError::OutOfRange { .. })
+        ));
+        assert_eq!(dropped.load(std::sync::atomic::Ordering::SeqCst), 0);
+        drop(arena);
+        assert_eq!(
+            dropped.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "the arena drops its region once"
+        );
+        // Still mapped: the arena must not unmap memory it does not own.
+        unsafe {
+            assert_eq!(std::slice::from_raw_parts(base.add(len - 4), 4), b"tail");
+            assert_eq!(libc::munmap(base.cast(), len), 0);
+        }
+    }
+
+    #[test]
+    fn arena_from_an_empty_region_is_refused() {
+        let (mut region, dropped) = TestRegion::new(4096);
+        let base = region.base;
+        region.len = 0;
+        let err = Arena::from_region(Box::new(region)).unwrap_err();
+        assert!(matches!(err, ArenaError::InvalidConfig { .. }), "{err}");
+        assert!(err.to_string().contains("test region of 0 bytes"), "{err}");
+        assert_eq!(dropped.load(std::sync::atomic::Ordering::SeqCst), 1);
+        unsafe { assert_eq!(libc::munmap(base.cast(), 4096), 0) };
+    }
+
+    #[test]
+    fn arena_kind_and_path_of_the_arenas_it_maps_itself() {
+        let anon = Arena::create(&ArenaConfig {
+            size_bytes: 4096,
+            shm_name: None,
+            mlock: false,
+            populate: false,
+            huge_pages: HugePages::Off,
+        })
+        .unwrap();
+        assert_eq!(anon.kind(), "anonymous");
+        assert_eq!(anon.path(), None);
+        let name = unique_name("kind");
+        let named = Arena::create(&named_cfg(&name, 4096)).unwrap();
+        assert_eq!(named.kind(), "shm");
+        assert_eq!(named.path(), Some(shm_path(&name)));
+        assert!(named.describe().contains(&name), "{}", named.describe());
     }
 
     #[test]

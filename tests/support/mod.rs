@@ -465,10 +465,8 @@ impl Server {
         Self::start_with_stderr(extra, Stdio::from(file))
     }
 
-    fn start_with_stderr(extra: &[&str], stderr: Stdio) -> Server {
-        let port = free_port();
-        let http_port = free_port();
-        let shm = unique("kvtest");
+    /// The command line of [`Server::start`]: its small defaults, then `extra`.
+    fn args(port: u16, http_port: u16, shm: &str, extra: &[&str]) -> Vec<String> {
         let mut args: Vec<String> = vec![
             "server".into(),
             "--l1-size-gb".into(),
@@ -484,9 +482,55 @@ impl Server {
             "--chunk-size".into(),
             "16".into(),
             "--shm-name".into(),
-            shm.clone(),
+            shm.to_string(),
         ];
         args.extend(extra.iter().map(|a| a.to_string()));
+        args
+    }
+
+    /// Runs the server with [`Server::start`]'s defaults plus `extra`, which
+    /// must make it refuse to start: it has to exit non-zero within 20 s.
+    /// Returns what it wrote to stderr.
+    pub fn start_refused(extra: &[&str]) -> String {
+        let args = Self::args(free_port(), free_port(), &unique("kvtest"), extra);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvshard"))
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvshard");
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if t0.elapsed() > Duration::from_secs(20) {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{extra:?}: the server started instead of refusing");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert!(
+            !status.success(),
+            "{extra:?}: a refused start exits non-zero: {err}"
+        );
+        err
+    }
+
+    fn start_with_stderr(extra: &[&str], stderr: Stdio) -> Server {
+        let port = free_port();
+        let http_port = free_port();
+        let shm = unique("kvtest");
+        let args = Self::args(port, http_port, &shm, extra);
         let child = Command::new(env!("CARGO_BIN_EXE_kvshard"))
             .args(&args)
             .stdin(Stdio::null())

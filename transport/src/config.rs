@@ -151,6 +151,9 @@ pub struct L1Settings {
     pub init_size_bytes: u64,
     /// Slab alignment; a power of two >= 64 (`--l1-align-bytes`).
     pub align_bytes: u64,
+    /// Map the arena from this device-DAX device or file instead of /dev/shm or
+    /// anonymous memory (`--l1-devdax-path`); `None` = not used.
+    pub devdax_path: Option<PathBuf>,
     #[serde(serialize_with = "duration_as_secs")]
     pub write_ttl: Duration,
     #[serde(serialize_with = "duration_as_secs")]
@@ -443,6 +446,7 @@ mod tests {
                 use_hugepages: false,
                 init_size_bytes: 1 << 30,
                 align_bytes: 4096,
+                devdax_path: None,
                 write_ttl: Duration::from_secs(600),
                 read_ttl: Duration::from_secs(300),
                 eviction_policy: EvictionPolicyName::Lru,

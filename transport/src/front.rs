@@ -20,6 +20,7 @@ use kvshard_io::mailbox::{MailboxSender, NotifyReceiver};
 use crate::config::ServerConfig;
 use crate::control::{ControlBody, ControlRequest, ControlResponse, Responder};
 use crate::cpu_shm::CpuShmRegistration;
+use crate::cuda_refusal::{Alternatives, CudaHost, RefusedEntry, RefusedTable};
 use crate::lookup_leases::{Grant, LeaseBook};
 use crate::lookup_log::LookupHashLog;
 use crate::metrics::{FrontGauges, Metrics, PromText};
@@ -145,6 +146,8 @@ pub struct FrontSetup {
     /// The L1 arena's page policy and the bytes on huge pages at start.
     pub huge_pages: kvshard_io::arena::HugePages,
     pub huge_page_bytes: Option<u64>,
+    /// What backs the arena (kind, path, mapped bytes), for /status.
+    pub arena: serde_json::Value,
 }
 
 pub struct Front {
@@ -158,6 +161,10 @@ pub struct Front {
     /// Read locks concluded lookups still hold, per request.
     leases: LeaseBook,
     registry: Registry,
+    /// GPU workers whose CUDA registrations were refused, and the probe result
+    /// behind the refusals (taken on the first one).
+    refused: RefusedTable,
+    cuda_host: Option<CudaHost>,
     layouts: Layouts,
     inflight: HashMap<Seq, Inflight>,
     /// wait_prefetch_status callers parked on pending jobs (0 lets the loop skip
@@ -212,6 +219,8 @@ impl Front {
             sessions: Sessions::new(cfg.session_ttl, cfg.max_sessions),
             leases: LeaseBook::new(cfg.max_sessions, cfg.l1.read_ttl),
             registry: Registry::new(cfg.max_registrations),
+            refused: RefusedTable::new(cfg.max_registrations),
+            cuda_host: None,
             layouts: Layouts::default(),
             jobs: HashMap::new(),
             inflight: HashMap::new(),
@@ -323,6 +332,15 @@ impl Front {
                     self.cfg.worker_reap_timeout,
                     self.cfg.worker_registration_grace,
                 );
+                let forgotten = self.refused.reap(
+                    now,
+                    self.cfg
+                        .worker_reap_timeout
+                        .max(self.cfg.worker_registration_grace),
+                );
+                if forgotten > 0 {
+                    log::info!("forgot {forgotten} silent refused GPU instances");
+                }
                 for (iid, released) in reaped {
                     log_limited!(Level::Warn, "reaped silent worker instance {iid}");
                     self.metrics.reaped_workers += 1;
@@ -551,10 +569,14 @@ impl Front {
             }
             Request::GetExperimental => self.reply(&to, Some(wire::encode_str_list::<&str>(&[]))),
             Request::Ping { instance_id } => {
+                let mut healthy = true;
                 if let Some(iid) = instance_id {
                     self.registry.ping(iid, now);
+                    // A worker kvshard cannot serve hears so, and its client
+                    // degrades with a warning instead of failing every transfer.
+                    healthy = !self.refused.touch(iid, now) || self.registry.is_registered(iid);
                 }
-                self.reply(&to, Some(wire::encode_bool(true)))
+                self.reply(&to, Some(wire::encode_bool(healthy)))
             }
             Request::ReportBlockAllocation { records, .. } => {
                 // Block-allocation records feed 0.5.6's KV-event and block-lifetime metrics,
@@ -622,6 +644,7 @@ impl Front {
                 self.reply(&to, None)
             }
             Request::UnregisterKvCache { instance_id } => {
+                let was_refused = self.refused.remove(instance_id).is_some();
                 match self.registry.remove_lmc(instance_id) {
                     Some(entry) => {
                         log_limited!(
@@ -630,6 +653,10 @@ impl Front {
                         );
                         self.release_instance(crate::registry::Released::Lmc(instance_id, entry));
                     }
+                    None if was_refused => log_limited!(
+                        Level::Info,
+                        "unregistered refused GPU instance {instance_id}"
+                    ),
                     None => log_limited!(
                         Level::Warn,
                         "unregister: no lmcache_driven instance {instance_id}"
@@ -1737,6 +1764,56 @@ impl Front {
 
     // ------------------------------------------------------ lmcache_driven
 
+    /// Refuses a registration carrying CUDA descriptors (true), recording the
+    /// instance so its PINGs report it unhealthy; a repeat only refreshes it.
+    fn refuse_cuda(
+        &mut self,
+        iid: i64,
+        kv_cache: &[wire::IpcData],
+        model_name: &str,
+        world_size: i64,
+        now: Instant,
+    ) -> bool {
+        if !kv_cache.iter().any(|d| {
+            matches!(
+                d,
+                wire::IpcData::Cuda(_) | wire::IpcData::CudaRaw(_) | wire::IpcData::CudaVmm(_)
+            )
+        }) {
+            return false;
+        }
+        if self.refused.touch(iid, now) {
+            return true;
+        }
+        let host = self.cuda_host.get_or_insert_with(CudaHost::probe);
+        let alt = Alternatives {
+            shm_name: self.setup.shm_pool.as_ref().map(|(n, _)| n.as_str()),
+            engine_driven_enabled: self.cfg.transfer_mode.engine_driven_enabled(),
+        };
+        let Some(refusal) = crate::cuda_refusal::check(kv_cache, host, alt) else {
+            return false;
+        };
+        self.metrics.failed_registrations += 1;
+        self.metrics.refused_cuda_registrations += 1;
+        log_limited!(
+            Level::Error,
+            "register_kv_cache from GPU instance {iid} (model={model_name}, world_size={world_size}, {} descriptors) refused: {}",
+            refusal.descriptor,
+            refusal.reason
+        );
+        self.refused.insert(
+            iid,
+            RefusedEntry {
+                model_name: model_name.to_owned(),
+                world_size,
+                descriptor: refusal.descriptor,
+                reason: refusal.reason,
+                last_seen: now,
+            },
+        );
+        true
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn register_kv_cache(
         &mut self,
@@ -1772,6 +1849,9 @@ impl Front {
                 )
             }
         };
+        if self.refuse_cuda(iid, kv_cache, &model_name, world_size, now) {
+            return;
+        }
         let reg = match crate::registry::open_cpu_shm(
             kv_cache,
             groups,
@@ -1851,8 +1931,14 @@ impl Front {
     ) {
         self.metrics.submitted_stores += 1;
         let Some((reg, layout)) = self.registry.lmc_reg(iid, now) else {
+            // A refused GPU worker was told why once, at registration.
+            let level = if self.refused.contains(iid) {
+                Level::Debug
+            } else {
+                Level::Error
+            };
             log_limited!(
-                Level::Error,
+                level,
                 "store: no lmcache_driven registration for instance {iid}"
             );
             self.metrics.unregistered_instance += 1;
@@ -1912,8 +1998,14 @@ impl Front {
     ) {
         self.metrics.submitted_retrieves += 1;
         let Some((reg, _)) = self.registry.lmc_reg(iid, now) else {
+            // A refused GPU worker was told why once, at registration.
+            let level = if self.refused.contains(iid) {
+                Level::Debug
+            } else {
+                Level::Error
+            };
             log_limited!(
-                Level::Error,
+                level,
                 "retrieve: no lmcache_driven registration for instance {iid}"
             );
             self.metrics.unregistered_instance += 1;
@@ -2148,6 +2240,7 @@ impl Front {
                         sessions: self.sessions.len(),
                         jobs: self.jobs.len(),
                         leases: self.leases.len(),
+                        refused_gpu_instances: self.refused.len(),
                     },
                 );
                 ControlResponse {
@@ -2273,6 +2366,7 @@ impl Front {
             "num_shards": reports.len(),
             "huge_pages": self.setup.huge_pages.as_str(),
             "huge_page_bytes_at_start": self.setup.huge_page_bytes,
+            "arena": self.setup.arena,
         });
         let mut worker_liveness = serde_json::Map::new();
         let now = Instant::now();
@@ -2319,6 +2413,8 @@ impl Front {
             "registered_non_cuda_instance_ids": self.registry.engine_ids(),
             "non_cuda_context_meta": self.registry.engine_meta(),
             "worker_liveness": worker_liveness,
+            // GPU workers whose CUDA registrations were refused, and why.
+            "refused_gpu_instances": self.refused.to_json(now),
         })
     }
 }

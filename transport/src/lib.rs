@@ -4,6 +4,7 @@
 pub mod config;
 pub mod control;
 pub mod cpu_shm;
+pub mod cuda_refusal;
 pub mod front;
 pub mod http_api;
 pub mod lookup_leases;

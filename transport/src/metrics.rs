@@ -18,6 +18,8 @@ pub struct FrontGauges {
     pub jobs: usize,
     /// Requests whose lookup still holds read locks.
     pub leases: usize,
+    /// GPU workers whose CUDA registrations were refused.
+    pub refused_gpu_instances: usize,
 }
 
 /// Counters owned by the front thread.
@@ -49,6 +51,8 @@ pub struct Metrics {
     pub retrieve_misses: u64,
     pub unregistered_instance: u64,
     pub failed_registrations: u64,
+    /// register_kv_cache requests refused for carrying CUDA IPC descriptors.
+    pub refused_cuda_registrations: u64,
     pub reaped_workers: u64,
     /// Lookup read locks released because no live instance could release them.
     pub orphaned_read_locks: u64,
@@ -69,6 +73,7 @@ impl Metrics {
             sessions,
             jobs,
             leases,
+            refused_gpu_instances,
         } = gauges;
         let sum = |f: &dyn Fn(&ShardReport) -> u64| shards.iter().map(f).sum::<u64>();
         // Shard (L1) counters.
@@ -276,6 +281,11 @@ impl Metrics {
             self.failed_registrations,
         );
         t.counter(
+            "kvshard_refused_cuda_registrations_total",
+            "register_kv_cache requests with CUDA IPC descriptors refused (see /status refused_gpu_instances)",
+            self.refused_cuda_registrations,
+        );
+        t.counter(
             "kvshard_reaped_workers_total",
             "Worker registrations reaped for silence",
             self.reaped_workers,
@@ -291,6 +301,11 @@ impl Metrics {
             sum(&|r| r.stats.expired_stages),
         );
         t.gauge("kvshard_active_sessions", "Sessions held", sessions as f64);
+        t.gauge(
+            "kvshard_refused_gpu_instances",
+            "GPU workers whose CUDA registration was refused; their PINGs are answered False",
+            refused_gpu_instances as f64,
+        );
         t.gauge(
             "kvshard_lookup_leases",
             "Requests whose lookup still holds read locks the front tracks",

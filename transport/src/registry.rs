@@ -248,6 +248,11 @@ impl Registry {
         self.lmc.remove(&iid)
     }
 
+    /// Whether `iid` holds a registration in either transfer mode.
+    pub fn is_registered(&self, iid: i64) -> bool {
+        self.engine.contains_key(&iid) || self.lmc.contains_key(&iid)
+    }
+
     /// PING: refreshes liveness and marks the instance as ping-proven.
     pub fn ping(&mut self, iid: i64, now: Instant) {
         if let Some(e) = self.engine.get_mut(&iid) {

@@ -99,21 +99,29 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     raise_open_file_limit();
     let n = cfg.cores.len().max(1);
     let align = cfg.l1.align_bytes;
-    let slices = shard_slices(
-        cfg.l1.size_bytes,
-        cfg.l1.init_size_bytes,
-        cfg.l1.use_lazy,
-        align,
-        n,
-    );
-    if slices[0].1 == 0 {
-        return Err(format!(
-            "--l1-size-gb gives {} bytes, too small for {n} shards of at least --l1-align-bytes {align}",
-            cfg.l1.size_bytes
-        ));
-    }
-    let lock_memory = kvshard_io::arena::can_lock(cfg.l1.size_bytes);
-    if !lock_memory {
+    let slices_of = |size: u64| -> Result<Vec<(u64, u64, u64)>, String> {
+        let slices = shard_slices(
+            size,
+            cfg.l1.init_size_bytes.min(size),
+            cfg.l1.use_lazy,
+            align,
+            n,
+        );
+        if slices[0].1 == 0 {
+            return Err(format!(
+                "--l1-size-gb gives {size} bytes, too small for {n} shards of at least --l1-align-bytes {align}"
+            ));
+        }
+        Ok(slices)
+    };
+    // Checked before the arena is made, and again on what was mapped (a
+    // device-DAX arena is rounded down to the device alignment).
+    slices_of(cfg.l1.size_bytes)?;
+    // Device memory is not swapped and a shared file mapping is written back,
+    // not swapped: locking either would only pin page cache or fail.
+    let lock_memory =
+        cfg.l1.devdax_path.is_none() && kvshard_io::arena::can_lock(cfg.l1.size_bytes);
+    if !lock_memory && cfg.l1.devdax_path.is_none() {
         log::warn!(
             "RLIMIT_MEMLOCK ({:?} bytes) is below the L1 size ({} bytes): L1 memory will not be mlock'ed and may be \
              swapped. Raise it with `ulimit -l unlimited` or LimitMEMLOCK=infinity in the systemd unit",
@@ -121,22 +129,9 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             cfg.l1.size_bytes
         );
     }
-    let arena = Arc::new(
-        Arena::create(&ArenaConfig {
-            size_bytes: cfg.l1.size_bytes,
-            shm_name: cfg.shm_name.clone(),
-            mlock: false,
-            populate: !cfg.l1.use_lazy,
-            huge_pages: huge_pages_of(&cfg),
-        })
-        .map_err(|e| format!("cannot create the L1 arena: {e}"))?,
-    );
-    if let Some(name) = arena.shm_name() {
-        log::info!(
-            "L1 arena: POSIX shm segment /{name} of {} bytes, {n} shards",
-            arena.len()
-        );
-    }
+    let arena = Arc::new(create_arena(&cfg)?);
+    log::info!("L1 arena: {}, {n} shards", arena.describe());
+    let slices = slices_of(arena.len())?;
     let huge_page_bytes = arena.huge_page_bytes();
     log_huge_pages(&arena, huge_page_bytes);
 
@@ -202,6 +197,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         shm_pool: arena.shm_name().map(|s| (s.to_owned(), arena.len())),
         huge_pages: arena.huge_pages(),
         huge_page_bytes,
+        arena: arena_status(&arena),
     };
     drop(events_tx);
     log::info!(
@@ -219,6 +215,38 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         let _ = h.join();
     }
     Ok(())
+}
+
+/// The L1 arena: mapped from `--l1-devdax-path` when given, else a POSIX shm
+/// segment (the engine_driven SHM pool) or anonymous memory.
+fn create_arena(cfg: &ServerConfig) -> Result<Arena, String> {
+    let Some(path) = &cfg.l1.devdax_path else {
+        return Arena::create(&ArenaConfig {
+            size_bytes: cfg.l1.size_bytes,
+            shm_name: cfg.shm_name.clone(),
+            mlock: false,
+            populate: !cfg.l1.use_lazy,
+            huge_pages: huge_pages_of(cfg),
+        })
+        .map_err(|e| format!("cannot create the L1 arena: {e}"));
+    };
+    // Configuration refuses the SHM pool with devdax: its clients would map
+    // /dev/shm, not the device.
+    if cfg.shm_name.is_some() {
+        return Err("--l1-devdax-path needs the SHM pool off (--shm-name \"\")".into());
+    }
+    let region = kvshard_gds::devdax::DaxRegion::map(path, cfg.l1.size_bytes)
+        .map_err(|e| format!("cannot map the L1 arena: {e}"))?;
+    Arena::from_region(Box::new(region)).map_err(|e| format!("cannot create the L1 arena: {e}"))
+}
+
+/// What /status reports about the arena's backing (under `l1_manager.arena`).
+fn arena_status(arena: &Arena) -> serde_json::Value {
+    serde_json::json!({
+        "kind": arena.kind(),
+        "path": arena.path().map(|p| p.display().to_string()),
+        "size_bytes": arena.len(),
+    })
 }
 
 /// Largest message ZeroMQ delivers (`ZMQ_MAXMSGSIZE`): twice the payload frame

@@ -1879,6 +1879,155 @@ mod tests {
         );
     }
 
+    /// REGISTER/STORE/RETRIEVE frames lmcache 0.5.6's encoders produced for GPU
+    /// workers (`cuda`, `cuda_raw` and `cuda_vmm` descriptors).
+    fn cuda_golden() -> serde_json::Value {
+        serde_json::from_str(include_str!("../testdata/golden_cuda_register.json")).unwrap()
+    }
+
+    fn golden_frames(g: &serde_json::Value, name: &str) -> (Op, Vec<Vec<u8>>) {
+        let frames: Vec<Vec<u8>> = g[name]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| unhex(f.as_str().unwrap()))
+            .collect();
+        (decode_op(&frames[1]).unwrap(), frames[2..].to_vec())
+    }
+
+    #[test]
+    fn golden_cuda_registrations() {
+        let g = cuda_golden();
+        let meta = TensorMetadata {
+            dtype: "bfloat16".into(),
+            shape: vec![2, 1024, 16, 8, 128],
+            stride: vec![16777216, 16384, 1024, 128, 1],
+            storage_offset: 0,
+            device_uuid: "8f6b2c1e-0000-1111-2222-333344445555".into(),
+        };
+        let seq = |n: u8| (0..n).collect::<Vec<u8>>();
+        for (name, tag) in [
+            ("register_kv_cache_cuda", "cuda"),
+            ("register_kv_cache_cuda_raw", "cuda_raw"),
+            ("register_kv_cache_cuda_vmm", "cuda_vmm"),
+        ] {
+            let (op, frames) = golden_frames(&g, name);
+            assert_eq!(op, Op::RegisterKvCache, "{name}");
+            let Request::RegisterKvCache {
+                instance_id,
+                kv_cache,
+                model_name,
+                world_size,
+                engine_type,
+                engine_group_infos,
+                ..
+            } = decode(op, &frames).unwrap()
+            else {
+                panic!("{name}")
+            };
+            assert_eq!(
+                (
+                    instance_id,
+                    model_name.as_str(),
+                    world_size,
+                    engine_type.as_str()
+                ),
+                (123456789, "Qwen/Qwen3-8B", 1, "vllm"),
+                "{name}"
+            );
+            assert_eq!(engine_group_infos.len(), 1);
+            assert_eq!(engine_group_infos[0].layer_indices, vec![0, 1]);
+            assert_eq!(kv_cache.len(), 2, "{name}");
+            for d in &kv_cache {
+                assert_eq!(d.tag(), tag);
+                assert_eq!(d.metadata(), Some(&meta));
+            }
+            match &kv_cache[0] {
+                IpcData::Cuda(c) => {
+                    let h = &c.handle;
+                    let mut shareable = vec![2, b'c'];
+                    shareable.extend(seq(64));
+                    assert_eq!(h.mem_handle.as_deref(), Some(&shareable[..]));
+                    assert_eq!((h.storage_size, h.storage_offset), (64 << 20, 4096));
+                    assert_eq!(
+                        h.ref_counter_handle.as_deref(),
+                        Some(&b"/torch_1234_567_0"[..])
+                    );
+                    assert_eq!(h.ref_counter_offset, 3);
+                    assert_eq!(
+                        h.event_handle.as_deref(),
+                        Some(&(100..164).collect::<Vec<u8>>()[..])
+                    );
+                    assert!(h.event_sync_required);
+                    assert_eq!(
+                        crate::cuda_refusal::parse_torch_handle(&shareable),
+                        Ok(crate::cuda_refusal::TorchHandle::Block(&shareable[2..]))
+                    );
+                }
+                IpcData::CudaRaw(r) => {
+                    assert_eq!(r.ipc_handle.to_vec(), seq(64));
+                    assert_eq!((r.alloc_offset, r.nbytes), (4096, 64 << 20));
+                }
+                IpcData::CudaVmm(v) => {
+                    assert_eq!(v.export_id.to_vec(), seq(16));
+                    assert_eq!(v.kind, VmmKind::Fabric);
+                    assert_eq!(v.fabric_blob.as_deref(), Some(&seq(64)[..]));
+                    assert_eq!(
+                        (v.alloc_size, v.alloc_offset, v.nbytes),
+                        (1 << 30, 0, 64 << 20)
+                    );
+                }
+                d => panic!("{name}: {d:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn golden_cuda_store_and_retrieve() {
+        let g = cuda_golden();
+        let blocks: Vec<i64> = (1..=32).collect();
+        let event: Vec<u8> = (100..164).collect();
+        let (op, frames) = golden_frames(&g, "store");
+        let Request::Store {
+            key,
+            instance_id,
+            block_ids,
+            event_ipc_handle,
+        } = decode(op, &frames).unwrap()
+        else {
+            panic!("store")
+        };
+        assert_eq!((key.start, key.end, key.token_ids.len()), (0, 512, 512));
+        assert_eq!(key.worker_id, Some(0));
+        assert_eq!(instance_id, 123456789);
+        assert_eq!(block_ids, vec![blocks.clone()]);
+        assert_eq!(event_ipc_handle, event);
+        let (op, frames) = golden_frames(&g, "retrieve");
+        let Request::Retrieve {
+            block_ids,
+            event_ipc_handle,
+            skip_first_n_tokens,
+            ..
+        } = decode(op, &frames).unwrap()
+        else {
+            panic!("retrieve")
+        };
+        assert_eq!(block_ids, vec![blocks]);
+        assert_eq!(event_ipc_handle, event);
+        assert_eq!(skip_first_n_tokens, 16);
+        // The two replies: a server event handle with success, and the
+        // unregistered instance's empty handle with failure.
+        let ok: Vec<u8> = (200..=255).chain(std::iter::repeat_n(0, 8)).collect();
+        assert_eq!(
+            hex(&encode_store_reply(&ok, true)),
+            g["store_response_ok"].as_str().unwrap()
+        );
+        assert_eq!(
+            hex(&encode_store_reply(b"", false)),
+            g["store_response_unregistered"].as_str().unwrap()
+        );
+    }
+
     #[test]
     fn golden_replies() {
         assert_eq!(hex(&encode_store_reply(b"", true)), "92c400c3");
