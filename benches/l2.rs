@@ -29,6 +29,8 @@
 
 #[path = "common/bench_dir.rs"]
 mod bench_dir;
+#[path = "common/pattern.rs"]
+mod pattern;
 #[path = "common/raw_direct.rs"]
 mod raw_direct;
 #[path = "../tests/support/mod.rs"]
@@ -50,6 +52,7 @@ use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::l2::config::FsConfig;
 use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::{L2Adapter, ObjectBytes, StoreResult};
+use pattern::fill;
 use raw_direct::{raw_direct, RawOp};
 use support::*;
 
@@ -136,20 +139,6 @@ impl Drop for Aligned {
                 Layout::from_size_align(self.len, BUF_ALIGN).unwrap(),
             )
         };
-    }
-}
-
-/// Fills `buf` with bytes that differ for every seed (a cheap 64-bit mix per
-/// word, so filling 256 MiB stays well under a second).
-fn fill(buf: &mut [u8], seed: u64) {
-    for (i, w) in buf.chunks_exact_mut(8).enumerate() {
-        let mut x = seed
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            .wrapping_add(i as u64);
-        x ^= x >> 31;
-        x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x ^= x >> 29;
-        w.copy_from_slice(&x.to_le_bytes());
     }
 }
 

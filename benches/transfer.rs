@@ -19,6 +19,8 @@
 
 #[path = "common/bench_dir.rs"]
 mod bench_dir;
+#[path = "common/pattern.rs"]
+mod pattern;
 #[path = "common/raw_direct.rs"]
 mod raw_direct;
 #[path = "../tests/support/mod.rs"]
@@ -35,6 +37,7 @@ use hdrhistogram::Histogram;
 use io_uring::IoUring;
 use kvshard_gds::slab::{AlignedBuf, FsType, GdsSlab, SlabOptions, RING_DEPTH};
 use kvshard_transport::cpu_shm::{CpuShmRegistration, ShmTensorSpec};
+use pattern::fill;
 use raw_direct::{raw_direct, RawOp};
 
 fn gbps(bytes: usize, ns: u64) -> f64 {
@@ -143,15 +146,7 @@ fn hist() -> Histogram<u64> {
 /// Bytes that differ per seed and per position.
 fn filled(len: usize, seed: u64) -> AlignedBuf {
     let mut b = AlignedBuf::zeroed(len);
-    for (i, w) in b.chunks_exact_mut(8).enumerate() {
-        let mut x = seed
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            .wrapping_add(i as u64);
-        x ^= x >> 31;
-        x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x ^= x >> 29;
-        w.copy_from_slice(&x.to_le_bytes());
-    }
+    fill(&mut b, seed);
     b
 }
 

@@ -597,53 +597,6 @@ fn l1_status(srv: &Server) -> Value {
     v["storage_manager"]["l1_manager"].clone()
 }
 
-/// Runs `kvshard server` with `extra` and returns its stderr if it exits
-/// within 20 s; `None` (after killing it) if it is still serving.
-fn start_or_refuse(extra: &[&str]) -> Option<String> {
-    use std::io::Read;
-    use std::process::{Command, Stdio};
-    let (port, http_port) = (free_port().to_string(), free_port().to_string());
-    let mut args = vec![
-        "server",
-        "--l1-size-gb",
-        "0.0625",
-        "--eviction-policy",
-        "LRU",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &port,
-        "--http-port",
-        &http_port,
-    ];
-    args.extend_from_slice(extra);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvshard"))
-        .args(&args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvshard");
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(20) {
-        if let Some(status) = child.try_wait().unwrap() {
-            assert!(!status.success(), "a refused start exits non-zero");
-            let mut err = String::new();
-            child
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err)
-                .unwrap();
-            return Some(err);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    None
-}
-
 #[test]
 fn l1_page_policy_is_reported_and_hugetlb_needs_its_pool_and_no_shm() {
     // A lazy L1 keeps base pages.
@@ -676,7 +629,8 @@ fn l1_page_policy_is_reported_and_hugetlb_needs_its_pool_and_no_shm() {
     drop(srv);
 
     // The hugetlb pool cannot back the SHM pool (as lmcache 0.5.6).
-    let err = start_or_refuse(&["--l1-use-hugepages"]).expect("refused with the SHM pool on");
+    let err =
+        Server::start_or_refuse(&["--l1-use-hugepages"]).expect("refused with the SHM pool on");
     assert!(
         err.contains("--l1-use-hugepages") && err.contains("--shm-name"),
         "{err}"
@@ -690,7 +644,7 @@ fn l1_page_policy_is_reported_and_hugetlb_needs_its_pool_and_no_shm() {
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(0);
     let needed = (1u64 << 26) / (2 << 20);
-    match start_or_refuse(&["--l1-use-hugepages", "--shm-name", ""]) {
+    match Server::start_or_refuse(&["--l1-use-hugepages", "--shm-name", ""]) {
         Some(err) => {
             assert!(
                 free < needed,

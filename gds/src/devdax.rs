@@ -20,7 +20,8 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
-use kvshard_io::arena::ArenaRegion;
+use kvshard_io::arena::{map_region, page_size, ArenaRegion};
+use kvshard_io::shm_segment::try_lock;
 
 /// Alignment assumed for a device-DAX device whose sysfs `align` cannot be
 /// read: the kernel's default for device-DAX (one PMD page on x86-64/aarch64).
@@ -239,8 +240,6 @@ impl fmt::Debug for DaxRegion {
     }
 }
 
-use kvshard_io::arena::page_size;
-
 /// The sysfs directories that may describe the character device `rdev` at
 /// `path`: the device node's own entry, then the dax bus entry by name.
 fn sysfs_dirs(path: &Path, rdev: u64) -> Vec<PathBuf> {
@@ -343,13 +342,9 @@ impl DaxRegion {
                 },
                 _ => os("open(O_RDWR)", e),
             })?;
-        // SAFETY: flock on an fd we own; the lock goes with the fd.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                return Err(DaxError::InUse { path: path_buf });
-            }
-            return Err(os("flock", e));
+        // The lock goes with the fd, which the region keeps open.
+        if !try_lock(file.as_raw_fd()).map_err(|e| os("flock", e))? {
+            return Err(DaxError::InUse { path: path_buf });
         }
         // What was opened, not what was stat'ed before (the path may have changed).
         let meta = file.metadata().map_err(|e| os("fstat", e))?;
@@ -428,27 +423,15 @@ impl DaxRegion {
                     ),
                 )
             })?;
-        // SAFETY: a fresh shared mapping (no MAP_FIXED) of an fd we hold; it
-        // aliases nothing of ours.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(DaxError::Mmap {
-                path: path_buf,
-                len,
-                align_bytes,
-                source: io::Error::last_os_error(),
-            });
-        }
-        let base = NonNull::new(p.cast::<u8>()).expect("mmap returned NULL without MAP_FIXED");
+        let base =
+            map_region(len, libc::MAP_SHARED, file.as_raw_fd(), false).map_err(|source| {
+                DaxError::Mmap {
+                    path: path_buf.clone(),
+                    len,
+                    align_bytes,
+                    source,
+                }
+            })?;
         Ok(DaxRegion {
             base,
             len,

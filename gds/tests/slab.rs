@@ -1,6 +1,10 @@
 //! The GDS L1 slab file on a real disk (the build's target directory, checked
 //! not to be tmpfs) and on tmpfs (/dev/shm, where there is one).
 
+// The same data the storage benchmarks write.
+#[path = "../../benches/common/pattern.rs"]
+mod pattern;
+
 use std::fs;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -65,15 +69,7 @@ impl Drop for TestDir {
 /// a page landing at the wrong offset is caught).
 fn filled(len: usize, seed: u64) -> AlignedBuf {
     let mut b = AlignedBuf::zeroed(len);
-    for (i, w) in b.chunks_exact_mut(8).enumerate() {
-        let mut x = seed
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            .wrapping_add(i as u64);
-        x ^= x >> 31;
-        x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x ^= x >> 29;
-        w.copy_from_slice(&x.to_le_bytes());
-    }
+    pattern::fill(&mut b, seed);
     b
 }
 

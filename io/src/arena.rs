@@ -386,7 +386,8 @@ fn free_bytes(path: &str) -> io::Result<u64> {
 /// Maps `len` bytes with `flags` (and `fd`, or -1). With `huge_aligned` the
 /// mapping starts on a 2 MiB boundary, which transparent huge pages need:
 /// a larger PROT_NONE region is reserved and the mapping placed inside it.
-fn map_region(
+/// The mapping is readable and writable; unmapping it is the caller's.
+pub fn map_region(
     len: usize,
     flags: libc::c_int,
     fd: libc::c_int,

@@ -134,8 +134,8 @@ fn shm_open(name: &str, flags: libc::c_int) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })
 }
 
-/// Takes the exclusive lock without waiting; false if another open file holds it.
-fn try_lock(fd: RawFd) -> io::Result<bool> {
+/// Takes the exclusive `flock` without waiting; false if another open file holds it.
+pub fn try_lock(fd: RawFd) -> io::Result<bool> {
     // SAFETY: flock on an open fd.
     if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
         return Ok(true);

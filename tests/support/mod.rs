@@ -488,10 +488,10 @@ impl Server {
         args
     }
 
-    /// Runs the server with [`Server::start`]'s defaults plus `extra`, which
-    /// must make it refuse to start: it has to exit non-zero within 20 s.
-    /// Returns what it wrote to stderr.
-    pub fn start_refused(extra: &[&str]) -> String {
+    /// Runs the server with [`Server::start`]'s defaults plus `extra`. If it
+    /// exits within 20 s it must exit non-zero, and its stderr is returned;
+    /// `None` (after killing it) if it is still serving then.
+    pub fn start_or_refuse(extra: &[&str]) -> Option<String> {
         let args = Self::args(free_port(), free_port(), &unique("kvtest"), extra);
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvshard"))
             .args(&args)
@@ -508,7 +508,7 @@ impl Server {
             if t0.elapsed() > Duration::from_secs(20) {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("{extra:?}: the server started instead of refusing");
+                return None;
             }
             std::thread::sleep(Duration::from_millis(20));
         };
@@ -523,7 +523,14 @@ impl Server {
             !status.success(),
             "{extra:?}: a refused start exits non-zero: {err}"
         );
-        err
+        Some(err)
+    }
+
+    /// [`Server::start_or_refuse`] for `extra` that must make the server
+    /// refuse to start.
+    pub fn start_refused(extra: &[&str]) -> String {
+        Self::start_or_refuse(extra)
+            .unwrap_or_else(|| panic!("{extra:?}: the server started instead of refusing"))
     }
 
     fn start_with_stderr(extra: &[&str], stderr: Stdio) -> Server {

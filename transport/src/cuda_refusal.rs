@@ -86,14 +86,19 @@ pub struct Alternatives<'a> {
     pub engine_driven_enabled: bool,
 }
 
-/// Whether `kv_cache` holds CUDA descriptors; if so, why kvshard refuses them.
-pub fn check(kv_cache: &[IpcData], host: &CudaHost, alt: Alternatives<'_>) -> Option<Refusal> {
-    let first = kv_cache.iter().find_map(|d| match d {
+/// The tag of the first CUDA descriptor in `kv_cache`, if it has any.
+pub fn cuda_descriptor(kv_cache: &[IpcData]) -> Option<&'static str> {
+    kv_cache.iter().find_map(|d| match d {
         IpcData::Cuda(_) => Some("cuda"),
         IpcData::CudaRaw(_) => Some("cuda_raw"),
         IpcData::CudaVmm(_) => Some("cuda_vmm"),
         _ => None,
-    })?;
+    })
+}
+
+/// Whether `kv_cache` holds CUDA descriptors; if so, why kvshard refuses them.
+pub fn check(kv_cache: &[IpcData], host: &CudaHost, alt: Alternatives<'_>) -> Option<Refusal> {
+    let first = cuda_descriptor(kv_cache)?;
     let cause = descriptor_problem(kv_cache)
         .or_else(|| host_problem(kv_cache, host))
         .unwrap_or_else(|| {

@@ -1764,6 +1764,23 @@ impl Front {
 
     // ------------------------------------------------------ lmcache_driven
 
+    /// STORE/RETRIEVE from an instance with no lmcache_driven registration:
+    /// 0.5.6's `(b"", False)`. A refused GPU worker was told why once, at
+    /// registration, so its transfers are logged at debug only.
+    fn reply_unregistered_transfer(&mut self, to: &ReplyTo, op: &str, iid: i64) {
+        let level = if self.refused.contains(iid) {
+            Level::Debug
+        } else {
+            Level::Error
+        };
+        log_limited!(
+            level,
+            "{op}: no lmcache_driven registration for instance {iid}"
+        );
+        self.metrics.unregistered_instance += 1;
+        self.reply(to, Some(wire::encode_store_reply(b"", false)))
+    }
+
     /// Refuses a registration carrying CUDA descriptors (true), recording the
     /// instance so its PINGs report it unhealthy; a repeat only refreshes it.
     fn refuse_cuda(
@@ -1774,12 +1791,7 @@ impl Front {
         world_size: i64,
         now: Instant,
     ) -> bool {
-        if !kv_cache.iter().any(|d| {
-            matches!(
-                d,
-                wire::IpcData::Cuda(_) | wire::IpcData::CudaRaw(_) | wire::IpcData::CudaVmm(_)
-            )
-        }) {
+        if crate::cuda_refusal::cuda_descriptor(kv_cache).is_none() {
             return false;
         }
         if self.refused.touch(iid, now) {
@@ -1931,18 +1943,7 @@ impl Front {
     ) {
         self.metrics.submitted_stores += 1;
         let Some((reg, layout)) = self.registry.lmc_reg(iid, now) else {
-            // A refused GPU worker was told why once, at registration.
-            let level = if self.refused.contains(iid) {
-                Level::Debug
-            } else {
-                Level::Error
-            };
-            log_limited!(
-                level,
-                "store: no lmcache_driven registration for instance {iid}"
-            );
-            self.metrics.unregistered_instance += 1;
-            return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
+            return self.reply_unregistered_transfer(&to, "store", iid);
         };
         let objs = match self.worker_keys(iid, &key, now) {
             Ok(o) => o,
@@ -1998,18 +1999,7 @@ impl Front {
     ) {
         self.metrics.submitted_retrieves += 1;
         let Some((reg, _)) = self.registry.lmc_reg(iid, now) else {
-            // A refused GPU worker was told why once, at registration.
-            let level = if self.refused.contains(iid) {
-                Level::Debug
-            } else {
-                Level::Error
-            };
-            log_limited!(
-                level,
-                "retrieve: no lmcache_driven registration for instance {iid}"
-            );
-            self.metrics.unregistered_instance += 1;
-            return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
+            return self.reply_unregistered_transfer(&to, "retrieve", iid);
         };
         let objs = match self.worker_keys(iid, &key, now) {
             Ok(o) => o,
