@@ -10,8 +10,8 @@ use clap::{ArgAction, Args, Parser, Subcommand};
 use kvshard_io::executor::{allowed_cores, parse_core_list};
 use kvshard_transport::config::{
     auto_shm_name, gb_to_bytes, new_uuid_v4, normalize_shm_name, ConfigError, EvictionPolicyName,
-    L1Settings, L2PrefetchPolicy, L2Settings, L2StorePolicy, LookupHashLogSettings, ServerConfig,
-    TransferMode,
+    GdsBackend, GdsL1Settings, L1Settings, L2PrefetchPolicy, L2Settings, L2StorePolicy,
+    LookupHashLogSettings, ServerConfig, TransferMode, GDS_SLAB_ALIGN,
 };
 use std::path::PathBuf;
 use std::time::Duration;
@@ -355,8 +355,11 @@ pub struct L1MemoryArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "GDS L1 tier")]
 pub struct GdsL1Args {
-    /// NVMe directory (or /dev/ugds_drvX) for a GPUDirect Storage L1 slab. Not supported by kvshard
-    /// [default: unset].
+    /// Directory on a block-device filesystem (NVMe) for the GDS L1 tier: the L1 objects live in one
+    /// preallocated slab file per shard (lmcache_gds_slab.<shard>.bin, emptied at every start)
+    /// instead of memory; --l1-size-gb sizes the slabs together. Needs the SHM pool off
+    /// (--shm-name ""); conflicts with --l1-devdax-path and --l1-use-hugepages; L2 adapters work
+    /// with it [default: unset].
     #[arg(long, value_name = "PATH")]
     pub gds_l1_path: Option<String>,
 
@@ -367,7 +370,9 @@ pub struct GdsL1Args {
     #[arg(long, overrides_with = "gds_l1_use_direct_io")]
     pub no_gds_l1_use_direct_io: bool,
 
-    /// GDS backend. No effect without --gds-l1-path.
+    /// GDS backend. auto: the shard's io_uring, staging objects through aligned host buffers (the
+    /// objects kvshard holds are in host memory); cufile, hipfile, mufile, phx and ugds are refused.
+    /// No effect without --gds-l1-path.
     #[arg(long, value_name = "BACKEND", value_parser = ["auto", "cufile", "hipfile", "mufile", "phx", "ugds"], default_value = "auto")]
     pub gds_l1_backend: String,
 }
@@ -774,6 +779,69 @@ fn refuse(flag: &'static str, reason: &str) -> Result<(), ConfigError> {
     Err(ConfigError::unsupported(flag, reason))
 }
 
+/// `--gds-l1-*`: the GDS L1 tier, or `None` without `--gds-l1-path`.
+fn gds_l1_settings(
+    gds: &GdsL1Args,
+    use_hugepages: bool,
+    notes: &mut Notes,
+) -> Result<Option<GdsL1Settings>, ConfigError> {
+    let path = match gds.gds_l1_path.as_deref() {
+        None => {
+            if gds.gds_l1_backend != "auto" {
+                no_effect(
+                    notes,
+                    "--gds-l1-backend",
+                    "it only applies with --gds-l1-path",
+                );
+            }
+            return Ok(None);
+        }
+        Some("") => {
+            return Err(ConfigError::invalid(
+                "--gds-l1-path",
+                "is empty; give a directory on a block-device filesystem (ext4, xfs, ...)",
+            ))
+        }
+        Some(p) => PathBuf::from(p),
+    };
+    let backend =
+        match gds.gds_l1_backend.as_str() {
+            "auto" => GdsBackend::IoUring,
+            "cufile" => return Err(ConfigError::unsupported(
+                "--gds-l1-backend",
+                "cufile moves objects between GPU memory and the slab, and kvshard serves no GPU \
+                 transfers yet (CUDA workers are refused), so every object it holds is in host \
+                 memory: use auto, which reads and writes the slab with O_DIRECT through io_uring",
+            )),
+            "ugds" => return Err(ConfigError::unsupported(
+                "--gds-l1-backend",
+                "ugds (a raw /dev/ugds_drvX device) is not supported; use auto with a directory",
+            )),
+            other => {
+                return Err(ConfigError::unsupported(
+                    "--gds-l1-backend",
+                    format!(
+                        "{other} drives a non-NVIDIA GPU's storage path, which kvshard does not \
+                     support; use auto, which reads and writes the slab with O_DIRECT through \
+                     io_uring"
+                    ),
+                ))
+            }
+        };
+    if use_hugepages {
+        return Err(ConfigError::invalid(
+            "--gds-l1-path",
+            "conflicts with --l1-use-hugepages: the L1 objects live in slab files, not in \
+             memory; drop one of them",
+        ));
+    }
+    Ok(Some(GdsL1Settings {
+        path,
+        direct_io: !gds.no_gds_l1_use_direct_io,
+        backend,
+    }))
+}
+
 fn no_effect(notes: &mut Notes, flag: &str, why: &str) {
     notes.push(format!("{flag} has no effect in kvshard: {why}"));
 }
@@ -1151,19 +1219,7 @@ impl ServerArgs {
                  one of them",
             ));
         }
-        if gds.gds_l1_path.is_some() {
-            refuse(
-                "--gds-l1-path",
-                "the GPUDirect Storage L1 slab is not implemented",
-            )?;
-        }
-        if gds.gds_l1_backend != "auto" {
-            no_effect(
-                &mut notes,
-                "--gds-l1-backend",
-                "it only applies with --gds-l1-path",
-            );
-        }
+        let gds_l1 = gds_l1_settings(&gds, use_hugepages, &mut notes)?;
         let size_gb = l1
             .l1_size_gb
             .ok_or_else(|| ConfigError::invalid("--l1-size-gb", "is required"))?;
@@ -1183,8 +1239,25 @@ impl ServerArgs {
                 format!("{size_gb} GB ({size_bytes} bytes) is smaller than --l1-align-bytes {align_bytes}"),
             ));
         }
+        if gds_l1.is_some() && align_bytes % GDS_SLAB_ALIGN as u64 != 0 {
+            return Err(ConfigError::invalid(
+                "--l1-align-bytes",
+                format!(
+                    "{align_bytes} is not a multiple of {GDS_SLAB_ALIGN}: GDS slab objects are read and \
+                     written with direct I/O, which needs {GDS_SLAB_ALIGN}-byte aligned offsets"
+                ),
+            ));
+        }
+        if gds_l1.is_some() && !l1.no_l1_use_lazy {
+            notes.push(
+                "--gds-l1-path turns lazy allocation off: each shard's slab file is preallocated \
+                 at start (as lmcache 0.5.6 does)"
+                    .to_string(),
+            );
+        }
         // BooleanOptionalAction: the last of --l1-use-lazy / --no-l1-use-lazy wins.
-        let use_lazy = !l1.no_l1_use_lazy && !use_hugepages && devdax_path.is_none();
+        let use_lazy =
+            !l1.no_l1_use_lazy && !use_hugepages && devdax_path.is_none() && gds_l1.is_none();
         if devdax_path.is_some() && !l1.no_l1_use_lazy {
             // 0.5.6 refuses devdax without --no-l1-use-lazy; growing shard slices
             // lazily buys nothing on memory that is all there from the start.
@@ -1250,6 +1323,7 @@ impl ServerArgs {
             init_size_bytes,
             align_bytes,
             devdax_path,
+            gds: gds_l1,
             write_ttl: Duration::from_secs(ttl.l1_write_ttl_seconds),
             read_ttl: Duration::from_secs(ttl.l1_read_ttl_seconds),
             eviction_policy,
@@ -1293,6 +1367,14 @@ impl ServerArgs {
                 "conflicts with the engine_driven SHM pool, which lives in /dev/shm, not on the \
                  device: add --shm-name \"\" (or --supported-transfer-mode lmcache_driven) to \
                  disable it, as lmcache 0.5.6 requires",
+            ));
+        }
+        if l1_settings.gds.is_some() && shm_name.is_some() {
+            return Err(ConfigError::invalid(
+                "--gds-l1-path",
+                "conflicts with the engine_driven SHM pool: the L1 objects live in slab files that \
+                 engine_driven workers cannot map, so the pool would hold none of them: add \
+                 --shm-name \"\" (or --supported-transfer-mode lmcache_driven) to disable it",
             ));
         }
         if use_hugepages && shm_name.is_some() {
@@ -2125,10 +2207,85 @@ mod tests {
     }
 
     #[test]
+    fn cli_gds_l1_tier_needs_the_shm_pool_off_and_aligned_objects() {
+        let (cfg, notes) = resolve(&["--gds-l1-path", "/nvme/kv", "--shm-name", ""]).unwrap();
+        let gds = cfg.l1.gds.as_ref().expect("the GDS tier is configured");
+        assert_eq!(gds.path, PathBuf::from("/nvme/kv"));
+        assert!(gds.direct_io, "O_DIRECT by default, as in 0.5.6");
+        assert_eq!(gds.backend, GdsBackend::IoUring);
+        assert!(!cfg.l1.use_lazy, "the slabs are preallocated");
+        assert!(cfg.shm_name.is_none());
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.starts_with("--gds-l1-path turns lazy")),
+            "{notes:?}"
+        );
+        let (cfg, _) = resolve(&[
+            "--gds-l1-path",
+            "/nvme/kv",
+            "--supported-transfer-mode",
+            "lmcache_driven",
+            "--no-gds-l1-use-direct-io",
+            "--gds-l1-backend",
+            "auto",
+        ])
+        .unwrap();
+        assert!(!cfg.l1.gds.unwrap().direct_io);
+
+        // The default transfer mode offers the SHM pool, which would hold no objects.
+        let e = rejected(&["--gds-l1-path", "/nvme/kv"], "--gds-l1-path", false);
+        assert!(e.to_string().contains("--shm-name \"\""), "{e}");
+        rejected(
+            &["--gds-l1-path", "", "--shm-name", ""],
+            "--gds-l1-path",
+            false,
+        );
+        let e = rejected(
+            &[
+                "--gds-l1-path",
+                "/nvme/kv",
+                "--shm-name",
+                "",
+                "--l1-align-bytes",
+                "1024",
+            ],
+            "--l1-align-bytes",
+            false,
+        );
+        assert!(e.to_string().contains("4096"), "{e}");
+        rejected(
+            &[
+                "--gds-l1-path",
+                "/nvme/kv",
+                "--shm-name",
+                "",
+                "--l1-use-hugepages",
+            ],
+            "--gds-l1-path",
+            false,
+        );
+        for backend in ["cufile", "hipfile", "mufile", "phx", "ugds"] {
+            let e = rejected(
+                &[
+                    "--gds-l1-path",
+                    "/nvme/kv",
+                    "--shm-name",
+                    "",
+                    "--gds-l1-backend",
+                    backend,
+                ],
+                "--gds-l1-backend",
+                true,
+            );
+            assert!(e.to_string().contains("use auto"), "{backend}: {e}");
+        }
+    }
+
+    #[test]
     fn cli_rejects_unsupported_features_naming_the_flag() {
         let cases: &[(&[&str], &str)] = &[
             (&["--transport", "grpc"], "--transport"),
-            (&["--gds-l1-path", "/nvme"], "--gds-l1-path"),
             (&["--engine-type", "blend"], "--engine-type"),
             (&["--enable-tracing"], "--enable-tracing"),
             (

@@ -6,6 +6,7 @@
 //! panic.
 pub mod cuda;
 pub mod devdax;
+pub mod device;
 pub mod kernel;
 pub mod layout;
 pub mod nvrtc;

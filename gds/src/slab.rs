@@ -14,7 +14,9 @@
 //! slab size (the requested size rounded up to [`SLAB_ALIGN`]); an object of
 //! `n` bytes at slab offset `o` is the raw bytes `o..o + n` of the file, with
 //! no header, index or checksum. Nothing persists: like 0.5.6 the file is
-//! created with `O_CREAT | O_RDWR | O_TRUNC` (mode 0644) at every start, so
+//! emptied at every start (`O_CREAT | O_RDWR`, mode 0644, then truncated
+//! once this process holds the file's exclusive `flock`, so a second server
+//! on the same directory is refused instead of truncating a live slab), so
 //! what an earlier run left is gone, then preallocated with
 //! `posix_fallocate` (later writes never extend the file or allocate blocks)
 //! and reopened `O_RDWR | O_DIRECT` when direct I/O is asked for. Dropping a
@@ -59,6 +61,7 @@ use std::ptr::NonNull;
 use std::time::Duration;
 
 use io_uring::{opcode, types, IoUring};
+use kvshard_io::shm_segment::{holder_of, try_lock, Holder};
 
 /// Alignment of slab offsets, transfer lengths, buffer addresses and the slab
 /// size (0.5.6's `AddressManager(size, align=4096)`).
@@ -160,6 +163,11 @@ pub enum SlabError {
     /// Two ranges of one `write_many` overlap, so the result would depend
     /// on the order the device completes them. Nothing was transferred.
     OverlappingWrites { first: u64, second: u64 },
+    /// Another process (a running server) holds the slab file's lock.
+    InUse {
+        path: PathBuf,
+        holder: Option<Holder>,
+    },
     /// A system call failed.
     Io {
         op: SlabOp,
@@ -225,6 +233,16 @@ impl fmt::Display for SlabError {
                 f,
                 "gds slab write: the ranges at offsets {first} and {second} of one batch overlap"
             ),
+            SlabError::InUse { path, holder } => {
+                write!(f, "gds slab {} is in use", path.display())?;
+                if let Some(h) = holder {
+                    write!(f, " by process {} ({})", h.pid, h.cmdline)?;
+                }
+                write!(
+                    f,
+                    ": another server runs with this --gds-l1-path; give each server its own directory"
+                )
+            }
             SlabError::Io {
                 op,
                 path,
@@ -426,6 +444,8 @@ enum Step {
 /// The GDS L1 slab file of one shard. See the module docs.
 pub struct GdsSlab {
     file: File,
+    /// Holds the exclusive `flock` that marks the slab as in use.
+    _lock: File,
     path: PathBuf,
     shard_index: usize,
     size_bytes: u64,
@@ -511,27 +531,38 @@ impl GdsSlab {
                 cause: None,
             });
         }
+        // Opened without O_TRUNC: the file is only emptied once this process
+        // holds its lock, so a second server pointed at the same directory
+        // is refused instead of truncating a live server's objects.
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
-            .truncate(true)
+            .truncate(false)
             .mode(0o644)
             .open(&path)
-            .map_err(|e| create_err("open O_CREAT|O_RDWR|O_TRUNC", e))?;
+            .map_err(|e| create_err("open O_CREAT|O_RDWR", e))?;
+        if !try_lock(file.as_raw_fd()).map_err(|e| create_err("flock", e))? {
+            let holder = holder_of(file.as_raw_fd());
+            return Err(SlabError::InUse { path, holder });
+        }
         // Space of a slab that failed to come up is given back.
         let remove = |what: &str, e: io::Error| {
             let _ = fs::remove_file(&path);
             create_err(what, e)
         };
+        // What an earlier run left is gone (0.5.6 opens with O_TRUNC).
+        file.set_len(0).map_err(|e| remove("ftruncate", e))?;
         // posix_fallocate returns the error number instead of setting errno.
         // SAFETY: an open descriptor; the size is checked to fit off_t.
         let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
         if r != 0 {
             return Err(remove("posix_fallocate", io::Error::from_raw_os_error(r)));
         }
+        // The descriptor that holds the lock stays open for the slab's life;
+        // transfers go through a second one when O_DIRECT is asked for.
+        let lock = file;
         let file = if options.direct_io {
-            drop(file);
             match OpenOptions::new()
                 .read(true)
                 .write(true)
@@ -550,7 +581,7 @@ impl GdsSlab {
                 Err(e) => return Err(remove("open O_RDWR|O_DIRECT", e)),
             }
         } else {
-            file
+            lock.try_clone().map_err(|e| remove("dup", e))?
         };
         let driver = if use_ring {
             match IoUring::new(RING_DEPTH as u32) {
@@ -568,6 +599,7 @@ impl GdsSlab {
         };
         let slab = GdsSlab {
             file,
+            _lock: lock,
             path,
             shard_index,
             size_bytes: size,

@@ -154,6 +154,9 @@ pub struct L1Settings {
     /// Map the arena from this device-DAX device or file instead of /dev/shm or
     /// anonymous memory (`--l1-devdax-path`); `None` = not used.
     pub devdax_path: Option<PathBuf>,
+    /// Keep the L1 objects in one preallocated slab file per shard instead of
+    /// memory (`--gds-l1-path`); `None` = not used.
+    pub gds: Option<GdsL1Settings>,
     #[serde(serialize_with = "duration_as_secs")]
     pub write_ttl: Duration,
     #[serde(serialize_with = "duration_as_secs")]
@@ -163,6 +166,39 @@ pub struct L1Settings {
     pub trigger_watermark: f64,
     /// Fraction in (0, 1] of tracked objects evicted per pass.
     pub eviction_ratio: f64,
+}
+
+/// Alignment of GDS slab offsets and lengths (direct I/O).
+pub use kvshard_gds::slab::SLAB_ALIGN as GDS_SLAB_ALIGN;
+
+/// The GDS L1 tier: the shards' L1 objects live in slab files on a disk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GdsL1Settings {
+    /// Directory of the slab files, one `lmcache_gds_slab.<shard>.bin` per
+    /// shard (`--gds-l1-path`).
+    pub path: PathBuf,
+    /// Open the slabs with O_DIRECT (`--gds-l1-use-direct-io`).
+    pub direct_io: bool,
+    /// How the slabs are read and written (`--gds-l1-backend`).
+    pub backend: GdsBackend,
+}
+
+/// The transfer engine of the GDS L1 slabs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GdsBackend {
+    /// The shard's own io_uring (O_DIRECT unless turned off), staging each
+    /// object through an aligned host buffer; what `auto` selects, since
+    /// the objects kvshard moves are in host memory.
+    IoUring,
+}
+
+impl GdsBackend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GdsBackend::IoUring => "io_uring",
+        }
+    }
 }
 
 /// What happens to a chunk once it is written to L1 (`--l2-store-policy`).
@@ -447,6 +483,7 @@ mod tests {
                 init_size_bytes: 1 << 30,
                 align_bytes: 4096,
                 devdax_path: None,
+                gds: None,
                 write_ttl: Duration::from_secs(600),
                 read_ttl: Duration::from_secs(300),
                 eviction_policy: EvictionPolicyName::Lru,

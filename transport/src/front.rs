@@ -2329,6 +2329,17 @@ impl Front {
         out
     }
 
+    /// The L1 backing; a slab-backed L1 adds each shard's slab file.
+    fn arena_json(&self, reports: &[ShardReport]) -> serde_json::Value {
+        let mut arena = self.setup.arena.clone();
+        let slabs: Vec<serde_json::Value> =
+            reports.iter().filter_map(|r| r.l1_slab.clone()).collect();
+        if !slabs.is_empty() {
+            arena["slabs"] = slabs.into();
+        }
+        arena
+    }
+
     fn status_json(&self, reports: &[ShardReport]) -> serde_json::Value {
         use serde_json::json;
         let sum = |f: &dyn Fn(&ShardReport) -> u64| reports.iter().map(f).sum::<u64>();
@@ -2356,7 +2367,7 @@ impl Front {
             "num_shards": reports.len(),
             "huge_pages": self.setup.huge_pages.as_str(),
             "huge_page_bytes_at_start": self.setup.huge_page_bytes,
-            "arena": self.setup.arena,
+            "arena": self.arena_json(reports),
         });
         let mut worker_liveness = serde_json::Map::new();
         let now = Instant::now();

@@ -7,6 +7,7 @@ pub mod cpu_shm;
 pub mod cuda_refusal;
 pub mod front;
 pub mod http_api;
+mod l1_slab;
 pub mod lookup_leases;
 pub mod lookup_log;
 pub mod metrics;

@@ -10,15 +10,16 @@ use std::time::Duration;
 use kvshard_engine::eviction::{EvictionConfig, EvictionPolicy, PolicyKind};
 use kvshard_engine::l1::{L1Config, L1Shard};
 use kvshard_engine::slab::SlabAllocator;
+use kvshard_gds::slab::{GdsSlab, SlabOptions};
 use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
 use kvshard_io::executor::{spawn_shard, ShardHandle};
 use kvshard_io::mailbox::{mailbox, notify_queue};
 
-use crate::config::{EvictionPolicyName, ServerConfig};
+use crate::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
 use crate::control::ControlHandle;
 use crate::front::{Front, FrontSetup};
 use crate::http_api::{self, HttpInfo};
-use crate::shard::{run_shard, ShardConfig};
+use crate::shard::{run_shard, ShardBacking, ShardConfig};
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -116,24 +117,50 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     };
     // Checked before the arena is made, and again on what was mapped (a
     // device-DAX arena is rounded down to the device alignment).
-    slices_of(cfg.l1.size_bytes)?;
-    // Device memory is not swapped and a shared file mapping is written back,
-    // not swapped: locking either would only pin page cache or fail.
-    let lock_memory =
-        cfg.l1.devdax_path.is_none() && kvshard_io::arena::can_lock(cfg.l1.size_bytes);
-    if !lock_memory && cfg.l1.devdax_path.is_none() {
-        log::warn!(
-            "RLIMIT_MEMLOCK ({:?} bytes) is below the L1 size ({} bytes): L1 memory will not be mlock'ed and may be \
-             swapped. Raise it with `ulimit -l unlimited` or LimitMEMLOCK=infinity in the systemd unit",
-            kvshard_io::arena::memlock_limit(),
-            cfg.l1.size_bytes
-        );
-    }
-    let arena = Arc::new(create_arena(&cfg)?);
-    log::info!("L1 arena: {}, {n} shards", arena.describe());
-    let slices = slices_of(arena.len())?;
-    let huge_page_bytes = arena.huge_page_bytes();
-    log_huge_pages(&arena, huge_page_bytes);
+    let slices = slices_of(cfg.l1.size_bytes)?;
+    let (mut store, slices, lock_memory, setup) = match &cfg.l1.gds {
+        Some(gds) => {
+            let slabs = create_slabs(gds, &slices)?;
+            let setup = FrontSetup {
+                shm_pool: None,
+                huge_pages: HugePages::Off,
+                huge_page_bytes: None,
+                arena: slabs_status(gds, &slabs),
+            };
+            // Offsets are file offsets: every shard's allocator starts at 0.
+            let slices = slices
+                .iter()
+                .map(|&(_, max, init)| (0, max, init))
+                .collect::<Vec<_>>();
+            (L1Store::Slabs(slabs), slices, false, setup)
+        }
+        None => {
+            // Device memory is not swapped and a shared file mapping is written back,
+            // not swapped: locking either would only pin page cache or fail.
+            let lock_memory =
+                cfg.l1.devdax_path.is_none() && kvshard_io::arena::can_lock(cfg.l1.size_bytes);
+            if !lock_memory && cfg.l1.devdax_path.is_none() {
+                log::warn!(
+                    "RLIMIT_MEMLOCK ({:?} bytes) is below the L1 size ({} bytes): L1 memory will not be mlock'ed and may be \
+                     swapped. Raise it with `ulimit -l unlimited` or LimitMEMLOCK=infinity in the systemd unit",
+                    kvshard_io::arena::memlock_limit(),
+                    cfg.l1.size_bytes
+                );
+            }
+            let arena = Arc::new(create_arena(&cfg)?);
+            log::info!("L1 arena: {}, {n} shards", arena.describe());
+            let slices = slices_of(arena.len())?;
+            let huge_page_bytes = arena.huge_page_bytes();
+            log_huge_pages(&arena, huge_page_bytes);
+            let setup = FrontSetup {
+                shm_pool: arena.shm_name().map(|s| (s.to_owned(), arena.len())),
+                huge_pages: arena.huge_pages(),
+                huge_page_bytes,
+                arena: arena_status(&arena),
+            };
+            (L1Store::Memory(arena), slices, lock_memory, setup)
+        }
+    };
 
     let ctx = zmq::Context::new();
     let socket = ctx
@@ -166,7 +193,10 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         let (tx, rx) = mailbox(cfg.shard_queue_depth);
         senders.push(tx);
         let core = cfg.cores.get(i).copied();
-        let arena = arena.clone();
+        let backing = match &mut store {
+            L1Store::Memory(arena) => ShardBacking::Memory(arena.clone()),
+            L1Store::Slabs(slabs) => ShardBacking::Slab(slabs.remove(0)),
+        };
         let replies = events_tx.clone();
         let l1cfg = L1Config {
             write_ttl: cfg.l1.write_ttl,
@@ -185,7 +215,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         let h = spawn_shard(i, core, format!("kvshard-shard-{i}"), move || async move {
             let alloc = SlabAllocator::new(offset, init, align);
             let l1 = L1Shard::new(alloc, l1cfg, policy);
-            run_shard(scfg, arena, l1, l2, rx, replies).await
+            run_shard(scfg, backing, l1, l2, rx, replies).await
         })
         .map_err(|e| format!("cannot start shard {i} on core {core:?}: {e}"))?;
         handles.push(h);
@@ -193,12 +223,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
 
     start_http(&cfg, ControlHandle::new(events_tx.clone()))?;
 
-    let setup = FrontSetup {
-        shm_pool: arena.shm_name().map(|s| (s.to_owned(), arena.len())),
-        huge_pages: arena.huge_pages(),
-        huge_page_bytes,
-        arena: arena_status(&arena),
-    };
+    drop(store);
     drop(events_tx);
     log::info!(
         "kvshard serving: {n} shards on cores {:?}, L1 {} bytes, chunk size {}, transfer mode {:?}",
@@ -238,6 +263,53 @@ fn create_arena(cfg: &ServerConfig) -> Result<Arena, String> {
     let region = kvshard_gds::devdax::DaxRegion::map(path, cfg.l1.size_bytes)
         .map_err(|e| format!("cannot map the L1 arena: {e}"))?;
     Arena::from_region(Box::new(region)).map_err(|e| format!("cannot create the L1 arena: {e}"))
+}
+
+/// Where the shards' L1 objects live.
+enum L1Store {
+    Memory(Arc<Arena>),
+    /// One slab per shard, in shard order (each handed to its shard).
+    Slabs(Vec<GdsSlab>),
+}
+
+/// The GDS L1 tier: one slab file per shard slice, in `gds.path`.
+fn create_slabs(gds: &GdsL1Settings, slices: &[(u64, u64, u64)]) -> Result<Vec<GdsSlab>, String> {
+    let options = SlabOptions {
+        direct_io: gds.direct_io,
+    };
+    let slabs = slices
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, max, _))| {
+            GdsSlab::create(&gds.path, i, max, options)
+                .map_err(|e| format!("cannot create the GDS L1 slab of shard {i}: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    log::info!(
+        "L1 in {} GDS slab files of {} bytes in {} ({}, backend {})",
+        slabs.len(),
+        slices[0].1,
+        gds.path.display(),
+        if gds.direct_io {
+            "O_DIRECT"
+        } else {
+            "page cache"
+        },
+        gds.backend.as_str()
+    );
+    Ok(slabs)
+}
+
+/// What /status reports about the GDS slabs (under `l1_manager.arena`); the
+/// shards add their files' counters (`slabs`).
+fn slabs_status(gds: &GdsL1Settings, slabs: &[GdsSlab]) -> serde_json::Value {
+    serde_json::json!({
+        "kind": "gds_slab",
+        "path": gds.path.display().to_string(),
+        "size_bytes": slabs.iter().map(|s| s.size_bytes()).sum::<u64>(),
+        "direct_io": gds.direct_io,
+        "backend": gds.backend.as_str(),
+    })
 }
 
 /// What /status reports about the arena's backing (under `l1_manager.arena`).

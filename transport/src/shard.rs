@@ -13,12 +13,14 @@ use std::time::{Duration, Instant};
 use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::l1::{Admission, L1Error, L1Shard, L1Stats, L1Status, WriterTag};
 use kvshard_engine::slab::Slab;
+use kvshard_gds::slab::{AlignedBuf, GdsSlab};
 use kvshard_io::arena::Arena;
 use kvshard_io::mailbox::{MailboxReceiver, NotifySender};
 
 use crate::config::L2Settings;
 use crate::cpu_shm::CpuShmRegistration;
 use crate::front::FrontEvent;
+use crate::l1_slab::SlabL1;
 use crate::shard_l2::{self, L2CtlStats, L2Shard, TierReport, FOUND_L1, FOUND_MISS};
 
 /// Sequence number the front uses to match replies to requests; 0 = no reply wanted.
@@ -145,6 +147,8 @@ pub struct ShardReport {
     pub store_oom_chunks: u64,
     pub l2: Vec<TierReport>,
     pub l2_ctl: L2CtlStats,
+    /// The shard's GDS slab (file, counters), when the L1 lives in one.
+    pub l1_slab: Option<serde_json::Value>,
 }
 
 pub struct ShardConfig {
@@ -157,9 +161,23 @@ pub struct ShardConfig {
     pub eviction_interval: Duration,
 }
 
+/// What holds a shard's L1 objects, as the server hands it to the shard.
+pub enum ShardBacking {
+    /// Its slice of the memory arena (offsets are arena offsets).
+    Memory(Arc<Arena>),
+    /// Its own GDS slab file (offsets are file offsets).
+    Slab(GdsSlab),
+}
+
+/// [`ShardBacking`] on the shard's thread.
+enum Backing {
+    Memory(Arc<Arena>),
+    Slab(Rc<SlabL1>),
+}
+
 pub(crate) struct ShardState {
     cfg: ShardConfig,
-    arena: Arc<Arena>,
+    backing: Backing,
     pub(crate) l1: L1Shard,
     /// Bytes of the slice already mlock'ed (prefix of the slice).
     locked_bytes: u64,
@@ -172,13 +190,26 @@ pub(crate) struct ShardState {
 }
 
 impl ShardState {
+    /// The memory of an object of a memory-backed L1. Callers move the
+    /// bytes of a slab-backed L1 through [`ShardState::slab_l1`] instead.
     pub(crate) fn ptr(&self, slab: &Slab) -> *mut u8 {
+        let Backing::Memory(arena) = &self.backing else {
+            unreachable!("a slab-backed L1 object has no memory; callers check slab_l1() first")
+        };
         assert!(
-            slab.offset + slab.len <= self.arena.len(),
+            slab.offset + slab.len <= arena.len(),
             "slab outside the arena"
         );
         // SAFETY: bounds asserted above; the arena outlives the shard (Arc).
-        unsafe { self.arena.base().add(slab.offset as usize) }
+        unsafe { arena.base().add(slab.offset as usize) }
+    }
+
+    /// The slab file holding this shard's L1 objects, if they live in one.
+    pub(crate) fn slab_l1(&self) -> Option<Rc<SlabL1>> {
+        match &self.backing {
+            Backing::Slab(s) => Some(s.clone()),
+            Backing::Memory(_) => None,
+        }
     }
 
     /// Lazy growth: extend the allocator before eviction would kick in.
@@ -202,8 +233,11 @@ impl ShardState {
         if !self.cfg.lock_memory || upto <= self.locked_bytes {
             return;
         }
+        let Backing::Memory(arena) = &self.backing else {
+            return;
+        };
         let off = self.cfg.slice_offset + self.locked_bytes;
-        match self.arena.lock_range(off, upto - self.locked_bytes) {
+        match arena.lock_range(off, upto - self.locked_bytes) {
             Ok(()) => self.locked_bytes = upto,
             Err(e) => {
                 if !self.mlock_warned {
@@ -315,6 +349,67 @@ impl ShardState {
         }
     }
 
+    /// Reserves the L1 writes of a STORE. Returns one outcome per item
+    /// (`Stored` for the reserved ones, to be settled by [`Self::end_store`])
+    /// and the reserved items with their positions.
+    fn reserve_store(
+        &mut self,
+        items: Vec<(ObjectKey, Vec<i64>)>,
+        size: u64,
+        tag: WriterTag,
+        now: Instant,
+    ) -> (Vec<StoreOutcome>, Vec<StagedStore>) {
+        let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| k.clone()).collect();
+        self.maybe_grow(size * keys.len() as u64, None);
+        let reserved = self.l1.reserve_write(&keys, size, tag, false, now);
+        let oom = count_oom(&reserved);
+        if oom > 0 && size > self.cfg.max_capacity_bytes {
+            kvshard_io::log_limited!(
+                log::Level::Error,
+                "store refused: one object is {size} bytes, more than shard {}'s whole L1 of {} bytes \
+                 (--l1-size-gb split over the shards); raise --l1-size-gb or lower --chunk-size",
+                self.cfg.id,
+                self.cfg.max_capacity_bytes
+            );
+        }
+        self.store_oom_chunks += oom;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut staged = Vec::new();
+        for (i, ((key, blocks), res)) in items.into_iter().zip(reserved).enumerate() {
+            match res {
+                Ok(slab) => {
+                    staged.push(StagedStore {
+                        index: i,
+                        key,
+                        blocks,
+                        slab,
+                    });
+                    out.push(StoreOutcome::Stored);
+                }
+                Err(L1Error::OutOfMemory) => out.push(StoreOutcome::OutOfMemory),
+                Err(_) => out.push(StoreOutcome::AlreadyPresent),
+            }
+        }
+        (out, staged)
+    }
+
+    /// Makes the written keys resident and drops the failed reservations.
+    fn end_store(
+        &mut self,
+        written: Vec<ObjectKey>,
+        failed: Vec<ObjectKey>,
+        tag: WriterTag,
+        now: Instant,
+    ) {
+        if !written.is_empty() {
+            let res = self.l1.finish_write(&written, tag, now);
+            self.note_admitted(written, &res);
+        }
+        if !failed.is_empty() {
+            self.l1.abort_write(&failed, tag);
+        }
+    }
+
     fn store(
         &mut self,
         reg: &CpuShmRegistration,
@@ -323,46 +418,20 @@ impl ShardState {
         tag: u64,
         now: Instant,
     ) -> Vec<StoreOutcome> {
-        let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| k.clone()).collect();
-        self.maybe_grow(size * keys.len() as u64, None);
         let tag = WriterTag(tag);
-        let reserved = self.l1.reserve_write(&keys, size, tag, false, now);
-        self.store_oom_chunks += count_oom(&reserved);
-        let mut out = Vec::with_capacity(keys.len());
-        let mut written = Vec::new();
-        let mut failed = Vec::new();
-        for ((key, blocks), res) in items.into_iter().zip(reserved) {
-            match res {
-                Ok(slab) => {
-                    // SAFETY: the slab is staged for this writer only; nobody reads it.
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(self.ptr(&slab), size as usize) };
-                    match reg.gather(&blocks, dst) {
-                        Ok(()) => {
-                            written.push(key);
-                            out.push(StoreOutcome::Stored);
-                        }
-                        Err(e) => {
-                            kvshard_io::log_limited!(
-                                log::Level::Error,
-                                "store of {key:?} failed in gather: {e}"
-                            );
-                            failed.push(key);
-                            out.push(StoreOutcome::Failed);
-                        }
-                    }
-                }
-                Err(L1Error::OutOfMemory) => out.push(StoreOutcome::OutOfMemory),
-                Err(_) => out.push(StoreOutcome::AlreadyPresent),
+        let (mut out, staged) = self.reserve_store(items, size, tag, now);
+        let (mut written, mut failed) = (Vec::new(), Vec::new());
+        for st in staged {
+            // SAFETY: the slab is staged for this writer only; nobody reads it.
+            let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr(&st.slab), size as usize) };
+            if gather_logged(reg, &st.key, &st.blocks, dst) {
+                written.push(st.key);
+            } else {
+                out[st.index] = StoreOutcome::Failed;
+                failed.push(st.key);
             }
         }
-        if !written.is_empty() {
-            let res = self.l1.finish_write(&written, tag, now);
-            self.note_admitted(written, &res);
-        }
-        if !failed.is_empty() {
-            self.l1.abort_write(&failed, tag);
-        }
+        self.end_store(written, failed, tag, now);
         out
     }
 
@@ -380,21 +449,7 @@ impl ShardState {
                     // SAFETY: the object is read-locked, so it is neither freed nor rewritten.
                     let src =
                         unsafe { std::slice::from_raw_parts(self.ptr(&slab), slab.len as usize) };
-                    let ok = match reg.scatter(
-                        &src[..reg.object_layout().bytes as usize],
-                        &blocks,
-                        skip,
-                    ) {
-                        Ok(()) => true,
-                        Err(e) => {
-                            kvshard_io::log_limited!(
-                                log::Level::Error,
-                                "retrieve of {key:?} failed in scatter: {e}"
-                            );
-                            false
-                        }
-                    };
-                    out.push(ok);
+                    out.push(scatter_logged(reg, &key, src, &blocks, skip));
                     done.push(key);
                 }
                 Err(_) => out.push(false),
@@ -421,6 +476,7 @@ impl ShardState {
             store_oom_chunks: self.store_oom_chunks,
             l2: Vec::new(),
             l2_ctl: L2CtlStats::default(),
+            l1_slab: self.slab_l1().map(|s| s.status()),
         }
     }
 
@@ -440,6 +496,152 @@ pub(crate) fn count_oom<T>(res: &[Result<T, L1Error>]) -> u64 {
         .filter(|r| matches!(r, Err(L1Error::OutOfMemory)))
         .count() as u64
 }
+
+/// A STORE item whose L1 write is reserved.
+struct StagedStore {
+    /// Position in the request.
+    index: usize,
+    key: ObjectKey,
+    blocks: Vec<i64>,
+    slab: Slab,
+}
+
+/// Gathers one chunk into `dst`; false (logged) if the worker's blocks do
+/// not make one.
+fn gather_logged(
+    reg: &CpuShmRegistration,
+    key: &ObjectKey,
+    blocks: &[i64],
+    dst: &mut [u8],
+) -> bool {
+    match reg.gather(blocks, dst) {
+        Ok(()) => true,
+        Err(e) => {
+            kvshard_io::log_limited!(log::Level::Error, "store of {key:?} failed in gather: {e}");
+            false
+        }
+    }
+}
+
+/// Scatters one object (`src` may run past it into the slab's padding)
+/// into the worker's blocks; false (logged) on failure.
+fn scatter_logged(
+    reg: &CpuShmRegistration,
+    key: &ObjectKey,
+    src: &[u8],
+    blocks: &[i64],
+    skip: usize,
+) -> bool {
+    let len = reg.object_layout().bytes as usize;
+    let Some(object) = src.get(..len) else {
+        kvshard_io::log_limited!(
+            log::Level::Error,
+            "retrieve of {key:?} failed: the object is {} bytes, the registered layout needs {len}",
+            src.len()
+        );
+        return false;
+    };
+    match reg.scatter(object, blocks, skip) {
+        Ok(()) => true,
+        Err(e) => {
+            kvshard_io::log_limited!(
+                log::Level::Error,
+                "retrieve of {key:?} failed in scatter: {e}"
+            );
+            false
+        }
+    }
+}
+
+/// lmcache_driven STORE into a slab-backed L1: gather into aligned buffers,
+/// write them, then finish the writes (see `l1_slab`).
+async fn store_to_slab(
+    state: &State,
+    slab_l1: &SlabL1,
+    reg: &CpuShmRegistration,
+    items: Vec<(ObjectKey, Vec<i64>)>,
+    size: u64,
+    tag: u64,
+) -> Vec<StoreOutcome> {
+    let tag = WriterTag(tag);
+    let (mut out, staged) = state
+        .borrow_mut()
+        .reserve_store(items, size, tag, Instant::now());
+    let (mut written, mut failed, mut writes) = (Vec::new(), Vec::new(), Vec::new());
+    for st in staged {
+        let mut buf = AlignedBuf::zeroed(st.slab.len as usize);
+        if gather_logged(reg, &st.key, &st.blocks, &mut buf[..size as usize]) {
+            writes.push((st.slab.offset, buf));
+            written.push((st.index, st.key));
+        } else {
+            out[st.index] = StoreOutcome::Failed;
+            failed.push(st.key);
+        }
+    }
+    if !writes.is_empty() {
+        if let Err(e) = slab_l1.write(writes).await {
+            kvshard_io::log_limited!(
+                log::Level::Error,
+                "store of {} chunks failed writing the L1 slab: {e}",
+                written.len()
+            );
+            for (i, key) in written.drain(..) {
+                out[i] = StoreOutcome::Failed;
+                failed.push(key);
+            }
+        }
+    }
+    let written = written.into_iter().map(|(_, k)| k).collect();
+    state
+        .borrow_mut()
+        .end_store(written, failed, tag, Instant::now());
+    out
+}
+
+/// lmcache_driven RETRIEVE from a slab-backed L1: read the read-locked
+/// objects, scatter them, then release one lock each.
+async fn retrieve_from_slab(
+    state: &State,
+    slab_l1: &SlabL1,
+    reg: &CpuShmRegistration,
+    items: Vec<(ObjectKey, Vec<i64>, usize)>,
+) -> Vec<bool> {
+    let mut out = vec![false; items.len()];
+    let mut locked = Vec::with_capacity(items.len());
+    {
+        let st = state.borrow();
+        let now = Instant::now();
+        for (i, (key, blocks, skip)) in items.into_iter().enumerate() {
+            if let Ok(slab) = st.l1.read_locked(&key, now) {
+                locked.push((i, key, blocks, skip, slab));
+            }
+        }
+    }
+    if locked.is_empty() {
+        return out;
+    }
+    let ranges = locked
+        .iter()
+        .map(|(.., slab)| (slab.offset, slab.len as usize))
+        .collect();
+    match slab_l1.read(ranges).await {
+        Ok(bufs) => {
+            for ((i, key, blocks, skip, _), buf) in locked.iter().zip(bufs) {
+                out[*i] = scatter_logged(reg, key, &buf, blocks, *skip);
+            }
+        }
+        Err(e) => kvshard_io::log_limited!(
+            log::Level::Error,
+            "retrieve of {} chunks failed reading the L1 slab: {e}",
+            locked.len()
+        ),
+    }
+    let keys: Vec<ObjectKey> = locked.into_iter().map(|(_, k, ..)| k).collect();
+    state.borrow_mut().l1.finish_read(&keys, 1, Instant::now());
+    out
+}
+
+pub(crate) type State = Rc<RefCell<ShardState>>;
 
 /// Where a shard's answer to one message goes; the notify queue is only
 /// cloned for the messages answered from a spawned task.
@@ -464,7 +666,7 @@ impl ReplyAddr {
 /// Runs one shard until its mailbox closes.
 pub async fn run_shard(
     cfg: ShardConfig,
-    arena: Arc<Arena>,
+    backing: ShardBacking,
     l1: L1Shard,
     l2: (L2Settings, usize),
     mut rx: MailboxReceiver<ShardMsg>,
@@ -484,9 +686,13 @@ pub async fn run_shard(
             std::process::exit(2);
         }
     };
+    let backing = match backing {
+        ShardBacking::Memory(arena) => Backing::Memory(arena),
+        ShardBacking::Slab(slab) => Backing::Slab(Rc::new(SlabL1::new(slab))),
+    };
     let state = Rc::new(RefCell::new(ShardState {
         cfg,
-        arena,
+        backing,
         l1,
         locked_bytes: 0,
         mlock_warned: false,
@@ -574,6 +780,31 @@ pub async fn run_shard(
             ShardOp::UnlockL2 { keys } => {
                 shard_l2::unlock(&l2, &keys);
                 to.send(&replies, ShardReplyBody::Done);
+            }
+            ShardOp::Store {
+                reg,
+                items,
+                size,
+                tag,
+            } if state.borrow().slab_l1().is_some() => {
+                let (state, l2, replies) = (state.clone(), l2.clone(), replies.clone());
+                glommio::spawn_local(async move {
+                    let slab = state.borrow().slab_l1().expect("checked above");
+                    let out = store_to_slab(&state, &slab, &reg, items, size, tag).await;
+                    let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
+                    shard_l2::submit_store(&state, &l2, admitted);
+                    to.send(&replies, ShardReplyBody::Stored(out));
+                })
+                .detach();
+            }
+            ShardOp::Retrieve { reg, items } if state.borrow().slab_l1().is_some() => {
+                let (state, replies) = (state.clone(), replies.clone());
+                glommio::spawn_local(async move {
+                    let slab = state.borrow().slab_l1().expect("checked above");
+                    let out = retrieve_from_slab(&state, &slab, &reg, items).await;
+                    to.send(&replies, ShardReplyBody::Retrieved(out));
+                })
+                .detach();
             }
             op => {
                 match &op {

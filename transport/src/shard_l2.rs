@@ -28,9 +28,10 @@ use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::mock::MockAdapter;
 use kvshard_engine::l2::tier::{L2Tier, TierStats, TierUsage};
 use kvshard_engine::l2::{kv_rank_world_size, L2Adapter, ObjectBytes, StoreResult};
+use kvshard_gds::slab::AlignedBuf;
 
 use crate::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
-use crate::shard::ShardState;
+use crate::shard::State;
 
 /// Where a lookup found a key: [`FOUND_MISS`], [`FOUND_L1`], or
 /// `FOUND_L2 + tier index` (locked in that tier).
@@ -270,8 +271,6 @@ impl L2Shard {
     }
 }
 
-type State = Rc<RefCell<ShardState>>;
-
 /// Store controller: `keys` just became resident in L1 (not temporary). Locks
 /// them and writes them behind to every adapter.
 pub(crate) fn submit_store(state: &State, l2: &Rc<L2Shard>, keys: Vec<ObjectKey>) {
@@ -333,6 +332,9 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
     let now = Instant::now();
     let mut items = Vec::with_capacity(locked.len());
     let mut expired = Vec::new();
+    let slab_l1 = state.borrow().slab_l1();
+    // Objects of a slab-backed L1, to read into `staged` first.
+    let mut from_slab = Vec::new();
     let (keys, renew_every) = {
         let mut st = state.borrow_mut();
         for (key, _) in locked {
@@ -343,6 +345,10 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
                     // part of it (an adapter would store them, and the
                     // object would never match its layout again).
                     let size = st.l1.info(&key, now).map_or(slab.len, |i| i.size);
+                    if slab_l1.is_some() {
+                        from_slab.push((key, slab, size));
+                        continue;
+                    }
                     // SAFETY: read-locked in L1 until finish_read below (the
                     // lock is renewed while the adapters work), so the memory
                     // is neither freed nor written while adapters read it.
@@ -352,11 +358,41 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
                 Err(_) => expired.push(key),
             }
         }
-        let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| k.clone()).collect();
+        let keys: Vec<ObjectKey> = items
+            .iter()
+            .map(|(k, _)| k)
+            .chain(from_slab.iter().map(|(k, ..)| k))
+            .cloned()
+            .collect();
         st.l1.renew_read(&keys, now);
         let every = (st.l1.config().read_ttl / 4).max(Duration::from_millis(100));
         (keys, every)
     };
+    // Owns the copies the adapters read from a slab-backed L1, until the end.
+    let mut staged: Vec<AlignedBuf> = match &slab_l1 {
+        Some(slab_l1) if !from_slab.is_empty() => {
+            let ranges = from_slab
+                .iter()
+                .map(|(_, slab, _)| (slab.offset, slab.len as usize))
+                .collect();
+            slab_l1.read(ranges).await.unwrap_or_else(|e| {
+                kvshard_io::log_limited!(
+                    log::Level::Error,
+                    "{} objects were not stored to L2: reading them from the L1 slab failed: {e}",
+                    from_slab.len()
+                );
+                Vec::new()
+            })
+        }
+        _ => Vec::new(),
+    };
+    // Without buffers (the read failed) the zip leaves the objects out.
+    for ((key, _, size), buf) in from_slab.into_iter().zip(staged.iter_mut()) {
+        // SAFETY: `staged` owns the buffer and outlives every adapter call
+        // below; nothing else touches it.
+        let bytes = unsafe { ObjectBytes::new(buf.as_mut_ptr(), size as usize) };
+        items.push((key, bytes));
+    }
     if !expired.is_empty() {
         log::warn!(
             "{} objects were not stored to L2: their L1 read lock expired while waiting for the L2 store budget",
@@ -391,8 +427,9 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
         let mut st = state.borrow_mut();
         st.l1.finish_read(&keys, 1, now);
         if l2.store_policy == L2StorePolicy::SkipL1 {
-            let done: Vec<ObjectKey> = keys
+            let done: Vec<ObjectKey> = items
                 .iter()
+                .map(|(k, _)| k)
                 .zip(&stored_anywhere)
                 .filter(|(_, s)| **s)
                 .map(|(k, _)| k.clone())
@@ -503,6 +540,9 @@ pub(crate) async fn load(
     // Keys that are resident already (another load or a store won the race):
     // read-lock the resident copy instead.
     let mut resident = Vec::new();
+    // A slab-backed L1 is loaded through buffers, written to the slab after.
+    let slab_l1 = state.borrow().slab_l1();
+    let mut bufs: Vec<Option<AlignedBuf>> = (0..keys.len()).map(|_| None).collect();
     for (t, tier) in l2.tiers.iter().enumerate() {
         let mut idx = Vec::new();
         let mut items = Vec::new();
@@ -514,9 +554,16 @@ pub(crate) async fn load(
                 }
                 match slab {
                     Ok(slab) => {
+                        let ptr = match &slab_l1 {
+                            None => st.ptr(slab),
+                            Some(_) => bufs[i]
+                                .insert(AlignedBuf::zeroed(slab.len as usize))
+                                .as_mut_ptr(),
+                        };
                         // SAFETY: staged for this tag only: invisible to readers
-                        // and not evictable until finished or aborted below.
-                        let b = unsafe { ObjectBytes::new(st.ptr(slab), size as usize) };
+                        // and not evictable until finished or aborted below
+                        // (or a buffer in `bufs`, which outlives the load).
+                        let b = unsafe { ObjectBytes::new(ptr, size as usize) };
                         idx.push(i);
                         items.push((key.clone(), b));
                     }
@@ -533,6 +580,27 @@ pub(crate) async fn load(
         }
     }
     unlock(l2, &keys);
+    if let Some(slab_l1) = &slab_l1 {
+        let (mut idx, mut writes) = (Vec::new(), Vec::new());
+        for (i, buf) in bufs.iter_mut().enumerate() {
+            if let (true, Some(buf), Ok(slab)) = (ok[i], buf.take(), &slabs[i]) {
+                idx.push(i);
+                writes.push((slab.offset, buf));
+            }
+        }
+        if !writes.is_empty() {
+            if let Err(e) = slab_l1.write(writes).await {
+                kvshard_io::log_limited!(
+                    log::Level::Error,
+                    "{} objects loaded from L2 were dropped: writing them to the L1 slab failed: {e}",
+                    idx.len()
+                );
+                for i in idx {
+                    ok[i] = false;
+                }
+            }
+        }
+    }
     let now = Instant::now();
     let mut st = state.borrow_mut();
     let (mut done, mut failed) = (Vec::new(), Vec::new());
