@@ -728,6 +728,12 @@ pub struct KvshardArgs {
     /// (at least 1 GiB) is dropped by ZeroMQ with its connection before kvshard sees it.
     #[arg(long, value_name = "BYTES", default_value_t = 512 << 20, allow_negative_numbers = true)]
     pub max_frame_bytes: usize,
+    /// [kvshard only] Serve GPU workers' lmcache_driven transfers over CUDA IPC (on), or answer
+    /// their registrations with a refusal that points them at engine_driven (off). Off by
+    /// default: this path has not run on a GPU yet. Needs a CUDA driver, NVRTC and an L1 in
+    /// memory (not --gds-l1-path).
+    #[arg(long, value_name = "MODE", value_parser = ["off", "on"], default_value = "off")]
+    pub cuda_transfer: String,
     /// [kvshard only] HTTP API connections kept open at once. At the bound, a new client takes
     /// the place of the connection that has waited longest on its client (idle, or sending
     /// slowly), counted in kvshard_http_connections_shed_total; idle clients never keep
@@ -1660,6 +1666,7 @@ impl ServerArgs {
             max_sessions: nonzero("--max-sessions", kvshard.max_sessions)?,
             max_registrations: nonzero("--max-registrations", kvshard.max_registrations)?,
             max_frame_bytes: nonzero("--max-frame-bytes", kvshard.max_frame_bytes)?,
+            cuda_transfer: kvshard.cuda_transfer == "on",
             http_max_connections: nonzero("--http-max-connections", kvshard.http_max_connections)?,
         };
         Ok((config, notes))

@@ -106,12 +106,12 @@ fn a_cuda_registration_is_answered_refused_and_reported() {
             reason.contains(&format!("/dev/shm/{}", srv.shm_name)),
             "{reason}"
         );
-        // The cause depends on the host: no driver here, or a driver kvshard
-        // cannot use yet on a GPU host.
+        // The cause depends on the host: no driver here; on a GPU host the
+        // golden frames' GPU is not there (or the path is off, by default).
         assert!(
             reason.contains("no usable CUDA driver")
                 || reason.contains("not visible to kvshard")
-                || reason.contains("not implemented"),
+                || reason.contains("--cuda-transfer on"),
             "{reason}"
         );
         assert_eq!(
@@ -189,4 +189,31 @@ fn a_refused_instance_registered_engine_driven_stays_healthy() {
     assert!(ping(&mut c, IID));
     assert_eq!(refused(&srv).len(), 1);
     assert_serving(&mut srv);
+}
+
+#[test]
+fn with_cuda_transfer_on_a_host_that_cannot_serve_it_still_refuses_clearly() {
+    let srv = Server::start(&["--cuda-transfer", "on"]);
+    let mut c = srv.client();
+    let g = golden();
+    assert_eq!(
+        send_golden(&mut c, &g, "register_kv_cache_cuda_raw").payload,
+        None
+    );
+    let list = refused(&srv);
+    assert_eq!(list.len(), 1, "{list:?}");
+    let reason = list[0]["reason"].as_str().unwrap();
+    // No driver here; on a GPU host, the golden frames name a GPU it lacks.
+    assert!(
+        reason.contains("no usable CUDA driver") || reason.contains("not visible to kvshard"),
+        "{reason}"
+    );
+    assert!(!ping(&mut c, IID));
+    let failed = Some(V::A(vec![V::Bin(vec![]), V::B(false)]));
+    assert_eq!(send_golden(&mut c, &g, "store").payload, failed);
+    assert_eq!(send_golden(&mut c, &g, "retrieve").payload, failed);
+
+    // A bad mode is refused at start.
+    let err = Server::start_refused(&["--cuda-transfer", "maybe"]);
+    assert!(err.contains("--cuda-transfer"), "{err}");
 }

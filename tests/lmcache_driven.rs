@@ -149,14 +149,7 @@ impl Worker {
                 )
             })
             .collect();
-        let group = map(&[
-            ("engine_group_id", V::I(0)),
-            ("layer_indices", V::A((0..NL as i64).map(V::I).collect())),
-            ("tokens_per_block", V::I(BS as i64)),
-            ("sw_size_tokens", V::I(-1)),
-            ("extra_object_group_tag", V::I(0)),
-            ("recurrent_state", V::B(false)),
-        ]);
+        let group = kv_group(NL, BS);
         vec![
             V::I(self.iid),
             V::A(wrappers),

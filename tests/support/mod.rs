@@ -311,6 +311,22 @@ pub fn cpu_shm_wrapper(
     V::Ext(1, enc(&inner))
 }
 
+/// One `EngineGroupInfo` of a plain full-attention model: layers
+/// `0..layers`, `tokens_per_block` tokens per block, engine group 0.
+pub fn kv_group(layers: usize, tokens_per_block: usize) -> V {
+    map(&[
+        ("engine_group_id", V::I(0)),
+        (
+            "layer_indices",
+            V::A((0..layers as i64).map(V::I).collect()),
+        ),
+        ("tokens_per_block", V::I(tokens_per_block as i64)),
+        ("sw_size_tokens", V::I(-1)),
+        ("extra_object_group_tag", V::I(0)),
+        ("recurrent_state", V::B(false)),
+    ])
+}
+
 // ------------------------------------------------------------------ client
 
 pub struct Client {
@@ -533,13 +549,28 @@ impl Server {
             .unwrap_or_else(|| panic!("{extra:?}: the server started instead of refusing"))
     }
 
+    /// [`Server::start_logged`] with `envs` added to the server's environment.
+    pub fn start_logged_env(
+        extra: &[&str],
+        log: &std::path::Path,
+        envs: &[(&str, &str)],
+    ) -> Server {
+        let file = std::fs::File::create(log).expect("create the server log");
+        Self::start_full(extra, Stdio::from(file), envs)
+    }
+
     fn start_with_stderr(extra: &[&str], stderr: Stdio) -> Server {
+        Self::start_full(extra, stderr, &[])
+    }
+
+    fn start_full(extra: &[&str], stderr: Stdio, envs: &[(&str, &str)]) -> Server {
         let port = free_port();
         let http_port = free_port();
         let shm = unique("kvtest");
         let args = Self::args(port, http_port, &shm, extra);
         let child = Command::new(env!("CARGO_BIN_EXE_kvshard"))
             .args(&args)
+            .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)

@@ -66,7 +66,7 @@ run_server_benches() { # NAME PORT HTTP_PORT
 
 # kvshard
 P=$(free_port); H=$(free_port)
-"$BIN" server --l1-size-gb 8 --eviction-policy LRU --supported-transfer-mode auto \
+"$BIN" server --l1-size-gb 8 --eviction-policy LRU --supported-transfer-mode auto --cuda-transfer on \
     --shm-name "gpuchk_k_$$" --port "$P" --http-port "$H" >"$OUT/kvshard.log" 2>&1 & SERVER=$!
 wait_http "$H" || { echo "gpu check: kvshard did not start"; cat "$OUT/kvshard.log"; exit 1; }
 run_server_benches kvshard "$P" "$H"

@@ -311,6 +311,9 @@ pub struct ServerConfig {
     pub max_registrations: usize,
     /// Request frames larger than this are refused with the op's failure reply.
     pub max_frame_bytes: usize,
+    /// Serve lmcache_driven transfers of GPU workers over CUDA IPC
+    /// (`--cuda-transfer on`); refused with the engine_driven recipe otherwise.
+    pub cuda_transfer: bool,
     /// HTTP API connections kept open at once (`--http-max-connections`).
     pub http_max_connections: usize,
 }
@@ -501,6 +504,7 @@ mod tests {
             max_sessions: 65536,
             max_registrations: 4096,
             max_frame_bytes: 512 << 20,
+            cuda_transfer: false,
             http_max_connections: 1024,
         }
     }

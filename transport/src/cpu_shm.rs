@@ -729,6 +729,235 @@ fn group_layer_indices(
     Ok(indices)
 }
 
+/// What a registration's tensors say, before anything is mapped: each
+/// view checked, its normalised shape, the shared geometry and the object's
+/// layers.
+struct Analysis {
+    checked: Vec<(KvDtype, Vec<usize>, Vec<usize>, usize)>,
+    normalised: Vec<(Vec<usize>, Vec<usize>)>,
+    geometry: Geometry,
+    group_layers: Vec<usize>,
+}
+
+/// Checks and classifies a registration's tensors (see
+/// [`CpuShmRegistration::open`] for the arguments).
+fn analyse(
+    tensors: &[ShmTensorSpec],
+    groups: &[KvGroupSpec],
+    chunk_size_tokens: usize,
+    kv_layout_hint: Option<&str>,
+) -> Result<Analysis, TransferError> {
+    if tensors.is_empty() {
+        return Err(invalid("registration carries no KV tensors"));
+    }
+    if tensors.len() > MAX_REGISTERED_TENSORS {
+        return Err(invalid(format!(
+            "{} KV tensors exceed the limit of {MAX_REGISTERED_TENSORS}",
+            tensors.len()
+        )));
+    }
+    if chunk_size_tokens == 0 {
+        return Err(invalid("chunk size is 0"));
+    }
+    let layout = kv_layout_hint.unwrap_or_else(|| default_kv_layout(false));
+    let is_hnd = match layout {
+        "NHD" | "BLNHC" => false,
+        "HND" | "BLHNC" => true,
+        other => {
+            return Err(invalid(format!(
+                "kv_layout hint '{other}' is not one of NHD, HND, BLHNC, BLNHC"
+            )))
+        }
+    };
+
+    // Validate every view before mapping anything.
+    let mut checked = Vec::with_capacity(tensors.len());
+    for (index, spec) in tensors.iter().enumerate() {
+        checked.push(check_tensor(index, spec)?);
+    }
+
+    let mut geometry: Option<(Geometry, Vec<usize>)> = None;
+    let mut normalised = Vec::with_capacity(tensors.len());
+    for (index, (dtype, shape, strides, _)) in checked.iter().enumerate() {
+        let (n_shape, n_strides) = normalise_dims(shape, strides);
+        let format = detect_format(&n_shape, *dtype, is_hnd)?;
+        let axes = format.axes();
+        let this = Geometry {
+            format,
+            dtype: *dtype,
+            kv_size: format.kv_size(),
+            num_blocks: n_shape[axes.block],
+            block_size: n_shape[axes.token],
+            num_heads: axes.head.map_or(1, |h| n_shape[h]),
+            head_size: n_shape[axes.elem],
+        };
+        match &geometry {
+            None => geometry = Some((this, n_shape.clone())),
+            Some((first, first_shape)) => {
+                if first.dtype != this.dtype || *first_shape != n_shape {
+                    return Err(unsupported(format!(
+                        "tensor {index} is {} {n_shape:?} but tensor 0 is {} \
+                             {first_shape:?}; layers of different shapes or dtypes form \
+                             several kernel groups",
+                        this.dtype.name(),
+                        first.dtype.name()
+                    )));
+                }
+            }
+        }
+        if n_strides[axes.elem] != 1 {
+            return Err(unsupported(format!(
+                "tensor {index}: the head dimension has stride {} (must be 1)",
+                n_strides[axes.elem]
+            )));
+        }
+        normalised.push((n_shape, n_strides));
+    }
+    let geometry = match geometry {
+        Some((g, _)) => g,
+        None => return Err(invalid("registration carries no KV tensors")),
+    };
+    if chunk_size_tokens % geometry.block_size != 0 {
+        return Err(invalid(format!(
+            "chunk size {chunk_size_tokens} is not a multiple of the block size {}",
+            geometry.block_size
+        )));
+    }
+    let group_layers = group_layer_indices(
+        groups,
+        tensors.len(),
+        geometry.block_size,
+        chunk_size_tokens,
+    )?;
+
+    Ok(Analysis {
+        checked,
+        normalised,
+        geometry,
+        group_layers,
+    })
+}
+
+/// The geometry of a registration whose tensors live in GPU memory, as the
+/// CUDA copy kernel needs it: the same detection as the cpu_shm path, plus
+/// the kernel's requirement that each layer is laid out tightly in its
+/// format (only a padded block axis is allowed, for the formats whose block
+/// axis is outermost).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceGeometry {
+    pub format: KvFormat,
+    pub dtype: KvDtype,
+    pub kv_size: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub num_heads: usize,
+    pub head_size: usize,
+    /// Registered tensor indices of the object's layers, in object order.
+    pub group_layers: Vec<usize>,
+    /// Per registered tensor: bytes from its storage start to its first
+    /// element, and bytes its view spans from there.
+    pub views: Vec<(u64, u64)>,
+    /// Elements from one block to the next when the block axis is padded;
+    /// 0 when tight.
+    pub block_stride_elems: u64,
+    pub chunk_size_tokens: usize,
+    pub blocks_per_chunk: usize,
+    pub object_layout: ObjectLayout,
+}
+
+impl DeviceGeometry {
+    /// Checks GPU tensors (given as specs whose `nbytes` is the bytes the
+    /// worker shares for each: the storage or the exported range) and
+    /// returns what the copy kernel needs.
+    pub fn detect(
+        tensors: &[ShmTensorSpec],
+        groups: &[KvGroupSpec],
+        chunk_size_tokens: usize,
+        kv_layout_hint: Option<&str>,
+    ) -> Result<DeviceGeometry, TransferError> {
+        // A GPU server's detector defaults to NHD (0.5.6 with an accelerator).
+        let hint = kv_layout_hint.unwrap_or_else(|| default_kv_layout(true));
+        let Analysis {
+            checked,
+            normalised,
+            geometry: g,
+            group_layers,
+        } = analyse(tensors, groups, chunk_size_tokens, Some(hint))?;
+        let axes = g.format.axes();
+        let mut block_stride = None;
+        let mut views = Vec::with_capacity(tensors.len());
+        for (index, ((dtype, _, _, storage_offset), (shape, strides))) in
+            checked.iter().zip(&normalised).enumerate()
+        {
+            // Row-major strides of the normalised shape: the kernel's layout.
+            let mut tight = vec![1usize; shape.len()];
+            for d in (0..shape.len().saturating_sub(1)).rev() {
+                tight[d] = tight[d + 1] * shape[d + 1];
+            }
+            let padded_block_axis = axes.block == 0 && axes.plane.is_none();
+            let inner_tight = strides[1..] == tight[1..];
+            let outer_ok = strides[0] == tight[0] || (padded_block_axis && strides[0] > tight[0]);
+            if !inner_tight || !outer_ok {
+                return Err(unsupported(format!(
+                    "tensor {index}: strides {strides:?} of shape {shape:?} are not the tight \
+                     {} layout the GPU copy kernel reads (only a padded block axis is allowed, \
+                     for block-first formats)",
+                    g.format.name()
+                )));
+            }
+            let stride = if strides[0] == tight[0] {
+                0
+            } else {
+                strides[0] as u64
+            };
+            match block_stride {
+                None => block_stride = Some(stride),
+                Some(s) if s != stride => {
+                    return Err(unsupported(format!(
+                        "tensor {index}: block stride {stride} differs from tensor 0's {s}; \
+                         layers must share one layout"
+                    )))
+                }
+                Some(_) => {}
+            }
+            let es = dtype.size_bytes() as u64;
+            let mut last = 0u64;
+            for (&d, &st) in shape.iter().zip(strides) {
+                last += (d as u64 - 1) * st as u64;
+            }
+            views.push((*storage_offset as u64 * es, (last + 1) * es));
+        }
+        let blocks_per_chunk = chunk_size_tokens / g.block_size;
+        let hidden = (g.num_heads * g.head_size) as u64;
+        let shape = vec![
+            g.kv_size as u64,
+            group_layers.len() as u64,
+            chunk_size_tokens as u64,
+            hidden,
+        ];
+        let bytes = shape.iter().product::<u64>() * g.dtype.size_bytes() as u64;
+        Ok(DeviceGeometry {
+            format: g.format,
+            dtype: g.dtype,
+            kv_size: g.kv_size,
+            num_blocks: g.num_blocks,
+            block_size: g.block_size,
+            num_heads: g.num_heads,
+            head_size: g.head_size,
+            group_layers,
+            views,
+            block_stride_elems: block_stride.unwrap_or(0),
+            chunk_size_tokens,
+            blocks_per_chunk,
+            object_layout: ObjectLayout {
+                shape,
+                dtype: g.dtype.name().to_string(),
+                bytes,
+            },
+        })
+    }
+}
+
 impl CpuShmRegistration {
     /// Map and validate a worker's registration.
     ///
@@ -743,88 +972,12 @@ impl CpuShmRegistration {
         kv_layout_hint: Option<&str>,
         null_block_id: i64,
     ) -> Result<Self, TransferError> {
-        if tensors.is_empty() {
-            return Err(invalid("registration carries no KV tensors"));
-        }
-        if tensors.len() > MAX_REGISTERED_TENSORS {
-            return Err(invalid(format!(
-                "{} KV tensors exceed the limit of {MAX_REGISTERED_TENSORS}",
-                tensors.len()
-            )));
-        }
-        if chunk_size_tokens == 0 {
-            return Err(invalid("chunk size is 0"));
-        }
-        let layout = kv_layout_hint.unwrap_or_else(|| default_kv_layout(false));
-        let is_hnd = match layout {
-            "NHD" | "BLNHC" => false,
-            "HND" | "BLHNC" => true,
-            other => {
-                return Err(invalid(format!(
-                    "kv_layout hint '{other}' is not one of NHD, HND, BLHNC, BLNHC"
-                )))
-            }
-        };
-
-        // Validate every view before mapping anything.
-        let mut checked = Vec::with_capacity(tensors.len());
-        for (index, spec) in tensors.iter().enumerate() {
-            checked.push(check_tensor(index, spec)?);
-        }
-
-        let mut geometry: Option<(Geometry, Vec<usize>)> = None;
-        let mut normalised = Vec::with_capacity(tensors.len());
-        for (index, (dtype, shape, strides, _)) in checked.iter().enumerate() {
-            let (n_shape, n_strides) = normalise_dims(shape, strides);
-            let format = detect_format(&n_shape, *dtype, is_hnd)?;
-            let axes = format.axes();
-            let this = Geometry {
-                format,
-                dtype: *dtype,
-                kv_size: format.kv_size(),
-                num_blocks: n_shape[axes.block],
-                block_size: n_shape[axes.token],
-                num_heads: axes.head.map_or(1, |h| n_shape[h]),
-                head_size: n_shape[axes.elem],
-            };
-            match &geometry {
-                None => geometry = Some((this, n_shape.clone())),
-                Some((first, first_shape)) => {
-                    if first.dtype != this.dtype || *first_shape != n_shape {
-                        return Err(unsupported(format!(
-                            "tensor {index} is {} {n_shape:?} but tensor 0 is {} \
-                             {first_shape:?}; layers of different shapes or dtypes form \
-                             several kernel groups",
-                            this.dtype.name(),
-                            first.dtype.name()
-                        )));
-                    }
-                }
-            }
-            if n_strides[axes.elem] != 1 {
-                return Err(unsupported(format!(
-                    "tensor {index}: the head dimension has stride {} (must be 1)",
-                    n_strides[axes.elem]
-                )));
-            }
-            normalised.push((n_shape, n_strides));
-        }
-        let geometry = match geometry {
-            Some((g, _)) => g,
-            None => return Err(invalid("registration carries no KV tensors")),
-        };
-        if chunk_size_tokens % geometry.block_size != 0 {
-            return Err(invalid(format!(
-                "chunk size {chunk_size_tokens} is not a multiple of the block size {}",
-                geometry.block_size
-            )));
-        }
-        let group_layers = group_layer_indices(
-            groups,
-            tensors.len(),
-            geometry.block_size,
-            chunk_size_tokens,
-        )?;
+        let Analysis {
+            checked,
+            normalised,
+            geometry,
+            group_layers,
+        } = analyse(tensors, groups, chunk_size_tokens, kv_layout_hint)?;
 
         // One mapping per distinct segment; layers may share one.
         let mut segment_len: HashMap<&str, u64> = HashMap::new();

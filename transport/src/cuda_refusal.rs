@@ -1,11 +1,14 @@
-//! GPU workers whose `register_kv_cache` carries CUDA IPC descriptors.
+//! GPU workers whose `register_kv_cache` carries CUDA IPC descriptors that
+//! this server will not serve.
 //!
-//! kvshard does not map CUDA memory yet. Such a registration is answered (as
-//! every request is), recorded as refused with the reason, and the worker's
-//! PINGs are answered `False`, so lmcache's client enters its degraded mode
-//! with a warning instead of sending transfers that fail one by one. The
-//! reason names what is missing and the way a GPU worker uses kvshard today:
-//! engine_driven transfers over the shared L1 pool.
+//! With `--cuda-transfer on`, a CUDA driver that sees the worker's GPU and an
+//! L1 in memory, such a registration goes to the CUDA path
+//! (`cuda_transfer`). Otherwise it is answered (as every request is),
+//! recorded as refused with the reason, and the worker's PINGs are answered
+//! `False`, so lmcache's client enters its degraded mode with a warning
+//! instead of sending transfers that fail one by one. The reason names what
+//! is missing and the way a GPU worker can use kvshard instead: engine_driven
+//! transfers over the shared L1 pool.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -18,18 +21,19 @@ use crate::wire::{CudaIpc, IpcData, VmmKind};
 pub enum CudaHost {
     /// No usable driver, with the probe's reason.
     Absent(String),
-    /// A driver with these devices' UUIDs (torch's format: lowercase
+    /// A driver and its devices (UUIDs in torch's format: lowercase
     /// 8-4-4-4-12 hex, no `GPU-` prefix).
-    Present { device_uuids: Vec<String> },
+    Present(kvshard_gds::cuda::CudaEnv),
 }
 
 impl CudaHost {
     /// Probes the CUDA driver; never panics.
     pub fn probe() -> CudaHost {
+        if kvshard_gds::device::emulated::enabled() {
+            return CudaHost::Present(kvshard_gds::device::emulated::emulated_env());
+        }
         match kvshard_gds::cuda::CudaEnv::probe() {
-            Ok(env) => CudaHost::Present {
-                device_uuids: env.devices.iter().map(|d| d.uuid.clone()).collect(),
-            },
+            Ok(env) => CudaHost::Present(env),
             Err(e) => CudaHost::Absent(e.reason),
         }
     }
@@ -96,15 +100,28 @@ pub fn cuda_descriptor(kv_cache: &[IpcData]) -> Option<&'static str> {
     })
 }
 
-/// Whether `kv_cache` holds CUDA descriptors; if so, why kvshard refuses them.
-pub fn check(kv_cache: &[IpcData], host: &CudaHost, alt: Alternatives<'_>) -> Option<Refusal> {
+/// Whether this server serves CUDA transfers at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaGate {
+    /// `--cuda-transfer off` (the default).
+    Off,
+    /// The L1 lives in GDS slab files, which the device copies cannot reach.
+    SlabL1,
+    On,
+}
+
+/// Whether `kv_cache` holds CUDA descriptors this server refuses, and why;
+/// `None` for other registrations and for CUDA ones the CUDA path takes.
+pub fn check(
+    kv_cache: &[IpcData],
+    host: &CudaHost,
+    alt: Alternatives<'_>,
+    gate: CudaGate,
+) -> Option<Refusal> {
     let first = cuda_descriptor(kv_cache)?;
     let cause = descriptor_problem(kv_cache)
         .or_else(|| host_problem(kv_cache, host))
-        .unwrap_or_else(|| {
-            "CUDA IPC transfer (lmcache_driven on GPU workers) is not implemented in this kvshard version"
-                .to_owned()
-        });
+        .or_else(|| gate_problem(gate))?;
     Some(Refusal {
         descriptor: first,
         reason: format!("{cause}. {}", remedy(alt)),
@@ -136,13 +153,30 @@ fn descriptor_problem(kv_cache: &[IpcData]) -> Option<String> {
     })
 }
 
+fn gate_problem(gate: CudaGate) -> Option<String> {
+    match gate {
+        CudaGate::On => None,
+        CudaGate::Off => Some(
+            "CUDA IPC transfers (lmcache_driven on GPU workers) are off in this server: \
+             --cuda-transfer on enables them (that path has not run on a GPU yet)"
+                .to_owned(),
+        ),
+        CudaGate::SlabL1 => Some(
+            "CUDA IPC transfers need the L1 in memory, and this server keeps it in GDS slab \
+             files (--gds-l1-path)"
+                .to_owned(),
+        ),
+    }
+}
+
 fn host_problem(kv_cache: &[IpcData], host: &CudaHost) -> Option<String> {
     match host {
         CudaHost::Absent(why) => Some(format!("this host has no usable CUDA driver ({why})")),
-        CudaHost::Present { device_uuids } => kv_cache.iter().find_map(|d| {
+        CudaHost::Present(env) => kv_cache.iter().find_map(|d| {
+            let device_uuids: Vec<&str> = env.devices.iter().map(|d| d.uuid.as_str()).collect();
             let uuid = &d.metadata()?.device_uuid;
             let uuid = uuid.strip_prefix("GPU-").unwrap_or(uuid);
-            (!device_uuids.iter().any(|u| u == uuid)).then(|| {
+            (!device_uuids.contains(&uuid)).then(|| {
                 format!(
                     "the worker's GPU {uuid} is not visible to kvshard (it sees {}); \
                      start kvshard with every GPU its workers use visible",
@@ -349,15 +383,16 @@ mod tests {
 
     #[test]
     fn non_cuda_registrations_are_not_refused_here() {
-        assert_eq!(check(&[], &CudaHost::Absent("x".into()), ALT), None);
+        let absent = CudaHost::Absent("x".into());
+        assert_eq!(check(&[], &absent, ALT, CudaGate::Off), None);
         let other = IpcData::Unsupported { tag: "npu".into() };
-        assert_eq!(check(&[other], &CudaHost::Absent("x".into()), ALT), None);
+        assert_eq!(check(&[other], &absent, ALT, CudaGate::Off), None);
     }
 
     #[test]
     fn reasons_name_the_cause_and_the_remedy() {
         let absent = CudaHost::Absent("libcuda.so.1 not found".into());
-        let r = check(&[cuda(Some(versioned(b'c')))], &absent, ALT).unwrap();
+        let r = check(&[cuda(Some(versioned(b'c')))], &absent, ALT, CudaGate::On).unwrap();
         assert_eq!(r.descriptor, "cuda");
         assert!(
             r.reason
@@ -370,13 +405,13 @@ mod tests {
         assert!(r.reason.contains("PINGs are answered False"));
 
         // Descriptor problems come first: they hold on any host.
-        let r = check(&[cuda(Some(versioned(b'e')))], &absent, ALT).unwrap();
+        let r = check(&[cuda(Some(versioned(b'e')))], &absent, ALT, CudaGate::On).unwrap();
         assert!(
             r.reason.contains("expandable_segments:False"),
             "{}",
             r.reason
         );
-        let r = check(&[cuda(None)], &absent, ALT).unwrap();
+        let r = check(&[cuda(None)], &absent, ALT, CudaGate::On).unwrap();
         assert!(r.reason.contains("no memory handle"));
         let vmm = IpcData::CudaVmm(VmmCudaIpc {
             export_id: [0; 16],
@@ -388,7 +423,7 @@ mod tests {
             version: 1,
             metadata: meta(),
         });
-        let r = check(&[vmm], &absent, ALT).unwrap();
+        let r = check(&[vmm], &absent, ALT, CudaGate::On).unwrap();
         assert_eq!(r.descriptor, "cuda_vmm");
         assert!(r.reason.contains("posix_fd"));
 
@@ -401,27 +436,38 @@ mod tests {
             version: 1,
             metadata: meta(),
         });
-        let other_gpu = CudaHost::Present {
-            device_uuids: vec!["00000000-0000-0000-0000-000000000001".into()],
+        let host_with = |uuid: &str| {
+            CudaHost::Present(kvshard_gds::cuda::CudaEnv {
+                driver_version: 12080,
+                devices: vec![kvshard_gds::cuda::CudaDevice {
+                    ordinal: 0,
+                    uuid: uuid.into(),
+                    name: "test".into(),
+                    compute_capability: (9, 0),
+                }],
+            })
         };
-        let r = check(std::slice::from_ref(&raw), &other_gpu, ALT).unwrap();
+        let other_gpu = host_with("00000000-0000-0000-0000-000000000001");
+        let r = check(std::slice::from_ref(&raw), &other_gpu, ALT, CudaGate::On).unwrap();
         assert!(
             r.reason.contains(&format!("GPU {UUID} is not visible")),
             "{}",
             r.reason
         );
-        let same_gpu = CudaHost::Present {
-            device_uuids: vec![UUID.into()],
-        };
-        let r = check(&[raw], &same_gpu, ALT).unwrap();
-        assert!(r.reason.contains("not implemented"), "{}", r.reason);
+        let same_gpu = host_with(UUID);
+        let r = check(std::slice::from_ref(&raw), &same_gpu, ALT, CudaGate::Off).unwrap();
+        assert!(r.reason.contains("--cuda-transfer on"), "{}", r.reason);
+        let r = check(std::slice::from_ref(&raw), &same_gpu, ALT, CudaGate::SlabL1).unwrap();
+        assert!(r.reason.contains("--gds-l1-path"), "{}", r.reason);
+        // Served: the CUDA path takes it.
+        assert_eq!(check(&[raw], &same_gpu, ALT, CudaGate::On), None);
 
         // The remedy says what the server itself lacks for it.
         let bare = Alternatives {
             shm_name: None,
             engine_driven_enabled: false,
         };
-        let r = check(&[cuda(Some(versioned(b'c')))], &absent, bare).unwrap();
+        let r = check(&[cuda(Some(versioned(b'c')))], &absent, bare, CudaGate::On).unwrap();
         assert!(r.reason.contains("without --shm-name \"\""), "{}", r.reason);
         assert!(r.reason.contains("--supported-transfer-mode auto"));
     }

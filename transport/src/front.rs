@@ -13,18 +13,19 @@ use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::{self, ObjectKey};
 use kvshard_engine::slab::Slab;
+use kvshard_gds::device::worker::{ChunkCopy, CopyDir, DeviceJob};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
-use kvshard_io::mailbox::{MailboxSender, NotifyReceiver};
+use kvshard_io::mailbox::{MailboxSender, NotifyReceiver, NotifySender};
 
 use crate::config::ServerConfig;
 use crate::control::{ControlBody, ControlRequest, ControlResponse, Responder};
-use crate::cpu_shm::CpuShmRegistration;
-use crate::cuda_refusal::{Alternatives, CudaHost, RefusedEntry, RefusedTable};
+use crate::cuda_refusal::{Alternatives, CudaGate, CudaHost, Refusal, RefusedEntry, RefusedTable};
+use crate::cuda_transfer::{CudaEvent, CudaExecutor, CudaOp, L1Memory, PendingRegistration};
 use crate::lookup_leases::{Grant, LeaseBook};
 use crate::lookup_log::LookupHashLog;
 use crate::metrics::{FrontGauges, Metrics, PromText};
-use crate::registry::{EngineEntry, Layout, Layouts, LmcEntry, Registry, TransferKey};
+use crate::registry::{EngineEntry, Layout, Layouts, LmcEntry, LmcTransfer, Registry, TransferKey};
 use crate::session::{LookupScope, Sessions};
 use crate::shard::{Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome};
 use crate::shard_l2::{FOUND_L1, FOUND_L2, FOUND_MISS};
@@ -38,6 +39,7 @@ use crate::wire::{self, IpcKey, Op, Request, RequestError};
 pub enum FrontEvent {
     Shard(ShardReply),
     Control(ControlRequest, Responder),
+    Cuda(CudaEvent),
 }
 
 /// Where a reply goes: the peer identity and the request's uid and op frames, echoed
@@ -47,6 +49,20 @@ pub struct ReplyTo {
     identity: Vec<u8>,
     uid: Vec<u8>,
     op: Vec<u8>,
+}
+
+/// A RETRIEVE's blocks and the worker's event.
+struct Transfer {
+    block_ids: Vec<Vec<i64>>,
+    event: Vec<u8>,
+}
+
+/// What a CUDA RETRIEVE's shards found read-locked.
+struct CudaFound {
+    request_id: String,
+    first_chunk: usize,
+    keys: Vec<ObjectKey>,
+    slabs: Vec<Option<Slab>>,
 }
 
 /// A request waiting for its shards.
@@ -94,6 +110,28 @@ enum InflightKind {
     Store {
         to: ReplyTo,
         outcomes: Vec<StoreOutcome>,
+    },
+    /// A GPU worker's STORE, reserving its objects.
+    CudaStore {
+        to: ReplyTo,
+        iid: i64,
+        keys: Vec<ObjectKey>,
+        blocks: Vec<Vec<i64>>,
+        event: Vec<u8>,
+        slabs: Vec<Option<Slab>>,
+    },
+    /// A GPU worker's RETRIEVE, finding its read-locked objects.
+    CudaRetrieve {
+        to: ReplyTo,
+        iid: i64,
+        request_id: String,
+        first_chunk: usize,
+        keys: Vec<ObjectKey>,
+        blocks: Vec<Vec<i64>>,
+        /// Blocks each chunk leaves untouched (skip_first_n_tokens).
+        skips: Vec<usize>,
+        event: Vec<u8>,
+        slabs: Vec<Option<Slab>>,
     },
     Retrieve {
         to: ReplyTo,
@@ -148,6 +186,10 @@ pub struct FrontSetup {
     pub huge_page_bytes: Option<u64>,
     /// What backs the arena (kind, path, mapped bytes), for /status.
     pub arena: serde_json::Value,
+    /// The L1's host memory when it lives in memory (what CUDA copies reach).
+    pub l1_memory: Option<L1Memory>,
+    /// The front's own event queue, for the CUDA device threads' reports.
+    pub events: NotifySender<FrontEvent>,
 }
 
 pub struct Front {
@@ -165,6 +207,12 @@ pub struct Front {
     /// behind the refusals (taken on the first one).
     refused: RefusedTable,
     cuda_host: Option<CudaHost>,
+    /// The CUDA device threads, started with the first CUDA registration.
+    cuda_threads: Option<CudaExecutor>,
+    /// CUDA registrations being set up on their device threads.
+    cuda_regs: HashMap<i64, PendingRegistration>,
+    /// CUDA transfers whose copies are running, by sequence number.
+    cuda_ops: HashMap<Seq, CudaOp>,
     layouts: Layouts,
     inflight: HashMap<Seq, Inflight>,
     /// wait_prefetch_status callers parked on pending jobs (0 lets the loop skip
@@ -221,6 +269,9 @@ impl Front {
             registry: Registry::new(cfg.max_registrations),
             refused: RefusedTable::new(cfg.max_registrations),
             cuda_host: None,
+            cuda_threads: None,
+            cuda_regs: HashMap::new(),
+            cuda_ops: HashMap::new(),
             layouts: Layouts::default(),
             jobs: HashMap::new(),
             inflight: HashMap::new(),
@@ -644,7 +695,13 @@ impl Front {
                 self.reply(&to, None)
             }
             Request::UnregisterKvCache { instance_id } => {
-                let was_refused = self.refused.remove(instance_id).is_some();
+                let mut was_refused = self.refused.remove(instance_id).is_some();
+                if let Some(p) = self.cuda_regs.remove(&instance_id) {
+                    // Still being set up: its device thread undoes it after.
+                    self.layouts.unregister(&p.model_name, p.world_size);
+                    self.cuda_unregister(instance_id, p.instance.ordinal);
+                    was_refused = true;
+                }
                 match self.registry.remove_lmc(instance_id) {
                     Some(entry) => {
                         log_limited!(
@@ -686,15 +743,21 @@ impl Front {
                 key,
                 instance_id,
                 block_ids,
-                ..
-            } => self.store(to, key, instance_id, block_ids, now),
+                event_ipc_handle,
+            } => self.store(to, key, instance_id, block_ids, event_ipc_handle, now),
             Request::Retrieve {
                 key,
                 instance_id,
                 block_ids,
+                event_ipc_handle,
                 skip_first_n_tokens,
-                ..
-            } => self.retrieve(to, key, instance_id, block_ids, skip_first_n_tokens, now),
+            } => {
+                let t = Transfer {
+                    block_ids,
+                    event: event_ipc_handle,
+                };
+                self.retrieve(to, key, instance_id, t, skip_first_n_tokens, now)
+            }
         }
     }
 
@@ -815,6 +878,7 @@ impl Front {
         match ev {
             FrontEvent::Control(req, responder) => self.control(req, responder),
             FrontEvent::Shard(reply) => self.on_shard_reply(reply),
+            FrontEvent::Cuda(ev) => self.on_cuda_event(ev),
         }
     }
 
@@ -942,6 +1006,33 @@ impl Front {
                     .count() as u64;
                 self.metrics.finished_stores += 1;
                 self.reply(&to, Some(wire::encode_store_reply(b"", failed == 0)));
+            }
+            InflightKind::CudaStore {
+                to,
+                iid,
+                keys,
+                blocks,
+                event,
+                slabs,
+            } => self.cuda_store_reserved(to, iid, keys, blocks, event, slabs),
+            InflightKind::CudaRetrieve {
+                to,
+                iid,
+                request_id,
+                first_chunk,
+                keys,
+                blocks,
+                skips,
+                event,
+                slabs,
+            } => {
+                let found = CudaFound {
+                    request_id,
+                    first_chunk,
+                    keys,
+                    slabs,
+                };
+                self.cuda_retrieve_locked(to, iid, found, blocks, skips, event)
             }
             InflightKind::Retrieve { to, oks } => {
                 let ok = oks.iter().all(|b| *b);
@@ -1645,19 +1736,23 @@ impl Front {
             }
         };
         let tkey = TransferKey::new(iid, &key);
-        let parts = self.split(&objs);
         let size = layout.bytes;
-        let n = objs.len();
-        let keys_ref = objs.clone();
         let kind = InflightKind::PrepareStore {
             to,
             tkey,
-            keys: objs,
+            keys: objs.clone(),
             layout,
-            slabs: vec![None; n],
+            slabs: vec![None; objs.len()],
         };
+        self.reserve_writes(kind, &objs, size, iid);
+    }
+
+    /// Reserves the L1 writes of `keys` (`size` bytes each, writer `iid`) on
+    /// their shards; `kind` collects the slabs.
+    fn reserve_writes(&mut self, kind: InflightKind, keys: &[ObjectKey], size: u64, iid: i64) {
+        let parts = self.split(keys);
         if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReserveWrite {
-            keys: idx.iter().map(|i| keys_ref[*i].clone()).collect(),
+            keys: idx.iter().map(|i| keys[*i].clone()).collect(),
             size,
             tag: iid as u64,
         }) {
@@ -1802,9 +1897,27 @@ impl Front {
             shm_name: self.setup.shm_pool.as_ref().map(|(n, _)| n.as_str()),
             engine_driven_enabled: self.cfg.transfer_mode.engine_driven_enabled(),
         };
-        let Some(refusal) = crate::cuda_refusal::check(kv_cache, host, alt) else {
+        let gate = match (self.cfg.cuda_transfer, &self.setup.l1_memory) {
+            (false, _) => CudaGate::Off,
+            (true, None) => CudaGate::SlabL1,
+            (true, Some(_)) => CudaGate::On,
+        };
+        let Some(refusal) = crate::cuda_refusal::check(kv_cache, host, alt, gate) else {
             return false;
         };
+        self.refuse_with(iid, refusal, model_name, world_size, now);
+        true
+    }
+
+    /// Records GPU instance `iid` as refused (its PINGs then answer False).
+    fn refuse_with(
+        &mut self,
+        iid: i64,
+        refusal: Refusal,
+        model_name: &str,
+        world_size: i64,
+        now: Instant,
+    ) {
         self.metrics.failed_registrations += 1;
         self.metrics.refused_cuda_registrations += 1;
         log_limited!(
@@ -1823,7 +1936,366 @@ impl Front {
                 last_seen: now,
             },
         );
-        true
+    }
+
+    /// Hands a CUDA registration to its GPU's device thread; the answer
+    /// comes back as [`CudaEvent::Registered`].
+    #[allow(clippy::too_many_arguments)]
+    fn register_cuda(
+        &mut self,
+        iid: i64,
+        kv_cache: &[wire::IpcData],
+        model_name: String,
+        ws: u32,
+        layout_hints: &crate::msgpack::Value,
+        groups: &[wire::EngineGroupInfo],
+        now: Instant,
+    ) {
+        let descriptor = crate::cuda_refusal::cuda_descriptor(kv_cache).unwrap_or("cuda");
+        let (Some(CudaHost::Present(env)), Some(mem)) = (&self.cuda_host, &self.setup.l1_memory)
+        else {
+            // refuse_cuda took every other case.
+            return;
+        };
+        let (env, mem) = (env.clone(), mem.clone());
+        let refuse = |reason: String| Refusal { descriptor, reason };
+        let built = crate::cuda_transfer::build(
+            kv_cache,
+            groups,
+            layout_hints,
+            self.cfg.chunk_size,
+            self.cfg.null_block_id,
+            &env.devices,
+        );
+        let (instance, spec) = match built {
+            Ok(b) => b,
+            Err(e) => return self.refuse_with(iid, refuse(e), &model_name, ws as i64, now),
+        };
+        if let Err(e) = self.layouts.register(&model_name, ws, &instance.layout()) {
+            return self.refuse_with(iid, refuse(e), &model_name, ws as i64, now);
+        }
+        if self.cuda_threads.is_none() {
+            match CudaExecutor::start(env, &mem) {
+                Ok(x) => self.cuda_threads = Some(x),
+                Err(e) => {
+                    self.layouts.unregister(&model_name, ws);
+                    return self.refuse_with(iid, refuse(e), &model_name, ws as i64, now);
+                }
+            }
+        }
+        let Some(threads) = &self.cuda_threads else {
+            return;
+        };
+        let tx = self.setup.events.clone();
+        let job = DeviceJob::Register {
+            iid,
+            spec,
+            done: Box::new(move |result| {
+                tx.send(FrontEvent::Cuda(CudaEvent::Registered { iid, result }));
+            }),
+        };
+        let ordinal = instance.ordinal;
+        if threads.submit(ordinal, job).is_err() {
+            self.layouts.unregister(&model_name, ws);
+            let reason =
+                format!("the CUDA device thread of GPU {ordinal} is not taking work (see the log)");
+            return self.refuse_with(iid, refuse(reason), &model_name, ws as i64, now);
+        }
+        log_limited!(
+            Level::Info,
+            "setting up lmcache_driven CUDA instance {iid} (model={model_name}, world_size={ws}, {} layers, GPU {ordinal})",
+            kv_cache.len()
+        );
+        self.cuda_regs.insert(
+            iid,
+            PendingRegistration {
+                model_name,
+                world_size: ws,
+                descriptor,
+                instance,
+            },
+        );
+    }
+
+    fn on_cuda_event(&mut self, ev: CudaEvent) {
+        let now = Instant::now();
+        match ev {
+            CudaEvent::Registered { iid, result } => {
+                let Some(p) = self.cuda_regs.remove(&iid) else {
+                    // Unregistered while it was being set up: undone already.
+                    return;
+                };
+                let ordinal = p.instance.ordinal;
+                if let Err(e) = result {
+                    self.layouts.unregister(&p.model_name, p.world_size);
+                    let refusal = Refusal {
+                        descriptor: p.descriptor,
+                        reason: format!("setting it up on GPU {ordinal} failed: {e}"),
+                    };
+                    return self.refuse_with(iid, refusal, &p.model_name, p.world_size as i64, now);
+                }
+                let entry = LmcEntry {
+                    model_name: p.model_name.clone(),
+                    world_size: p.world_size,
+                    layout: p.instance.layout(),
+                    reg: LmcTransfer::Cuda(Arc::new(p.instance)),
+                    last_seen: now,
+                    pinged: false,
+                    kv_ranks: Vec::new(),
+                };
+                if let Err(e) = self.registry.insert_lmc(iid, entry) {
+                    self.layouts.unregister(&p.model_name, p.world_size);
+                    self.cuda_unregister(iid, ordinal);
+                    return log_limited!(Level::Error, "register_kv_cache: {e}");
+                }
+                log_limited!(
+                    Level::Info,
+                    "registered lmcache_driven CUDA instance {iid} (model={}, world_size={}, GPU {ordinal})",
+                    p.model_name,
+                    p.world_size
+                );
+            }
+            CudaEvent::Transferred { seq, result } => match self.cuda_ops.remove(&seq) {
+                Some(op) => self.finish_cuda_op(op, result),
+                None => log_limited!(
+                    Level::Error,
+                    "CUDA transfer {seq} finished but nobody waits for it"
+                ),
+            },
+        }
+    }
+
+    /// Drops instance `iid` on its device thread (after its queued work).
+    fn cuda_unregister(&mut self, iid: i64, ordinal: usize) {
+        if let Some(threads) = &self.cuda_threads {
+            if threads
+                .submit(ordinal, DeviceJob::Unregister { iid })
+                .is_err()
+            {
+                log_limited!(
+                    Level::Error,
+                    "cannot release CUDA instance {iid} on GPU {ordinal}: its device thread is not taking work"
+                );
+            }
+        }
+    }
+
+    /// Queues a transfer's copies; `op` is finished when they end.
+    fn submit_cuda_transfer(
+        &mut self,
+        ordinal: usize,
+        iid: i64,
+        dir: CopyDir,
+        event: Vec<u8>,
+        chunks: Vec<ChunkCopy>,
+        op: CudaOp,
+    ) {
+        let seq = self.alloc_seq();
+        let tx = self.setup.events.clone();
+        let job = DeviceJob::Transfer {
+            iid,
+            dir,
+            worker_event: (!event.is_empty()).then_some(event),
+            chunks,
+            done: Box::new(move |result| {
+                tx.send(FrontEvent::Cuda(CudaEvent::Transferred { seq, result }));
+            }),
+        };
+        let submitted = match &self.cuda_threads {
+            Some(t) => t.submit(ordinal, job).is_ok(),
+            None => false,
+        };
+        if submitted {
+            self.cuda_ops.insert(seq, op);
+        } else {
+            let e = format!("the CUDA device thread of GPU {ordinal} is not taking work");
+            self.finish_cuda_op(op, Err(e));
+        }
+    }
+
+    /// Settles a CUDA transfer: commits or releases what it held, and answers.
+    fn finish_cuda_op(&mut self, op: CudaOp, result: Result<Vec<u8>, String>) {
+        match op {
+            CudaOp::Store { to, iid, keys } => {
+                self.metrics.finished_stores += 1;
+                let reply = match result {
+                    Ok(handle) => {
+                        self.metrics.stored_chunks += keys.len() as u64;
+                        // Posted before the reply: a lookup sent after the
+                        // reply reaches each shard after its commit.
+                        self.post(keys, |keys| ShardOp::FinishWrite {
+                            keys,
+                            tag: iid as u64,
+                        });
+                        wire::encode_store_reply(&handle, true)
+                    }
+                    Err(e) => {
+                        log_limited!(Level::Error, "store from CUDA instance {iid} failed: {e}");
+                        self.post(keys, |keys| ShardOp::AbortWrite {
+                            keys,
+                            tag: iid as u64,
+                        });
+                        wire::encode_store_reply(b"", false)
+                    }
+                };
+                self.reply(&to, Some(reply));
+            }
+            CudaOp::Retrieve {
+                to,
+                iid,
+                request_id,
+                locked,
+            } => {
+                self.metrics.finished_retrieves += 1;
+                let chunks = locked.iter().map(|(c, k)| (*c, k));
+                self.leases.released(&request_id, chunks, 1, Some(iid));
+                let n = locked.len() as u64;
+                let keys = locked.into_iter().map(|(_, k)| k).collect();
+                self.post(keys, |keys| ShardOp::Release { keys, count: 1 });
+                let reply = match result {
+                    Ok(handle) => {
+                        self.metrics.retrieved_chunks += n;
+                        wire::encode_store_reply(&handle, true)
+                    }
+                    Err(e) => {
+                        log_limited!(
+                            Level::Error,
+                            "retrieve from CUDA instance {iid} failed: {e}"
+                        );
+                        self.metrics.retrieve_misses += 1;
+                        wire::encode_store_reply(b"", false)
+                    }
+                };
+                self.reply(&to, Some(reply));
+            }
+        }
+    }
+
+    /// A CUDA STORE's objects are reserved: copy into the reserved ones.
+    fn cuda_store_reserved(
+        &mut self,
+        to: ReplyTo,
+        iid: i64,
+        keys: Vec<ObjectKey>,
+        blocks: Vec<Vec<i64>>,
+        event: Vec<u8>,
+        slabs: Vec<Option<Slab>>,
+    ) {
+        let (Some(mem), Some(ordinal)) = (
+            self.setup.l1_memory.as_ref().map(|m| m.base),
+            self.cuda_ordinal(iid),
+        ) else {
+            let reserved: Vec<ObjectKey> = keys
+                .into_iter()
+                .zip(&slabs)
+                .filter(|(_, s)| s.is_some())
+                .map(|(k, _)| k)
+                .collect();
+            self.post(reserved, |keys| ShardOp::AbortWrite {
+                keys,
+                tag: iid as u64,
+            });
+            return self.reply_unregistered_transfer(&to, "store", iid);
+        };
+        let mut chunks = Vec::new();
+        let mut reserved = Vec::new();
+        for ((key, block_ids), slab) in keys.into_iter().zip(blocks).zip(slabs) {
+            // Not reserved: already resident (or no room, as 0.5.6 skips it).
+            if let Some(slab) = slab {
+                chunks.push(ChunkCopy {
+                    host_addr: mem + slab.offset as usize,
+                    block_ids,
+                    skip_blocks: 0,
+                });
+                reserved.push(key);
+            }
+        }
+        if chunks.is_empty() {
+            self.metrics.finished_stores += 1;
+            return self.reply(&to, Some(wire::encode_store_reply(b"", true)));
+        }
+        let op = CudaOp::Store {
+            to,
+            iid,
+            keys: reserved,
+        };
+        self.submit_cuda_transfer(ordinal, iid, CopyDir::ToHost, event, chunks, op);
+    }
+
+    /// A CUDA RETRIEVE found its objects: copy them if every one is
+    /// read-locked, else fail and give back the locks it found.
+    fn cuda_retrieve_locked(
+        &mut self,
+        to: ReplyTo,
+        iid: i64,
+        found: CudaFound,
+        blocks: Vec<Vec<i64>>,
+        skips: Vec<usize>,
+        event: Vec<u8>,
+    ) {
+        let CudaFound {
+            request_id,
+            first_chunk,
+            keys,
+            slabs,
+        } = found;
+        let locked: Vec<(usize, ObjectKey)> = keys
+            .iter()
+            .zip(&slabs)
+            .enumerate()
+            .filter(|(_, (_, s))| s.is_some())
+            .map(|(i, (k, _))| (first_chunk + i, k.clone()))
+            .collect();
+        let missing = keys.len() - locked.len();
+        let target = match (
+            self.setup.l1_memory.as_ref().map(|m| m.base),
+            self.cuda_ordinal(iid),
+        ) {
+            (_, None) => Err(format!("instance {iid} is no longer registered")),
+            (None, _) => Err("the L1 is not in memory".to_string()),
+            _ if missing > 0 => Err(format!(
+                "{missing} of {} chunks are not read-locked by a lookup",
+                keys.len()
+            )),
+            (Some(base), Some(ordinal)) => Ok((base, ordinal)),
+        };
+        let (base, ordinal) = match target {
+            Ok(t) => t,
+            Err(e) => {
+                let op = CudaOp::Retrieve {
+                    to,
+                    iid,
+                    request_id,
+                    locked,
+                };
+                return self.finish_cuda_op(op, Err(e));
+            }
+        };
+        let chunks = slabs
+            .into_iter()
+            .zip(blocks)
+            .zip(skips)
+            .map(|((slab, block_ids), skip_blocks)| ChunkCopy {
+                host_addr: base + slab.map_or(0, |s| s.offset as usize),
+                block_ids,
+                skip_blocks,
+            })
+            .collect();
+        let op = CudaOp::Retrieve {
+            to,
+            iid,
+            request_id,
+            locked,
+        };
+        self.submit_cuda_transfer(ordinal, iid, CopyDir::ToDevice, event, chunks, op);
+    }
+
+    /// The GPU of a registered CUDA instance.
+    fn cuda_ordinal(&mut self, iid: i64) -> Option<usize> {
+        match self.registry.lmc_reg(iid, Instant::now()) {
+            Some((LmcTransfer::Cuda(c), _)) => Some(c.ordinal),
+            _ => None,
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1849,6 +2321,12 @@ impl Front {
             );
             return;
         }
+        if self.cuda_regs.contains_key(&iid) {
+            return log_limited!(
+                Level::Info,
+                "lmcache_driven CUDA instance {iid} is still being set up"
+            );
+        }
         let ws = match u32::try_from(world_size)
             .ok()
             .filter(|w| (1..=keys::MAX_WORLD_SIZE).contains(w))
@@ -1863,6 +2341,9 @@ impl Front {
         };
         if self.refuse_cuda(iid, kv_cache, &model_name, world_size, now) {
             return;
+        }
+        if crate::cuda_refusal::cuda_descriptor(kv_cache).is_some() {
+            return self.register_cuda(iid, kv_cache, model_name, ws, layout_hints, groups, now);
         }
         let reg = match crate::registry::open_cpu_shm(
             kv_cache,
@@ -1889,7 +2370,7 @@ impl Front {
         let entry = LmcEntry {
             model_name: model_name.clone(),
             world_size: ws,
-            reg,
+            reg: LmcTransfer::CpuShm(reg),
             layout,
             last_seen: now,
             pinged: false,
@@ -1902,13 +2383,14 @@ impl Front {
         log_limited!(Level::Info, "registered lmcache_driven cpu_shm instance {iid} (model={model_name}, world_size={ws}, {} layers)", kv_cache.len());
     }
 
-    /// Per-chunk block id lists of group 0, or why they do not fit.
+    /// Per-chunk block id lists of group 0 (`bpc` ids per chunk, each list
+    /// checked by `validate`), or why they do not fit.
     fn chunk_blocks(
-        reg: &CpuShmRegistration,
+        bpc: usize,
         block_ids: &[Vec<i64>],
         num_chunks: usize,
+        validate: impl Fn(&[i64]) -> Result<(), String>,
     ) -> Result<Vec<Vec<i64>>, String> {
-        let bpc = reg.blocks_per_chunk();
         let Some(blocks) = block_ids.first() else {
             return Err("block_ids is empty".into());
         };
@@ -1928,9 +2410,46 @@ impl Front {
             .map(|c| blocks[c * bpc..(c + 1) * bpc].to_vec())
             .collect();
         for b in &out {
-            reg.validate_block_ids(b).map_err(|e| e.to_string())?;
+            validate(b)?;
         }
         Ok(out)
+    }
+
+    /// The chunks of a transfer request: its object keys and their block
+    /// lists, or the failure reply already sent.
+    fn transfer_chunks(
+        &mut self,
+        to: &ReplyTo,
+        op: &str,
+        iid: i64,
+        key: &IpcKey,
+        block_ids: &[Vec<i64>],
+        reg: &LmcTransfer,
+    ) -> Option<(Vec<ObjectKey>, Vec<Vec<i64>>)> {
+        let chunks = self.worker_keys(iid, key, Instant::now()).and_then(|objs| {
+            let blocks = match reg {
+                LmcTransfer::CpuShm(r) => {
+                    Self::chunk_blocks(r.blocks_per_chunk(), block_ids, objs.len(), |b| {
+                        r.validate_block_ids(b).map_err(|e| e.to_string())
+                    })
+                }
+                LmcTransfer::Cuda(c) => {
+                    Self::chunk_blocks(c.blocks_per_chunk(), block_ids, objs.len(), |b| {
+                        c.validate_block_ids(b)
+                    })
+                }
+            }?;
+            Ok((objs, blocks))
+        });
+        match chunks {
+            Ok(c) => Some(c),
+            Err(e) => {
+                log_limited!(Level::Error, "{op} from instance {iid}: {e}");
+                self.metrics.bad_requests += 1;
+                self.reply(to, Some(wire::encode_store_reply(b"", false)));
+                None
+            }
+        }
     }
 
     fn store(
@@ -1939,27 +2458,16 @@ impl Front {
         key: IpcKey,
         iid: i64,
         block_ids: Vec<Vec<i64>>,
+        event: Vec<u8>,
         now: Instant,
     ) {
         self.metrics.submitted_stores += 1;
         let Some((reg, layout)) = self.registry.lmc_reg(iid, now) else {
             return self.reply_unregistered_transfer(&to, "store", iid);
         };
-        let objs = match self.worker_keys(iid, &key, now) {
-            Ok(o) => o,
-            Err(e) => {
-                log_limited!(Level::Error, "store from instance {iid}: {e}");
-                self.metrics.bad_requests += 1;
-                return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
-            }
-        };
-        let blocks = match Self::chunk_blocks(&reg, &block_ids, objs.len()) {
-            Ok(b) => b,
-            Err(e) => {
-                log_limited!(Level::Error, "store from instance {iid}: {e}");
-                self.metrics.bad_requests += 1;
-                return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
-            }
+        let Some((objs, blocks)) = self.transfer_chunks(&to, "store", iid, &key, &block_ids, &reg)
+        else {
+            return;
         };
         // All-null chunks carry no KV (align-mode recurrent layers): never store them.
         let null = self.cfg.null_block_id;
@@ -1971,6 +2479,20 @@ impl Front {
         let parts = self.split(&objs);
         let n = objs.len();
         let size = layout.bytes;
+        let reg = match reg {
+            LmcTransfer::CpuShm(reg) => reg,
+            LmcTransfer::Cuda(_) => {
+                let kind = InflightKind::CudaStore {
+                    to,
+                    iid,
+                    keys: objs.clone(),
+                    blocks,
+                    event,
+                    slabs: vec![None; n],
+                };
+                return self.reserve_writes(kind, &objs, size, iid);
+            }
+        };
         let kind = InflightKind::Store {
             to,
             outcomes: vec![StoreOutcome::AlreadyPresent; n],
@@ -1993,7 +2515,7 @@ impl Front {
         to: ReplyTo,
         key: IpcKey,
         iid: i64,
-        block_ids: Vec<Vec<i64>>,
+        t: Transfer,
         skip: i64,
         now: Instant,
     ) {
@@ -2001,31 +2523,50 @@ impl Front {
         let Some((reg, _)) = self.registry.lmc_reg(iid, now) else {
             return self.reply_unregistered_transfer(&to, "retrieve", iid);
         };
-        let objs = match self.worker_keys(iid, &key, now) {
-            Ok(o) => o,
-            Err(e) => {
-                log_limited!(Level::Error, "retrieve from instance {iid}: {e}");
-                self.metrics.bad_requests += 1;
-                return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
-            }
-        };
-        let blocks = match Self::chunk_blocks(&reg, &block_ids, objs.len()) {
-            Ok(b) => b,
-            Err(e) => {
-                log_limited!(Level::Error, "retrieve from instance {iid}: {e}");
-                self.metrics.bad_requests += 1;
-                return self.reply(&to, Some(wire::encode_store_reply(b"", false)));
-            }
+        let Some((objs, blocks)) =
+            self.transfer_chunks(&to, "retrieve", iid, &key, &t.block_ids, &reg)
+        else {
+            return;
         };
         let cs = self.cfg.chunk_size;
-        // The shard releases one lock on each object it finds read-locked: on
-        // the objects this request's lookup holds, that is one of its locks.
         let first = first_chunk_of(&key, cs);
-        let chunks = objs.iter().enumerate().map(|(i, k)| (first + i, k));
-        self.leases.released(&key.request_id, chunks, 1, Some(iid));
         let skip = usize::try_from(skip).unwrap_or(0);
         let parts = self.split(&objs);
         let n = objs.len();
+        let reg = match reg {
+            LmcTransfer::CpuShm(reg) => reg,
+            LmcTransfer::Cuda(c) => {
+                let bs = c.geometry.block_size;
+                let skips = (0..n)
+                    .map(|i| {
+                        let tokens = crate::cpu_shm::chunk_skip_tokens(skip, i, cs);
+                        crate::cuda_transfer::skip_blocks(tokens, bs)
+                    })
+                    .collect();
+                // The lookup's read locks are released once the copies end.
+                let kind = InflightKind::CudaRetrieve {
+                    to,
+                    iid,
+                    request_id: key.request_id.clone(),
+                    first_chunk: first,
+                    keys: objs.clone(),
+                    blocks,
+                    skips,
+                    event: t.event,
+                    slabs: vec![None; n],
+                };
+                if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReadLocked {
+                    keys: idx.iter().map(|i| objs[*i].clone()).collect(),
+                }) {
+                    self.complete(0, kind);
+                }
+                return;
+            }
+        };
+        // The shard releases one lock on each object it finds read-locked: on
+        // the objects this request's lookup holds, that is one of its locks.
+        let chunks = objs.iter().enumerate().map(|(i, k)| (first + i, k));
+        self.leases.released(&key.request_id, chunks, 1, Some(iid));
         let kind = InflightKind::Retrieve {
             to,
             oks: vec![false; n],
@@ -2052,6 +2593,11 @@ impl Front {
     fn release_instance(&mut self, released: crate::registry::Released) {
         let (iid, model, ws) = released.identity();
         self.layouts.unregister(&model, ws);
+        if let crate::registry::Released::Lmc(_, e) = &released {
+            if let LmcTransfer::Cuda(c) = &e.reg {
+                self.cuda_unregister(iid, c.ordinal);
+            }
+        }
         // Pending SHM transfers belong to the engine_driven context only.
         if matches!(released, crate::registry::Released::Engine(..)) {
             let (writes, reads) = self.registry.take_pending(iid);
@@ -2161,8 +2707,12 @@ impl Front {
                         404,
                         format!("instance_id {instance_id} not registered"),
                     )),
+                    Some((LmcTransfer::Cuda(_), _)) => responder.send(ControlResponse::error(
+                        501,
+                        format!("instance_id {instance_id} is a GPU worker: checksums of GPU memory are not supported"),
+                    )),
                     // Hashing a whole KV cache takes a while: keep it off the request path.
-                    Some((reg, _)) => {
+                    Some((LmcTransfer::CpuShm(reg), _)) => {
                         let spawned = std::thread::Builder::new()
                             .name("kvshard-checksums".into())
                             .spawn(move || {
@@ -2454,7 +3004,10 @@ fn merge(kind: &mut InflightKind, idx: &[usize], shard: usize, body: ShardReplyB
             }
         }
         (
-            InflightKind::PrepareStore { slabs, .. } | InflightKind::PrepareRetrieve { slabs, .. },
+            InflightKind::PrepareStore { slabs, .. }
+            | InflightKind::PrepareRetrieve { slabs, .. }
+            | InflightKind::CudaStore { slabs, .. }
+            | InflightKind::CudaRetrieve { slabs, .. },
             ShardReplyBody::Slabs(s),
         ) => {
             for (i, v) in idx.iter().zip(s) {

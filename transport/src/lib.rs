@@ -5,6 +5,7 @@ pub mod config;
 pub mod control;
 pub mod cpu_shm;
 pub mod cuda_refusal;
+pub mod cuda_transfer;
 pub mod front;
 pub mod http_api;
 mod l1_slab;

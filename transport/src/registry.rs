@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::ObjectKey;
 
-use crate::cpu_shm::{CpuShmRegistration, KvGroupSpec, ShmTensorSpec};
+use crate::cpu_shm::{CpuShmRegistration, ShmTensorSpec};
+use crate::cuda_transfer::CudaInstance;
 use crate::msgpack::Value;
 use crate::wire::{self, IpcData, IpcKey};
 
@@ -173,10 +174,19 @@ pub struct EngineEntry {
     pub kv_ranks: Vec<u32>,
 }
 
+/// How an lmcache_driven worker's KV cache is reached.
+#[derive(Debug, Clone)]
+pub enum LmcTransfer {
+    /// CPU tensors in POSIX shm (cpu_shm).
+    CpuShm(Arc<CpuShmRegistration>),
+    /// GPU tensors over CUDA IPC, copied by a device thread.
+    Cuda(Arc<CudaInstance>),
+}
+
 pub struct LmcEntry {
     pub model_name: String,
     pub world_size: u32,
-    pub reg: Arc<CpuShmRegistration>,
+    pub reg: LmcTransfer,
     pub layout: Layout,
     pub last_seen: Instant,
     pub pinged: bool,
@@ -335,7 +345,7 @@ impl Registry {
         Some(e.layout.clone())
     }
 
-    pub fn lmc_reg(&mut self, iid: i64, now: Instant) -> Option<(Arc<CpuShmRegistration>, Layout)> {
+    pub fn lmc_reg(&mut self, iid: i64, now: Instant) -> Option<(LmcTransfer, Layout)> {
         let e = self.lmc.get_mut(&iid)?;
         e.last_seen = now;
         Some((e.reg.clone(), e.layout.clone()))
@@ -439,27 +449,55 @@ impl Registry {
             .map(|(i, e)| {
                 // 0.5.6's `GPUCacheContext.report_status()` shape: `lmcache describe
                 // kvcache` reads it as a dict (a string there crashes it).
-                let r = &e.reg;
-                let layout = serde_json::json!({
-                    "num_layers": r.num_registered_tensors(),
-                    "num_blocks": r.num_blocks(),
-                    "cache_size_per_token": r.cache_size_per_token(),
-                    "kernel_groups": [{
-                        "kernel_group_idx": 0,
-                        "engine_group_idx": 0,
-                        "object_group_idx": 0,
-                        "num_layers": r.num_layers(),
-                        "layer_indices": r.layer_indices(),
-                        "tokens_per_block": r.block_size_tokens(),
-                        "slots_per_block": r.block_size_tokens(),
-                        "dtype": format!("torch.{}", r.dtype().name()),
-                        "is_mla": r.is_mla(),
-                        "engine_kv_format": r.kv_format().name(),
-                    }],
-                });
+                let (layout, device) = match &e.reg {
+                    LmcTransfer::CpuShm(r) => (
+                        serde_json::json!({
+                            "num_layers": r.num_registered_tensors(),
+                            "num_blocks": r.num_blocks(),
+                            "cache_size_per_token": r.cache_size_per_token(),
+                            "kernel_groups": [{
+                                "kernel_group_idx": 0,
+                                "engine_group_idx": 0,
+                                "object_group_idx": 0,
+                                "num_layers": r.num_layers(),
+                                "layer_indices": r.layer_indices(),
+                                "tokens_per_block": r.block_size_tokens(),
+                                "slots_per_block": r.block_size_tokens(),
+                                "dtype": format!("torch.{}", r.dtype().name()),
+                                "is_mla": r.is_mla(),
+                                "engine_kv_format": r.kv_format().name(),
+                            }],
+                        }),
+                        "cpu_shm".to_string(),
+                    ),
+                    LmcTransfer::Cuda(c) => {
+                        let g = &c.geometry;
+                        let es = g.dtype.size_bytes();
+                        (
+                            serde_json::json!({
+                                "num_layers": g.views.len(),
+                                "num_blocks": g.num_blocks,
+                                "cache_size_per_token": g.kv_size * g.group_layers.len() * g.num_heads * g.head_size * es,
+                                "kernel_groups": [{
+                                    "kernel_group_idx": 0,
+                                    "engine_group_idx": 0,
+                                    "object_group_idx": 0,
+                                    "num_layers": g.group_layers.len(),
+                                    "layer_indices": g.group_layers,
+                                    "tokens_per_block": g.block_size,
+                                    "slots_per_block": g.block_size,
+                                    "dtype": format!("torch.{}", g.dtype.name()),
+                                    "is_mla": g.format.is_mla(),
+                                    "engine_kv_format": g.format.name(),
+                                }],
+                            }),
+                            format!("cuda:{}", c.ordinal),
+                        )
+                    }
+                };
                 (
                     i.to_string(),
-                    serde_json::json!({"model_name": e.model_name, "world_size": e.world_size, "kv_cache_layout": layout, "device": "cpu_shm"}),
+                    serde_json::json!({"model_name": e.model_name, "world_size": e.world_size, "kv_cache_layout": layout, "device": device}),
                 )
             })
             .collect();
@@ -500,24 +538,8 @@ pub fn open_cpu_shm(
             IpcData::Unsupported { tag } => return Err(format!("layer {i} has unsupported device descriptor type {tag:?}")),
         }
     }
-    let groups: Vec<KvGroupSpec> = groups
-        .iter()
-        .map(|g| KvGroupSpec {
-            engine_group_id: g.engine_group_id,
-            layer_indices: g.layer_indices.clone(),
-            tokens_per_block: g.tokens_per_block,
-            sw_size_tokens: g.sw_size_tokens,
-            extra_object_group_tag: g.extra_object_group_tag,
-            recurrent_state: g.recurrent_state,
-        })
-        .collect();
-    let hint = match layout_hints {
-        Value::Map(m) => m.iter().find_map(|(k, v)| match (k, v) {
-            (Value::Str(k), Value::Str(v)) if k == "kv_layout" => Some(v.clone()),
-            _ => None,
-        }),
-        _ => None,
-    };
+    let groups = crate::cuda_transfer::group_specs(groups);
+    let hint = crate::cuda_transfer::kv_layout_hint(layout_hints);
     if engine_type != "vllm" && engine_type != "mock" {
         kvshard_io::log_limited!(
             log::Level::Warn,

@@ -17,6 +17,7 @@ use kvshard_io::mailbox::{mailbox, notify_queue};
 
 use crate::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
 use crate::control::ControlHandle;
+use crate::cuda_transfer::L1Memory;
 use crate::front::{Front, FrontSetup};
 use crate::http_api::{self, HttpInfo};
 use crate::shard::{run_shard, ShardBacking, ShardConfig};
@@ -118,6 +119,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     // Checked before the arena is made, and again on what was mapped (a
     // device-DAX arena is rounded down to the device alignment).
     let slices = slices_of(cfg.l1.size_bytes)?;
+    let (events_tx, events_rx) = notify_queue();
     let (mut store, slices, lock_memory, setup) = match &cfg.l1.gds {
         Some(gds) => {
             let slabs = create_slabs(gds, &slices)?;
@@ -126,6 +128,8 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
                 huge_pages: HugePages::Off,
                 huge_page_bytes: None,
                 arena: slabs_status(gds, &slabs),
+                l1_memory: None,
+                events: events_tx.clone(),
             };
             // Offsets are file offsets: every shard's allocator starts at 0.
             let slices = slices
@@ -157,6 +161,12 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
                 huge_pages: arena.huge_pages(),
                 huge_page_bytes,
                 arena: arena_status(&arena),
+                l1_memory: Some(L1Memory {
+                    base: arena.base() as usize,
+                    len: arena.len() as usize,
+                    keep: arena.clone(),
+                }),
+                events: events_tx.clone(),
             };
             (L1Store::Memory(arena), slices, lock_memory, setup)
         }
@@ -186,7 +196,6 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     log::info!("ZeroMQ ROUTER listening on {url}");
 
     check_l2_paths(&cfg)?;
-    let (events_tx, events_rx) = notify_queue();
     let mut senders = Vec::with_capacity(n);
     let mut handles: Vec<ShardHandle> = Vec::with_capacity(n);
     for (i, (offset, max, init)) in slices.iter().copied().enumerate() {

@@ -1645,6 +1645,35 @@ pub fn encode_prepare_retrieve_reply(success: bool, slots: &[ShmSlot]) -> Vec<u8
     w.into_vec()
 }
 
+/// The frames lmcache 0.5.6 encoded for GPU workers
+/// (`testdata/golden_cuda_register.json`), for the tests of every module.
+#[cfg(test)]
+pub(crate) mod golden {
+    use super::{decode_op, Op};
+
+    pub(crate) fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    pub(crate) fn cuda_golden() -> serde_json::Value {
+        serde_json::from_str(include_str!("../testdata/golden_cuda_register.json")).unwrap()
+    }
+
+    /// The op and payload frames of golden message `name`.
+    pub(crate) fn golden_frames(g: &serde_json::Value, name: &str) -> (Op, Vec<Vec<u8>>) {
+        let frames: Vec<Vec<u8>> = g[name]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| unhex(f.as_str().unwrap()))
+            .collect();
+        (decode_op(&frames[1]).unwrap(), frames[2..].to_vec())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1654,12 +1683,7 @@ mod tests {
         b.iter().map(|x| format!("{x:02x}")).collect()
     }
 
-    fn unhex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
-    }
+    use super::golden::unhex;
 
     fn s(v: &str) -> Value {
         Value::Str(v.to_string())
@@ -1881,19 +1905,7 @@ mod tests {
 
     /// REGISTER/STORE/RETRIEVE frames lmcache 0.5.6's encoders produced for GPU
     /// workers (`cuda`, `cuda_raw` and `cuda_vmm` descriptors).
-    fn cuda_golden() -> serde_json::Value {
-        serde_json::from_str(include_str!("../testdata/golden_cuda_register.json")).unwrap()
-    }
-
-    fn golden_frames(g: &serde_json::Value, name: &str) -> (Op, Vec<Vec<u8>>) {
-        let frames: Vec<Vec<u8>> = g[name]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|f| unhex(f.as_str().unwrap()))
-            .collect();
-        (decode_op(&frames[1]).unwrap(), frames[2..].to_vec())
-    }
+    use super::golden::{cuda_golden, golden_frames};
 
     #[test]
     fn golden_cuda_registrations() {

@@ -657,7 +657,6 @@ impl Drop for DeviceBuffer {
 mod tests {
     use super::super::DeviceErrorKind;
     use super::*;
-    use crate::layout::{EngineKvFormat, PageBufferShape, StrideTable};
 
     #[test]
     fn query_maps_ready_not_ready_and_errors() {
@@ -713,17 +712,7 @@ mod tests {
     }
 
     fn flash_launch() -> KernelLaunch {
-        let shape = PageBufferShape {
-            kv_size: 2,
-            nl: 4,
-            nb: 100,
-            bs: 16,
-            nh: 8,
-            hs: 128,
-            element_size: 2,
-            block_stride_elems: 0,
-        };
-        let t = StrideTable::new(EngineKvFormat::NL_X_TWO_NB_BS_NH_HS, &shape).unwrap();
+        let t = super::super::flash_table(4);
         KernelLaunch::new(&t, CopyDirection::Gather, 2, 32, 256, 0).unwrap()
     }
 

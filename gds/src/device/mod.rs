@@ -27,10 +27,30 @@
 //! missing library or symbol is a [`DeviceError`] that says so. Each driver
 //! call also runs under `catch_unwind` as a second guard.
 
+pub mod emulated;
+/// The stride table of a FlashAttention NHD group of `nl` bf16 layers
+/// (100 blocks of 16 tokens, 8 heads of 128), for the tests of this module.
+#[cfg(test)]
+pub(crate) fn flash_table(nl: u32) -> crate::layout::StrideTable {
+    let shape = crate::layout::PageBufferShape {
+        kv_size: 2,
+        nl,
+        nb: 100,
+        bs: 16,
+        nh: 8,
+        hs: 128,
+        element_size: 2,
+        block_stride_elems: 0,
+    };
+    crate::layout::StrideTable::new(crate::layout::EngineKvFormat::NL_X_TWO_NB_BS_NH_HS, &shape)
+        .unwrap()
+}
+
 pub mod event;
 pub mod exec;
 pub mod ipc;
 pub mod pin;
+pub mod worker;
 
 use std::ffi::c_int;
 use std::fmt;

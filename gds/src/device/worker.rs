@@ -1,0 +1,2169 @@
+//! The per-GPU device threads the transport drives.
+//!
+//! [`DeviceThreads`] owns one thread per GPU ordinal (`kvshard-cuda-<N>`),
+//! started on the first job for that GPU and fed through a bounded queue.
+//! Each thread opens the device's primary context ([`Device`]) and keeps
+//! every CUDA object it makes: the block-copy kernel (compiled once, on the
+//! first registration), a [`MappingRegistry`] of IPC/fabric imports shared by
+//! its instances, and per instance a non-blocking stream, the device array
+//! of paged base pointers, a block-id buffer, [`MAX_OBJECTS`] temp slots, a
+//! completion event and an [`ExportRing`].
+//!
+//! A transfer (lmcache 0.5.6's STORE/RETRIEVE staged kernel path) makes the
+//! instance stream wait on the worker's event, then runs its chunks in
+//! batches of up to [`MAX_OBJECTS`]: STORE gathers the engine blocks into the
+//! temp slots and copies each slot to its host object; RETRIEVE copies each
+//! host object into its slot and scatters the slots into the engine blocks.
+//! The thread waits for the copies to complete before it answers, so the
+//! caller may commit, release or reuse the host objects as soon as `done`
+//! runs, on success and on failure alike.
+//!
+//! Host copies to or from the pinned arena are cut at its 64 MiB
+//! registration boundaries (one copy may not span two registrations).
+//!
+//! The pure parts (spec and chunk validation, the batch planner, the layer
+//! windows and imports, the host-copy splitter) are free functions tested
+//! without a GPU; a host without CUDA exercises the path where the device
+//! cannot be opened and every job is answered with the reason.
+
+use std::any::Any;
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use super::event::{ExportRing, ImportedEvent, IpcEventHandle, DEFAULT_EXPORT_RING};
+use super::exec::{CompletionEvent, DeviceBuffer, KernelModule, LaunchArgs, Stream};
+use super::ipc::{
+    DriverIpcOpener, FabricHandle, IpcMemHandle, IpcOpener, MappingKey, MappingRegistry,
+};
+use super::pin::{split_copy, Piece, PinnedRegion, DEFAULT_PIECE_BYTES};
+use super::Device;
+use crate::cuda::CudaEnv;
+use crate::kernel::{CopyDirection, KernelLaunch, KernelObjects};
+use crate::layout::{StrideTable, MAX_OBJECTS};
+use crate::nvrtc::Nvrtc;
+
+/// Jobs one device thread's queue holds before [`DeviceThreads::submit`]
+/// hands a job back.
+pub const DEFAULT_QUEUE_DEPTH: usize = 1024;
+
+/// How one registered layer's memory is shared by the worker process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LayerMemory {
+    /// torch storage IPC (`cuda` tag, a 'c' handle): the cudaMalloc block's
+    /// handle, the storage's byte offset inside the block (`handle[3]`) and
+    /// size (`handle[2]`); `alloc_event` = `handle[6]` when `handle[7]`
+    /// (event_sync_required) is true.
+    Cuda {
+        handle: IpcMemHandle,
+        storage_offset: u64,
+        storage_bytes: u64,
+        alloc_event: Option<IpcEventHandle>,
+    },
+    /// `cuda_raw`: allocation base handle, byte offset of the tensor in it,
+    /// bytes.
+    Raw {
+        handle: IpcMemHandle,
+        alloc_offset: u64,
+        nbytes: u64,
+    },
+    /// `cuda_vmm` fabric export.
+    Fabric {
+        handle: FabricHandle,
+        alloc_size: u64,
+        alloc_offset: u64,
+        nbytes: u64,
+    },
+}
+
+/// One registered tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerSpec {
+    pub memory: LayerMemory,
+    /// Bytes from the start of the shared range (storage / alloc_offset) to
+    /// the tensor's first element (storage_offset * element size).
+    pub view_offset: u64,
+    /// Bytes the view spans from its first element (must fit the shared
+    /// range; for a layer the kernel addresses, at least the table's
+    /// `paged_span_bytes`).
+    pub view_bytes: u64,
+}
+
+/// Everything a registration needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InstanceSpec {
+    pub ordinal: usize,
+    /// Every registered tensor, registration order.
+    pub layers: Vec<LayerSpec>,
+    /// Indices into `layers` in the kernel's pointer order (the paged[]
+    /// array); exactly `table.paged_buffers()` of them.
+    pub kernel_layers: Vec<usize>,
+    /// One kernel group.
+    pub table: StrideTable,
+    /// Token slots per chunk object.
+    pub chunk_slots: u64,
+    pub blocks_per_chunk: usize,
+    /// Bytes of one chunk object (must equal `table.object_bytes(chunk_slots)`).
+    pub object_bytes: u64,
+}
+
+/// One chunk of a transfer: the L1 object in host memory and the worker's
+/// blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkCopy {
+    pub host_addr: usize,
+    pub block_ids: Vec<i64>,
+    /// Leading blocks of this chunk left untouched (retrieve's
+    /// skip_first_n_tokens; 0 for store, which refuses anything else).
+    /// Honoured per chunk; see [`plan_batches`] for how it becomes the
+    /// kernel's flat skip of a batch.
+    pub skip_blocks: usize,
+}
+
+/// Which way a transfer moves KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyDir {
+    /// STORE: gather device blocks into the host object.
+    ToHost,
+    /// RETRIEVE: scatter the host object into device blocks.
+    ToDevice,
+}
+
+/// Answer of a registration.
+pub type RegisterDone = Box<dyn FnOnce(Result<(), String>) + Send>;
+
+/// Answer of a transfer: the 64 bytes of the exported server event.
+pub type TransferDone = Box<dyn FnOnce(Result<Vec<u8>, String>) + Send>;
+
+/// Work for one GPU's thread.
+pub enum DeviceJob {
+    Register {
+        iid: i64,
+        spec: InstanceSpec,
+        done: RegisterDone,
+    },
+    /// `done` gets the exported server event handle bytes (64) once every
+    /// copy has COMPLETED (the thread waits for completion before calling
+    /// it), or an error. After an error the thread also waits until nothing
+    /// of the job is still running on the device before calling `done`, so
+    /// the caller may free or reuse the host memory then.
+    Transfer {
+        iid: i64,
+        dir: CopyDir,
+        worker_event: Option<Vec<u8>>,
+        chunks: Vec<ChunkCopy>,
+        done: TransferDone,
+    },
+    Unregister {
+        iid: i64,
+    },
+}
+
+impl fmt::Debug for DeviceJob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Register { iid, spec, .. } => f
+                .debug_struct("Register")
+                .field("iid", iid)
+                .field("ordinal", &spec.ordinal)
+                .field("layers", &spec.layers.len())
+                .finish_non_exhaustive(),
+            Self::Transfer {
+                iid, dir, chunks, ..
+            } => f
+                .debug_struct("Transfer")
+                .field("iid", iid)
+                .field("dir", dir)
+                .field("chunks", &chunks.len())
+                .finish_non_exhaustive(),
+            Self::Unregister { iid } => f.debug_struct("Unregister").field("iid", iid).finish(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Pure logic: spec and chunk validation, batches, layer windows, host parts.
+// ---------------------------------------------------------------------------
+
+/// The shared byte range of one layer inside its mapping, and where the
+/// tensor starts in that range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerWindow {
+    pub key: MappingKey,
+    /// Offset of the shared range inside the mapped allocation.
+    pub offset: u64,
+    /// Bytes of the shared range.
+    pub len: u64,
+    /// Offset of the first element inside the shared range.
+    pub view_offset: u64,
+}
+
+/// Where layer `layer` lives: its mapping and range, checked so the view
+/// fits the shared range (`cuda`: first element = block base +
+/// storage_offset + view_offset and the view ends inside the storage;
+/// `cuda_raw` and `cuda_vmm`: base + alloc_offset + view_offset inside
+/// `nbytes`, and for `cuda_vmm` the range inside `alloc_size`).
+pub fn layer_window(ordinal: u32, layer: &LayerSpec) -> Result<LayerWindow, String> {
+    let (key, offset, len) = match &layer.memory {
+        LayerMemory::Cuda {
+            handle,
+            storage_offset,
+            storage_bytes,
+            ..
+        } => (
+            MappingKey::ipc(ordinal, *handle),
+            *storage_offset,
+            *storage_bytes,
+        ),
+        LayerMemory::Raw {
+            handle,
+            alloc_offset,
+            nbytes,
+        } => (MappingKey::ipc(ordinal, *handle), *alloc_offset, *nbytes),
+        LayerMemory::Fabric {
+            handle,
+            alloc_size,
+            alloc_offset,
+            nbytes,
+        } => {
+            if alloc_offset
+                .checked_add(*nbytes)
+                .is_none_or(|end| end > *alloc_size)
+            {
+                return Err(format!(
+                    "fabric range at offset {alloc_offset} of {nbytes} bytes exceeds the \
+                     {alloc_size} byte allocation"
+                ));
+            }
+            (
+                MappingKey::fabric(ordinal, *handle, *alloc_size),
+                *alloc_offset,
+                *nbytes,
+            )
+        }
+    };
+    if offset.checked_add(len).is_none() {
+        return Err(format!(
+            "shared range at offset {offset} of {len} bytes overflows"
+        ));
+    }
+    if layer
+        .view_offset
+        .checked_add(layer.view_bytes)
+        .is_none_or(|end| end > len)
+    {
+        return Err(format!(
+            "view at offset {} of {} bytes does not fit the {len} byte shared range",
+            layer.view_offset, layer.view_bytes
+        ));
+    }
+    Ok(LayerWindow {
+        key,
+        offset,
+        len,
+        view_offset: layer.view_offset,
+    })
+}
+
+/// Checks a registration before anything is mapped or allocated.
+pub fn check_spec(spec: &InstanceSpec) -> Result<(), String> {
+    let t = &spec.table;
+    if spec.layers.is_empty() {
+        return Err("no layers".into());
+    }
+    if spec.kernel_layers.len() != t.paged_buffers() {
+        return Err(format!(
+            "the {} format addresses {} paged buffers, got {} kernel layers",
+            t.format(),
+            t.paged_buffers(),
+            spec.kernel_layers.len()
+        ));
+    }
+    if spec.blocks_per_chunk == 0 {
+        return Err("blocks_per_chunk is 0".into());
+    }
+    let ordinal = u32::try_from(spec.ordinal).map_err(|_| "ordinal out of range".to_string())?;
+    for (i, layer) in spec.layers.iter().enumerate() {
+        layer_window(ordinal, layer).map_err(|e| format!("layer {i}: {e}"))?;
+    }
+    let span = t.paged_span_bytes();
+    for (p, &i) in spec.kernel_layers.iter().enumerate() {
+        let layer = spec.layers.get(i).ok_or_else(|| {
+            format!(
+                "kernel pointer {p} names layer {i}, but only {} are registered",
+                spec.layers.len()
+            )
+        })?;
+        if layer.view_bytes < span {
+            return Err(format!(
+                "kernel pointer {p} (layer {i}) spans {} bytes, but the layout addresses {span}",
+                layer.view_bytes
+            ));
+        }
+    }
+    let blocks = MAX_OBJECTS
+        .checked_mul(spec.blocks_per_chunk)
+        .ok_or("blocks_per_chunk overflows")?;
+    for dir in [CopyDirection::Gather, CopyDirection::Scatter] {
+        KernelLaunch::new(t, dir, MAX_OBJECTS, blocks, spec.chunk_slots, 0)
+            .map_err(|e| format!("a batch of {MAX_OBJECTS} chunks cannot be launched: {e}"))?;
+    }
+    let need = t
+        .object_bytes(spec.chunk_slots)
+        .map_err(|e| e.to_string())?;
+    if spec.object_bytes != need {
+        return Err(format!(
+            "object_bytes is {} but one chunk of this layout is {need} bytes",
+            spec.object_bytes
+        ));
+    }
+    (MAX_OBJECTS as u64)
+        .checked_mul(spec.object_bytes)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or("the temp slots' size overflows")?;
+    Ok(())
+}
+
+/// Checks every chunk of a transfer before anything is enqueued: exactly
+/// `blocks_per_chunk` ids, each in `0..nb`, `skip_blocks <= blocks_per_chunk`
+/// (and 0 for a store, which must fill the whole object), and a non-null
+/// host range `[host_addr, host_addr + object_bytes)` that does not wrap.
+pub fn validate_chunks(
+    chunks: &[ChunkCopy],
+    dir: CopyDir,
+    blocks_per_chunk: usize,
+    nb: u64,
+    object_bytes: u64,
+) -> Result<(), String> {
+    for (c, chunk) in chunks.iter().enumerate() {
+        if chunk.block_ids.len() != blocks_per_chunk {
+            return Err(format!(
+                "chunk {c} has {} block ids, expected {blocks_per_chunk}",
+                chunk.block_ids.len()
+            ));
+        }
+        if let Some((j, id)) = chunk
+            .block_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| u64::try_from(id).map_or(true, |id| id >= nb))
+        {
+            return Err(format!(
+                "chunk {c}: block id {id} (index {j}) is outside 0..{nb}"
+            ));
+        }
+        if chunk.skip_blocks > blocks_per_chunk {
+            return Err(format!(
+                "chunk {c}: skip_blocks {} exceeds its {blocks_per_chunk} blocks",
+                chunk.skip_blocks
+            ));
+        }
+        if dir == CopyDir::ToHost && chunk.skip_blocks != 0 {
+            return Err(format!(
+                "chunk {c}: a store cannot skip blocks (skip_blocks {})",
+                chunk.skip_blocks
+            ));
+        }
+        if chunk.host_addr == 0 {
+            return Err(format!("chunk {c}: null host address"));
+        }
+        let end = usize::try_from(object_bytes)
+            .ok()
+            .and_then(|n| chunk.host_addr.checked_add(n));
+        if end.is_none() {
+            return Err(format!(
+                "chunk {c}: host range {:#x} + {object_bytes} wraps",
+                chunk.host_addr
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One kernel launch's worth of chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    /// Index of the batch's first chunk in the transfer.
+    pub first_chunk: usize,
+    /// Chunks (kernel objects) in the batch, 1..=MAX_OBJECTS.
+    pub chunks: usize,
+    /// The chunks' block ids, concatenated (the kernel's flat index).
+    pub ids: Vec<i64>,
+    /// Leading flat blocks of the batch the kernel leaves untouched.
+    pub skip_blocks: usize,
+}
+
+impl Batch {
+    /// Whether the kernel would touch nothing (every block skipped).
+    pub fn fully_skipped(&self) -> bool {
+        self.skip_blocks >= self.ids.len()
+    }
+}
+
+/// Groups chunks into batches of at most [`MAX_OBJECTS`], in order.
+///
+/// The kernel skips a flat prefix of a batch's blocks, so a batch's skip is
+/// the sum of the `skip_blocks` of its leading chunks: a chunk may join a
+/// batch when it skips nothing, or when every chunk already in the batch is
+/// skipped entirely (its own skip then extends the prefix). Any other chunk
+/// with `skip_blocks > 0` starts a new batch. So each chunk's own
+/// `skip_blocks` is honoured exactly, whatever the pattern.
+///
+/// For the skips RETRIEVE derives from `skip_first_n_tokens` (whole chunks
+/// skipped, then one partial chunk, then none) this gives lmcache 0.5.6's
+/// batches and flat skips exactly: fixed batches of four, each skipping
+/// `floor(max(0, skip_tokens - batch_first_token) / bs)` flat blocks. When
+/// only the first chunk of a batch skips anything, the batch's skip is that
+/// chunk's `skip_blocks`.
+pub fn plan_batches(chunks: &[ChunkCopy], blocks_per_chunk: usize) -> Vec<Batch> {
+    let mut out: Vec<Batch> = Vec::new();
+    for (c, chunk) in chunks.iter().enumerate() {
+        let joins = out.last().is_some_and(|b| {
+            b.chunks < MAX_OBJECTS
+                && (chunk.skip_blocks == 0 || b.skip_blocks == b.chunks * blocks_per_chunk)
+        });
+        if !joins {
+            out.push(Batch {
+                first_chunk: c,
+                chunks: 0,
+                ids: Vec::with_capacity(MAX_OBJECTS * blocks_per_chunk),
+                skip_blocks: 0,
+            });
+        }
+        let b = out.last_mut().expect("a batch was just ensured");
+        if b.skip_blocks == b.chunks * blocks_per_chunk {
+            b.skip_blocks += chunk.skip_blocks;
+        }
+        b.chunks += 1;
+        b.ids.extend_from_slice(&chunk.block_ids);
+    }
+    out
+}
+
+/// The pinned arena as the copy splitter sees it: its base address and its
+/// registrations (offsets relative to the base).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PinView {
+    pub base: u64,
+    pub len: u64,
+    pub pieces: Vec<Piece>,
+}
+
+/// One host copy: `[offset, offset + len)` of the host object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostPart {
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Cuts the host range `[addr, addr + len)` into copies that never span
+/// two registrations of the pinned arena: the part before the arena, one
+/// part per piece inside it, the part after it. Without an arena, or for a
+/// range outside it, one copy.
+pub fn host_copy_parts(
+    pin: Option<&PinView>,
+    addr: u64,
+    len: u64,
+) -> Result<Vec<HostPart>, String> {
+    let end = addr
+        .checked_add(len)
+        .ok_or_else(|| format!("host range {addr:#x} + {len} wraps"))?;
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let whole = || Ok(vec![HostPart { offset: 0, len }]);
+    let Some(pin) = pin else { return whole() };
+    let pin_end = pin.base.saturating_add(pin.len);
+    let (lo, hi) = (addr.max(pin.base), end.min(pin_end));
+    if lo >= hi {
+        return whole();
+    }
+    let mut parts = Vec::new();
+    if addr < lo {
+        parts.push(HostPart {
+            offset: 0,
+            len: lo - addr,
+        });
+    }
+    let inside = split_copy(&pin.pieces, lo - pin.base, hi - lo)
+        .map_err(|e| format!("splitting a host copy at the pinned pieces: {e}"))?;
+    parts.extend(inside.map(|p| HostPart {
+        offset: pin.base + p.offset - addr,
+        len: p.len,
+    }));
+    if hi < end {
+        parts.push(HostPart {
+            offset: hi - addr,
+            len: end - hi,
+        });
+    }
+    Ok(parts)
+}
+
+/// Checks that every kernel base pointer is aligned to the copy width.
+pub fn check_alignment(ptrs: &[u64], unit_bytes: u32) -> Result<(), String> {
+    let unit = u64::from(unit_bytes.max(1));
+    match ptrs.iter().enumerate().find(|(_, &p)| p % unit != 0) {
+        Some((i, p)) => Err(format!(
+            "kernel pointer {i} at {p:#x} is not aligned to the layout's {unit}-byte copy unit"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A layer mapped for this process: the mapping it holds a reference on and
+/// the device address of its first element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImportedLayer {
+    pub key: MappingKey,
+    pub ptr: u64,
+}
+
+/// Maps every layer (one registry reference each; layers sharing a handle
+/// share the mapping). On any failure the references taken so far are
+/// given back and the error names the layer.
+pub fn import_layers<O: IpcOpener>(
+    registry: &mut MappingRegistry<O>,
+    ordinal: u32,
+    layers: &[LayerSpec],
+) -> Result<Vec<ImportedLayer>, String> {
+    let mut out: Vec<ImportedLayer> = Vec::with_capacity(layers.len());
+    for (i, layer) in layers.iter().enumerate() {
+        let imported = layer_window(ordinal, layer).and_then(|w| {
+            registry
+                .open_range(&w.key, w.offset, w.len)
+                .map(|r| ImportedLayer {
+                    key: w.key,
+                    ptr: r.ptr + w.view_offset,
+                })
+                .map_err(|e| e.to_string())
+        });
+        match imported {
+            Ok(l) => out.push(l),
+            Err(e) => {
+                release_layers(registry, out.iter().map(|l| l.key));
+                return Err(format!("layer {i}: {e}"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Gives back one reference per key; failures are logged (the registry
+/// forgets the mapping either way).
+pub fn release_layers<O: IpcOpener>(
+    registry: &mut MappingRegistry<O>,
+    keys: impl IntoIterator<Item = MappingKey>,
+) {
+    for key in keys {
+        if let Err(e) = registry.release(&key) {
+            log::warn!("{e}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The pinned arena, shared by the device threads.
+// ---------------------------------------------------------------------------
+
+enum PinPhase {
+    /// No arena was given.
+    Absent,
+    /// Not registered yet; the first thread whose device opens does it.
+    Unclaimed {
+        base: usize,
+        len: usize,
+    },
+    Registering,
+    Registered(PinView),
+    /// Registration failed (copies then go unsplit, as pageable memory).
+    Failed,
+    /// The owner unregistered it at shutdown.
+    Released,
+}
+
+struct PinState {
+    phase: PinPhase,
+    /// Threads other than the owner that split copies at its pieces.
+    users: usize,
+}
+
+struct PinShared {
+    state: Mutex<PinState>,
+    cv: Condvar,
+}
+
+impl PinShared {
+    fn lock(&self) -> MutexGuard<'_, PinState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait<'a>(&self, g: MutexGuard<'a, PinState>) -> MutexGuard<'a, PinState> {
+        self.cv.wait(g).unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A device thread's part in the arena's life, held until the thread ends.
+#[derive(Default)]
+struct PinRole {
+    /// Set on the thread that registered the arena; unregisters it when
+    /// dropped, after every user has gone.
+    _owner: Option<PinOwner>,
+    /// Set on the other threads that split copies at its pieces.
+    _user: Option<PinUser>,
+}
+
+struct PinOwner {
+    shared: Arc<PinShared>,
+    region: Option<PinnedRegion>,
+}
+
+impl Drop for PinOwner {
+    fn drop(&mut self) {
+        let mut g = self.shared.lock();
+        if matches!(g.phase, PinPhase::Registering) {
+            g.phase = PinPhase::Failed;
+            self.shared.cv.notify_all();
+        }
+        while g.users > 0 {
+            g = self.shared.wait(g);
+        }
+        if self.region.is_some() {
+            g.phase = PinPhase::Released;
+        }
+        drop(g);
+        // Unregisters every piece (the other threads are done with it).
+        self.region.take();
+    }
+}
+
+struct PinUser {
+    shared: Arc<PinShared>,
+}
+
+impl Drop for PinUser {
+    fn drop(&mut self) {
+        let mut g = self.shared.lock();
+        g.users -= 1;
+        self.shared.cv.notify_all();
+    }
+}
+
+/// Joins the arena from a thread whose device is open: registers it when
+/// nobody has, waits for the owner's outcome otherwise.
+fn join_pin(shared: &Arc<PinShared>, device: &Device) -> (Option<PinView>, PinRole) {
+    let mut g = shared.lock();
+    let (base, len) = loop {
+        match &g.phase {
+            PinPhase::Absent | PinPhase::Failed | PinPhase::Released => {
+                return (None, PinRole::default())
+            }
+            PinPhase::Registering => g = shared.wait(g),
+            PinPhase::Registered(view) => {
+                let view = view.clone();
+                g.users += 1;
+                let user = PinUser {
+                    shared: shared.clone(),
+                };
+                let role = PinRole {
+                    _owner: None,
+                    _user: Some(user),
+                };
+                return (Some(view), role);
+            }
+            &PinPhase::Unclaimed { base, len } => break (base, len),
+        }
+    };
+    g.phase = PinPhase::Registering;
+    drop(g);
+    // From here the owner's drop settles the phase even if this panics.
+    let mut owner = PinOwner {
+        shared: shared.clone(),
+        region: None,
+    };
+    let started = std::time::Instant::now();
+    let registered = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: `DeviceThreads::new`'s contract: [base, base + len) is
+        // mapped host memory, registered by nobody else, that stays mapped
+        // while the threads run (the keepalive each thread holds); the
+        // region is dropped by its owner only after every thread using it
+        // has finished.
+        unsafe { PinnedRegion::register(device, base as *mut u8, len as u64, DEFAULT_PIECE_BYTES) }
+    }));
+    let mut g = shared.lock();
+    let view = match registered {
+        Ok(Ok(region)) => {
+            let view = PinView {
+                base: base as u64,
+                len: len as u64,
+                pieces: region.pieces().to_vec(),
+            };
+            log::info!(
+                "device {}: pinned {len} bytes at {base:#x} in {} pieces in {:?}",
+                device.ordinal(),
+                view.pieces.len(),
+                started.elapsed()
+            );
+            owner.region = Some(region);
+            g.phase = PinPhase::Registered(view.clone());
+            Some(view)
+        }
+        Ok(Err(e)) => {
+            log::warn!("{e}; host copies go through pageable memory");
+            g.phase = PinPhase::Failed;
+            None
+        }
+        Err(_) => {
+            log::warn!("pinning the host arena panicked; host copies go through pageable memory");
+            g.phase = PinPhase::Failed;
+            None
+        }
+    };
+    shared.cv.notify_all();
+    drop(g);
+    let role = PinRole {
+        _owner: Some(owner),
+        _user: None,
+    };
+    (view, role)
+}
+
+// ---------------------------------------------------------------------------
+// One device thread.
+// ---------------------------------------------------------------------------
+
+/// One registered instance's device state.
+struct Instance {
+    keys: Vec<MappingKey>,
+    table: StrideTable,
+    chunk_slots: u64,
+    blocks_per_chunk: usize,
+    object_bytes: u64,
+    paged: DeviceBuffer,
+    ids: DeviceBuffer,
+    slots: DeviceBuffer,
+    completion: CompletionEvent,
+    ring: ExportRing,
+    stream: Stream,
+}
+
+impl Instance {
+    /// Waits for the stream, frees the device state, then gives back the
+    /// mapping references (nothing may use a mapping once it is closed).
+    fn close(mut self, registry: &mut MappingRegistry<DriverIpcOpener>) {
+        if let Err(e) = self.stream.synchronize() {
+            log::warn!("{e} (closing an instance)");
+        }
+        let keys = std::mem::take(&mut self.keys);
+        drop(self);
+        release_layers(registry, keys);
+    }
+}
+
+struct Worker {
+    ordinal: u32,
+    device: Device,
+    instances: HashMap<i64, Instance>,
+    registry: MappingRegistry<DriverIpcOpener>,
+    /// Compiled on the first registration; a failure is kept and repeated.
+    module: Option<Result<KernelModule, String>>,
+    pin: Option<PinView>,
+}
+
+fn panic_message(p: &(dyn Any + Send)) -> &str {
+    p.downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| p.downcast_ref::<&str>().copied())
+        .unwrap_or("panic")
+}
+
+/// Calls a job's `done`; a panicking callback is logged, not propagated.
+fn answer<T>(done: Box<dyn FnOnce(Result<T, String>) + Send>, result: Result<T, String>) {
+    if let Err(p) = catch_unwind(AssertUnwindSafe(move || done(result))) {
+        log::error!(
+            "a device job's completion callback panicked: {}",
+            panic_message(&*p)
+        );
+    }
+}
+
+/// Answers a job that cannot run.
+fn refuse(job: DeviceJob, reason: &str) {
+    match job {
+        DeviceJob::Register { done, .. } => answer(done, Err(reason.to_string())),
+        DeviceJob::Transfer { done, .. } => answer(done, Err(reason.to_string())),
+        DeviceJob::Unregister { .. } => {}
+    }
+}
+
+impl Worker {
+    fn new(device: Device, pin: Option<PinView>) -> Self {
+        Self {
+            ordinal: device.ordinal(),
+            registry: MappingRegistry::new(DriverIpcOpener::new(device.clone())),
+            device,
+            instances: HashMap::new(),
+            module: None,
+            pin,
+        }
+    }
+
+    fn handle(&mut self, job: DeviceJob) {
+        match job {
+            DeviceJob::Register { iid, spec, done } => {
+                let r = self.guarded(iid, "registering", |w| w.register(iid, &spec));
+                answer(done, r);
+            }
+            DeviceJob::Transfer {
+                iid,
+                dir,
+                worker_event,
+                chunks,
+                done,
+            } => {
+                let r = self.guarded(iid, "transferring", |w| {
+                    w.transfer(iid, dir, worker_event.as_deref(), &chunks)
+                });
+                answer(done, r);
+            }
+            DeviceJob::Unregister { iid } => {
+                if let Err(e) = self.guarded(iid, "unregistering", |w| {
+                    w.unregister(iid);
+                    Ok(())
+                }) {
+                    log::error!("{e}");
+                }
+            }
+        }
+    }
+
+    /// Runs one job's work; a panic becomes an error, after the instance's
+    /// stream is drained so nothing of the job still runs.
+    fn guarded<T>(
+        &mut self,
+        iid: i64,
+        what: &str,
+        f: impl FnOnce(&mut Self) -> Result<T, String>,
+    ) -> Result<T, String> {
+        match catch_unwind(AssertUnwindSafe(|| f(self))) {
+            Ok(r) => r,
+            Err(p) => {
+                if let Some(inst) = self.instances.get(&iid) {
+                    if let Err(e) = inst.stream.synchronize() {
+                        log::error!("{e}");
+                    }
+                }
+                Err(format!(
+                    "device {}: internal error while {what} instance {iid}: {}",
+                    self.ordinal,
+                    panic_message(&*p)
+                ))
+            }
+        }
+    }
+
+    fn kernel(&mut self) -> Result<&KernelModule, String> {
+        let device = &self.device;
+        let module = self.module.get_or_insert_with(|| {
+            let nvrtc = Nvrtc::load().map_err(|e| e.to_string())?;
+            KernelModule::compile(device, &nvrtc).map_err(|e| e.to_string())
+        });
+        module.as_ref().map_err(Clone::clone)
+    }
+
+    fn register(&mut self, iid: i64, spec: &InstanceSpec) -> Result<(), String> {
+        let ordinal = self.ordinal;
+        let doing = |e: String| format!("device {ordinal}: registering instance {iid}: {e}");
+        if let Some(old) = self.instances.remove(&iid) {
+            log::info!(
+                "device {}: instance {iid} registered again; closing the old one",
+                self.ordinal
+            );
+            old.close(&mut self.registry);
+        }
+        if spec.ordinal != self.ordinal as usize {
+            return Err(doing(format!(
+                "the spec is for device {}, this thread serves device {}",
+                spec.ordinal, self.ordinal
+            )));
+        }
+        check_spec(spec).map_err(doing)?;
+        self.kernel().map(|_| ()).map_err(doing)?;
+        let layers =
+            import_layers(&mut self.registry, self.ordinal, &spec.layers).map_err(doing)?;
+        match self.build_instance(spec, &layers) {
+            Ok(inst) => {
+                self.instances.insert(iid, inst);
+                Ok(())
+            }
+            Err(e) => {
+                release_layers(&mut self.registry, layers.iter().map(|l| l.key));
+                Err(doing(e))
+            }
+        }
+    }
+
+    /// Allocates an instance's device state, waits once on the allocation
+    /// events, uploads the kernel pointers. Everything is allocated before
+    /// the first enqueue and the stream is synchronized before returning,
+    /// so nothing is dropped while the device may still use it.
+    fn build_instance(
+        &self,
+        spec: &InstanceSpec,
+        layers: &[ImportedLayer],
+    ) -> Result<Instance, String> {
+        let s = |e: super::DeviceError| e.to_string();
+        let t = &spec.table;
+        let ptrs: Vec<u64> = spec.kernel_layers.iter().map(|&i| layers[i].ptr).collect();
+        check_alignment(&ptrs, t.unit_bytes())?;
+        let device = &self.device;
+        let stream = Stream::new(device).map_err(s)?;
+        let mut seen = HashSet::new();
+        let mut alloc_events = Vec::new();
+        for layer in &spec.layers {
+            if let LayerMemory::Cuda {
+                alloc_event: Some(h),
+                ..
+            } = &layer.memory
+            {
+                if seen.insert(*h) {
+                    alloc_events.push(ImportedEvent::import(device, h).map_err(s)?);
+                }
+            }
+        }
+        let ptr_bytes = ptrs.len() * 8;
+        let paged = DeviceBuffer::alloc(device, ptr_bytes).map_err(s)?;
+        let ids =
+            DeviceBuffer::alloc(device, MAX_OBJECTS * spec.blocks_per_chunk * 8).map_err(s)?;
+        // check_spec made sure this fits usize.
+        let slots =
+            DeviceBuffer::alloc(device, MAX_OBJECTS * spec.object_bytes as usize).map_err(s)?;
+        let completion = CompletionEvent::new(device).map_err(s)?;
+        let ring = ExportRing::new(device, DEFAULT_EXPORT_RING);
+        for ev in &alloc_events {
+            ev.wait_on(&stream).map_err(s)?;
+        }
+        // SAFETY: `ptrs` is a live Vec of exactly `ptr_bytes` bytes that
+        // outlives the synchronize below; the destination range is inside
+        // `paged` (checked by copy_to_device).
+        unsafe { stream.copy_to_device(&paged, 0, ptrs.as_ptr().cast::<u8>(), ptr_bytes) }
+            .map_err(s)?;
+        stream.synchronize().map_err(s)?;
+        drop(alloc_events);
+        Ok(Instance {
+            keys: layers.iter().map(|l| l.key).collect(),
+            table: spec.table,
+            chunk_slots: spec.chunk_slots,
+            blocks_per_chunk: spec.blocks_per_chunk,
+            object_bytes: spec.object_bytes,
+            paged,
+            ids,
+            slots,
+            completion,
+            ring,
+            stream,
+        })
+    }
+
+    fn unregister(&mut self, iid: i64) {
+        if let Some(inst) = self.instances.remove(&iid) {
+            inst.close(&mut self.registry);
+        }
+    }
+
+    fn transfer(
+        &mut self,
+        iid: i64,
+        dir: CopyDir,
+        worker_event: Option<&[u8]>,
+        chunks: &[ChunkCopy],
+    ) -> Result<Vec<u8>, String> {
+        let ordinal = self.ordinal;
+        let doing = |e: String| format!("device {ordinal}: transfer for instance {iid}: {e}");
+        let inst = self
+            .instances
+            .get_mut(&iid)
+            .ok_or_else(|| doing("instance not registered on this device".into()))?;
+        // Every registered instance implies a loaded kernel.
+        let module = match &self.module {
+            Some(Ok(m)) => m,
+            _ => return Err(doing("the block-copy kernel is not loaded".into())),
+        };
+        let t = inst.table;
+        validate_chunks(
+            chunks,
+            dir,
+            inst.blocks_per_chunk,
+            t.shape().nb,
+            inst.object_bytes,
+        )
+        .map_err(doing)?;
+        let handle = worker_event
+            .map(IpcEventHandle::from_bytes)
+            .transpose()
+            .map_err(|e| doing(e.to_string()))?;
+        let batches = plan_batches(chunks, inst.blocks_per_chunk);
+        let direction = match dir {
+            CopyDir::ToHost => CopyDirection::Gather,
+            CopyDir::ToDevice => CopyDirection::Scatter,
+        };
+        let mut launches = Vec::with_capacity(batches.len());
+        let mut copies = Vec::with_capacity(chunks.len());
+        for b in &batches {
+            let launch = if b.fully_skipped() {
+                None
+            } else {
+                let l = KernelLaunch::new(
+                    &t,
+                    direction,
+                    b.chunks,
+                    b.ids.len(),
+                    inst.chunk_slots,
+                    b.skip_blocks,
+                )
+                .map_err(|e| doing(e.to_string()))?;
+                Some(l)
+            };
+            launches.push(launch);
+            for chunk in &chunks[b.first_chunk..b.first_chunk + b.chunks] {
+                let parts =
+                    host_copy_parts(self.pin.as_ref(), chunk.host_addr as u64, inst.object_bytes)
+                        .map_err(doing)?;
+                copies.push(parts);
+            }
+        }
+        // Nothing is enqueued before this point.
+        let imported = handle
+            .map(|h| ImportedEvent::import(&self.device, &h))
+            .transpose()
+            .map_err(|e| doing(e.to_string()))?;
+        let enqueued = enqueue(
+            module,
+            inst,
+            dir,
+            chunks,
+            &batches,
+            &launches,
+            &copies,
+            imported.as_ref(),
+        );
+        let outcome = enqueued.and_then(|()| inst.completion.wait().map_err(|e| e.to_string()));
+        if let Err(e) = outcome {
+            // Let nothing of this job run on after the answer.
+            if let Err(se) = inst.stream.synchronize() {
+                log::error!("{se} (after: {e})");
+            }
+            return Err(doing(e));
+        }
+        // The worker event, the host ids and the copy plans were kept alive
+        // until here, past completion.
+        drop(imported);
+        drop(batches);
+        let exported = inst.ring.export(&inst.stream).map_err(|e| {
+            let _ = inst.stream.synchronize();
+            doing(e.to_string())
+        })?;
+        Ok(exported.as_bytes().to_vec())
+    }
+}
+
+/// Enqueues one transfer on the instance stream, ending with the
+/// completion record. `copies[k]` holds the host parts of chunk
+/// `batches[..].first_chunk + ..` in batch order.
+#[allow(clippy::too_many_arguments)]
+fn enqueue(
+    module: &KernelModule,
+    inst: &Instance,
+    dir: CopyDir,
+    chunks: &[ChunkCopy],
+    batches: &[Batch],
+    launches: &[Option<KernelLaunch>],
+    copies: &[Vec<HostPart>],
+    worker_event: Option<&ImportedEvent>,
+) -> Result<(), String> {
+    let s = |e: super::DeviceError| e.to_string();
+    let stream = &inst.stream;
+    if let Some(ev) = worker_event {
+        ev.wait_on(stream).map_err(s)?;
+    }
+    let obj = inst.object_bytes as usize;
+    let mut k = 0;
+    for (b, launch) in batches.iter().zip(launches) {
+        let members = &chunks[b.first_chunk..b.first_chunk + b.chunks];
+        let parts = &copies[k..k + b.chunks];
+        k += b.chunks;
+        let Some(launch) = launch else {
+            // Every block of the batch is skipped: nothing to move.
+            continue;
+        };
+        let mut objects = KernelObjects::default();
+        for (i, p) in objects.ptr.iter_mut().take(b.chunks).enumerate() {
+            *p = inst.slots.range(i * obj, obj).map_err(s)?;
+        }
+        let args = LaunchArgs {
+            paged: inst.paged.ptr(),
+            objects,
+            ids: inst.ids.ptr(),
+        };
+        // SAFETY: `b.ids` is a live Vec kept until the transfer completed
+        // (the caller waits before dropping it); the range fits `inst.ids`,
+        // sized for MAX_OBJECTS chunks (checked by copy_to_device). The
+        // buffer is reused by the next batch only in stream order.
+        unsafe {
+            stream.copy_to_device(&inst.ids, 0, b.ids.as_ptr().cast::<u8>(), b.ids.len() * 8)
+        }
+        .map_err(s)?;
+        if dir == CopyDir::ToDevice {
+            for (i, (chunk, parts)) in members.iter().zip(parts).enumerate() {
+                for p in parts {
+                    // SAFETY: `DeviceThreads::new`'s contract: the host object
+                    // [host_addr, host_addr + object_bytes) is readable and
+                    // unchanged until `done` runs, which is after the copy
+                    // completed; the part lies inside it (host_copy_parts),
+                    // and the slot range is checked by copy_to_device.
+                    unsafe {
+                        stream.copy_to_device(
+                            &inst.slots,
+                            i * obj + p.offset as usize,
+                            (chunk.host_addr + p.offset as usize) as *const u8,
+                            p.len as usize,
+                        )
+                    }
+                    .map_err(s)?;
+                }
+            }
+        }
+        // SAFETY: the paged array holds the kernel layers' first elements,
+        // each aligned to the copy unit and spanning the layout's
+        // paged_span_bytes inside its mapping (checked at registration);
+        // every block id is in 0..nb (validate_chunks); the objects are the
+        // instance's temp slots of object_bytes each; the ids were uploaded
+        // just before on this stream. All of it stays alive and mapped until
+        // the transfer has completed (the thread waits, or synchronizes on
+        // error, before anything is dropped or unregistered).
+        unsafe { module.launch(stream, launch, &args) }.map_err(s)?;
+        if dir == CopyDir::ToHost {
+            for (i, (chunk, parts)) in members.iter().zip(parts).enumerate() {
+                for p in parts {
+                    // SAFETY: `DeviceThreads::new`'s contract: the host object
+                    // is writable and untouched by anyone else until `done`
+                    // runs, which is after the copy completed; the part lies
+                    // inside it, and the slot range is checked.
+                    unsafe {
+                        stream.copy_to_host(
+                            (chunk.host_addr + p.offset as usize) as *mut u8,
+                            &inst.slots,
+                            i * obj + p.offset as usize,
+                            p.len as usize,
+                        )
+                    }
+                    .map_err(s)?;
+                }
+            }
+        }
+    }
+    inst.completion.record(stream).map_err(s)
+}
+
+impl Worker {
+    /// Closes every instance (streams drained, mappings released).
+    fn shutdown(&mut self) {
+        let iids: Vec<i64> = self.instances.keys().copied().collect();
+        for iid in iids {
+            self.unregister(iid);
+        }
+    }
+}
+
+fn run_thread(
+    ordinal: usize,
+    env: CudaEnv,
+    rx: Receiver<DeviceJob>,
+    pin: Arc<PinShared>,
+    _keepalive: Arc<dyn Any + Send + Sync>,
+) {
+    let opened = match u32::try_from(ordinal) {
+        Err(_) => Err(format!("ordinal {ordinal} is out of range")),
+        Ok(o) => catch_unwind(AssertUnwindSafe(|| Device::open(&env, o)))
+            .map_err(|p| format!("opening CUDA device {o} panicked: {}", panic_message(&*p)))
+            .and_then(|r| r.map_err(|e| e.to_string())),
+    };
+    let device = match opened {
+        Ok(d) => d,
+        Err(e) => {
+            let reason = format!("CUDA device {ordinal} is unusable: {e}");
+            log::warn!("{reason}");
+            for job in rx.iter() {
+                refuse(job, &reason);
+            }
+            return;
+        }
+    };
+    let (view, role) = join_pin(&pin, &device);
+    let mut worker = Worker::new(device, view);
+    for job in rx.iter() {
+        worker.handle(job);
+    }
+    worker.shutdown();
+    drop(worker);
+    // The owner waits here until no other thread uses the arena.
+    drop(role);
+}
+
+// ---------------------------------------------------------------------------
+// The thread set.
+// ---------------------------------------------------------------------------
+
+struct Lane {
+    tx: SyncSender<DeviceJob>,
+    handle: JoinHandle<()>,
+}
+
+/// The device threads, one per GPU, started on first use.
+pub struct DeviceThreads {
+    env: CudaEnv,
+    pin: Arc<PinShared>,
+    keepalive: Arc<dyn Any + Send + Sync>,
+    lanes: Mutex<HashMap<usize, Lane>>,
+    queue_depth: usize,
+}
+
+impl fmt::Debug for DeviceThreads {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let lanes: Vec<usize> = self
+            .lanes
+            .lock()
+            .map(|l| l.keys().copied().collect())
+            .unwrap_or_default();
+        f.debug_struct("DeviceThreads")
+            .field("devices", &self.env.devices.len())
+            .field("threads", &lanes)
+            .field("queue_depth", &self.queue_depth)
+            .finish()
+    }
+}
+
+impl DeviceThreads {
+    /// `pin`: host memory (the L1 arena, `(base address, bytes)`) that the
+    /// first device thread to open its GPU registers with
+    /// `cuMemHostRegister` in 64 MiB pieces ([`PinnedRegion`]) before
+    /// serving jobs, kept registered until the threads stop; copies to or
+    /// from it are split at piece boundaries. A failed registration is
+    /// logged and copies then treat the arena as pageable memory.
+    /// `keepalive` is held by the threads so that memory stays mapped while
+    /// they run.
+    ///
+    /// # Safety
+    /// - `pin`, when given, is mapped host memory with a 4 KiB-aligned base
+    ///   that nobody else registers with CUDA, and that stays mapped for as
+    ///   long as `keepalive` lives;
+    /// - for every [`DeviceJob::Transfer`] later submitted, each chunk's
+    ///   `[host_addr, host_addr + object_bytes)` is mapped host memory that
+    ///   nothing else reads (for a store) or writes (both directions) until
+    ///   the job's `done` has been called; the device copies write into it
+    ///   (store) or read from it (retrieve);
+    /// - the workers' memory behind registered layers is only what the
+    ///   worker process shared (the kernel writes into the blocks it is
+    ///   asked to retrieve into).
+    pub unsafe fn new(
+        env: CudaEnv,
+        pin: Option<(usize, usize)>,
+        keepalive: Arc<dyn Any + Send + Sync>,
+    ) -> DeviceThreads {
+        // SAFETY: forwarded contract.
+        unsafe { Self::with_queue_depth(env, pin, keepalive, DEFAULT_QUEUE_DEPTH) }
+    }
+
+    /// [`DeviceThreads::new`] with another queue bound per thread.
+    ///
+    /// # Safety
+    /// As for [`DeviceThreads::new`].
+    pub unsafe fn with_queue_depth(
+        env: CudaEnv,
+        pin: Option<(usize, usize)>,
+        keepalive: Arc<dyn Any + Send + Sync>,
+        queue_depth: usize,
+    ) -> DeviceThreads {
+        let phase = match pin {
+            Some((base, len)) if len > 0 => PinPhase::Unclaimed { base, len },
+            _ => PinPhase::Absent,
+        };
+        DeviceThreads {
+            env,
+            pin: Arc::new(PinShared {
+                state: Mutex::new(PinState { phase, users: 0 }),
+                cv: Condvar::new(),
+            }),
+            keepalive,
+            lanes: Mutex::new(HashMap::new()),
+            queue_depth: queue_depth.max(1),
+        }
+    }
+
+    /// Queues a job for the GPU `ordinal` (bounded queue); the thread
+    /// `kvshard-cuda-<ordinal>` starts on first use. A full queue, an
+    /// ordinal the probe did not list, or a thread that could not start or
+    /// has died hands the job back (`Err(job)`) so the caller answers the
+    /// request itself. A thread whose GPU cannot be opened stays up and
+    /// answers every job with the reason.
+    // The job itself is the error: handing it back is the point.
+    #[allow(clippy::result_large_err)]
+    pub fn submit(&self, ordinal: usize, job: DeviceJob) -> Result<(), DeviceJob> {
+        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        let lane = match lanes.entry(ordinal) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(v) => {
+                if !self
+                    .env
+                    .devices
+                    .iter()
+                    .any(|d| d.ordinal as usize == ordinal)
+                {
+                    log::warn!(
+                        "no CUDA device {ordinal} (the probe found {}); job handed back",
+                        self.env.devices.len()
+                    );
+                    return Err(job);
+                }
+                let (tx, rx) = sync_channel(self.queue_depth);
+                let env = self.env.clone();
+                let pin = self.pin.clone();
+                let keepalive = self.keepalive.clone();
+                let spawned = std::thread::Builder::new()
+                    .name(format!("kvshard-cuda-{ordinal}"))
+                    .spawn(move || run_thread(ordinal, env, rx, pin, keepalive));
+                match spawned {
+                    Ok(handle) => v.insert(Lane { tx, handle }),
+                    Err(e) => {
+                        log::error!("cannot start the thread for CUDA device {ordinal}: {e}");
+                        return Err(job);
+                    }
+                }
+            }
+        };
+        match lane.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(job)) => Err(job),
+            Err(TrySendError::Disconnected(job)) => {
+                log::error!("the thread for CUDA device {ordinal} has died; job handed back");
+                Err(job)
+            }
+        }
+    }
+}
+
+impl Drop for DeviceThreads {
+    /// Closes the queues (jobs already queued are still served and
+    /// answered) and joins the threads: instances closed, mappings
+    /// released, the arena unregistered.
+    fn drop(&mut self) {
+        let lanes = std::mem::take(self.lanes.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let handles: Vec<(usize, JoinHandle<()>)> = lanes
+            .into_iter()
+            .map(|(ordinal, lane)| {
+                drop(lane.tx);
+                (ordinal, lane.handle)
+            })
+            .collect();
+        let me = std::thread::current().id();
+        for (ordinal, handle) in handles {
+            if handle.thread().id() == me {
+                // Dropped from one of its own callbacks: that thread ends by
+                // itself once the callback returns (its queue is closed).
+                continue;
+            }
+            if handle.join().is_err() {
+                log::error!("the thread for CUDA device {ordinal} panicked");
+            }
+        }
+    }
+}
+
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<DeviceThreads>();
+    const fn send<T: Send>() {}
+    send::<DeviceJob>();
+};
+
+#[cfg(test)]
+mod tests {
+    use super::super::ipc::Mapping;
+    use super::super::DeviceError;
+    use super::*;
+    use crate::cuda::CudaDevice;
+    use crate::device::pin::plan_pieces;
+    use std::sync::mpsc::{channel, Sender};
+    use std::time::Duration;
+
+    const MIB: u64 = 1 << 20;
+
+    // -- specs ---------------------------------------------------------------
+
+    /// FlashAttention NHD, two layers: 2 paged buffers, 16 blocks a chunk,
+    /// 2 MiB objects, each buffer must span 200 blocks of 32 KiB.
+    fn table() -> StrideTable {
+        super::super::flash_table(2)
+    }
+
+    fn raw_layer(handle: u8, alloc_offset: u64, nbytes: u64) -> LayerSpec {
+        LayerSpec {
+            memory: LayerMemory::Raw {
+                handle: IpcMemHandle([handle; 64]),
+                alloc_offset,
+                nbytes,
+            },
+            view_offset: 0,
+            view_bytes: nbytes,
+        }
+    }
+
+    fn spec() -> InstanceSpec {
+        let t = table();
+        let span = t.paged_span_bytes();
+        assert_eq!(span, 200 * 32 * 1024);
+        InstanceSpec {
+            ordinal: 0,
+            layers: vec![raw_layer(1, 0, span), raw_layer(1, span, span)],
+            kernel_layers: vec![0, 1],
+            table: t,
+            chunk_slots: 256,
+            blocks_per_chunk: 16,
+            object_bytes: 2 * MIB,
+        }
+    }
+
+    #[test]
+    fn a_good_spec_passes() {
+        assert_eq!(check_spec(&spec()), Ok(()));
+        assert_eq!(table().object_bytes(256), Ok(2 * MIB));
+    }
+
+    #[test]
+    fn bad_specs_are_refused_with_the_reason() {
+        type Edit = Box<dyn Fn(&mut InstanceSpec)>;
+        let cases: Vec<(&str, Edit)> = vec![
+            ("no layers", Box::new(|s| s.layers.clear())),
+            (
+                "2 paged buffers",
+                Box::new(|s| s.kernel_layers.pop().map(|_| ()).unwrap_or(())),
+            ),
+            (
+                "only 2 are registered",
+                Box::new(|s| s.kernel_layers[1] = 2),
+            ),
+            (
+                "blocks_per_chunk is 0",
+                Box::new(|s| s.blocks_per_chunk = 0),
+            ),
+            ("cannot be launched", Box::new(|s| s.chunk_slots = 255)),
+            ("cannot be launched", Box::new(|s| s.blocks_per_chunk = 8)),
+            (
+                "one chunk of this layout is 2097152",
+                Box::new(|s| s.object_bytes += 16),
+            ),
+            (
+                "layout addresses 6553600",
+                Box::new(|s| s.layers[1].view_bytes -= 1),
+            ),
+            (
+                "layer 0: view at offset 1",
+                Box::new(|s| s.layers[0].view_offset = 1),
+            ),
+            ("ordinal out of range", Box::new(|s| s.ordinal = usize::MAX)),
+        ];
+        for (want, edit) in cases {
+            let mut s = spec();
+            edit(&mut s);
+            let e = check_spec(&s).unwrap_err();
+            assert!(e.contains(want), "want {want:?} in {e:?}");
+        }
+        // A layer the kernel does not address may be small.
+        let mut s = spec();
+        s.layers.push(raw_layer(2, 0, 64));
+        assert_eq!(check_spec(&s), Ok(()));
+    }
+
+    // -- layer windows and imports --------------------------------------------
+
+    const ALLOC: u64 = 64 * MIB;
+
+    /// Maps every key at a distinct base with ALLOC bytes (fabric keys: their
+    /// alloc_size), recording opens and closes. The build host has no GPU;
+    /// `import_layers` runs the same code with [`DriverIpcOpener`].
+    #[derive(Default)]
+    struct FakeOpener {
+        opens: Vec<MappingKey>,
+        closes: Vec<MappingKey>,
+        fail_on_open: Option<usize>,
+    }
+
+    fn base_of(n: usize) -> u64 {
+        0x7f00_0000_0000 + (n as u64 + 1) * 0x1_0000_0000
+    }
+
+    impl IpcOpener for FakeOpener {
+        fn open(&mut self, key: &MappingKey) -> Result<Mapping, DeviceError> {
+            if self.fail_on_open == Some(self.opens.len()) {
+                self.opens.push(*key);
+                return Err(DeviceError::invalid("fake failure", "fake open"));
+            }
+            self.opens.push(*key);
+            let len = match key.source {
+                super::super::ipc::MemSource::Fabric { alloc_size, .. } => alloc_size,
+                super::super::ipc::MemSource::Ipc(_) => ALLOC,
+            };
+            Ok(Mapping {
+                base: base_of(self.opens.len() - 1),
+                len,
+            })
+        }
+
+        fn close(&mut self, key: &MappingKey, _: Mapping) -> Result<(), DeviceError> {
+            self.closes.push(*key);
+            Ok(())
+        }
+    }
+
+    fn registry() -> MappingRegistry<FakeOpener> {
+        MappingRegistry::new(FakeOpener::default())
+    }
+
+    #[test]
+    fn first_element_addresses_per_memory_kind() {
+        let cuda = LayerSpec {
+            memory: LayerMemory::Cuda {
+                handle: IpcMemHandle([1; 64]),
+                storage_offset: 0x20_0000,
+                storage_bytes: 0x10_0000,
+                alloc_event: Some(IpcEventHandle([9; 64])),
+            },
+            view_offset: 0x400,
+            view_bytes: 0x10_0000 - 0x400,
+        };
+        let raw = LayerSpec {
+            memory: LayerMemory::Raw {
+                handle: IpcMemHandle([2; 64]),
+                alloc_offset: 0x3000,
+                nbytes: 0x8000,
+            },
+            view_offset: 0x100,
+            view_bytes: 0x7f00,
+        };
+        let fabric = LayerSpec {
+            memory: LayerMemory::Fabric {
+                handle: FabricHandle([3; 64]),
+                alloc_size: 2 * MIB,
+                alloc_offset: MIB,
+                nbytes: MIB,
+            },
+            view_offset: 0,
+            view_bytes: MIB,
+        };
+        let mut r = registry();
+        let got = import_layers(&mut r, 0, &[cuda, raw, fabric]).unwrap();
+        assert_eq!(got[0].ptr, base_of(0) + 0x20_0000 + 0x400);
+        assert_eq!(got[1].ptr, base_of(1) + 0x3000 + 0x100);
+        assert_eq!(got[2].ptr, base_of(2) + MIB);
+        assert_eq!(got[0].key, MappingKey::ipc(0, IpcMemHandle([1; 64])));
+        assert_eq!(
+            got[2].key,
+            MappingKey::fabric(0, FabricHandle([3; 64]), 2 * MIB)
+        );
+        release_layers(&mut r, got.iter().map(|l| l.key));
+        assert!(r.is_empty());
+        assert_eq!(r.opener().closes.len(), 3);
+    }
+
+    #[test]
+    fn layers_sharing_a_block_map_once_and_release_per_layer() {
+        let mut r = registry();
+        let layers: Vec<LayerSpec> = (0..4).map(|i| raw_layer(7, i * MIB, MIB)).collect();
+        let got = import_layers(&mut r, 0, &layers).unwrap();
+        assert_eq!(r.opener().opens.len(), 1);
+        let key = got[0].key;
+        assert_eq!(r.refs(&key), 4);
+        let ptrs: Vec<u64> = got.iter().map(|l| l.ptr).collect();
+        assert_eq!(
+            ptrs,
+            (0..4).map(|i| base_of(0) + i * MIB).collect::<Vec<_>>()
+        );
+        // Another instance of the same worker shares the mapping too.
+        let again = import_layers(&mut r, 0, &layers[..1]).unwrap();
+        assert_eq!(r.refs(&key), 5);
+        release_layers(&mut r, got.iter().map(|l| l.key));
+        assert_eq!(r.refs(&key), 1);
+        assert!(r.opener().closes.is_empty());
+        release_layers(&mut r, again.iter().map(|l| l.key));
+        assert_eq!(r.opener().closes, vec![key]);
+    }
+
+    #[test]
+    fn views_outside_the_shared_range_are_refused_before_mapping() {
+        let cuda = |storage_offset, storage_bytes, view_offset, view_bytes| LayerSpec {
+            memory: LayerMemory::Cuda {
+                handle: IpcMemHandle([1; 64]),
+                storage_offset,
+                storage_bytes,
+                alloc_event: None,
+            },
+            view_offset,
+            view_bytes,
+        };
+        // Exactly filling the storage is fine.
+        assert!(layer_window(0, &cuda(4096, 8192, 4096, 4096)).is_ok());
+        for bad in [
+            cuda(4096, 8192, 4096, 4097),
+            cuda(0, 8192, 8193, 0),
+            cuda(0, 8192, u64::MAX, 2),
+            cuda(u64::MAX, 2, 0, 1),
+        ] {
+            let mut r = registry();
+            assert!(import_layers(&mut r, 0, &[bad]).is_err());
+            assert!(r.opener().opens.is_empty());
+        }
+        let fabric = LayerSpec {
+            memory: LayerMemory::Fabric {
+                handle: FabricHandle([3; 64]),
+                alloc_size: MIB,
+                alloc_offset: 4096,
+                nbytes: MIB,
+            },
+            view_offset: 0,
+            view_bytes: 1,
+        };
+        let e = layer_window(0, &fabric).unwrap_err();
+        assert!(e.contains("exceeds"), "{e}");
+    }
+
+    #[test]
+    fn a_failed_import_gives_back_every_reference() {
+        // Storage beyond the mapped block: the registry refuses it.
+        let mut r = registry();
+        let layers = vec![
+            raw_layer(1, 0, MIB),
+            raw_layer(2, 0, MIB),
+            raw_layer(1, ALLOC - 10, 11),
+        ];
+        let e = import_layers(&mut r, 0, &layers).unwrap_err();
+        assert!(e.starts_with("layer 2:") && e.contains("outside"), "{e}");
+        assert!(r.is_empty());
+        assert_eq!(r.opener().closes.len(), 2);
+        // A driver failure on the third mapping.
+        let mut r = MappingRegistry::new(FakeOpener {
+            fail_on_open: Some(2),
+            ..FakeOpener::default()
+        });
+        let layers = vec![raw_layer(1, 0, 1), raw_layer(2, 0, 1), raw_layer(3, 0, 1)];
+        let e = import_layers(&mut r, 0, &layers).unwrap_err();
+        assert!(e.contains("fake failure"), "{e}");
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn kernel_pointers_must_be_unit_aligned() {
+        assert_eq!(check_alignment(&[0x1000, 0x2010], 16), Ok(()));
+        let e = check_alignment(&[0x1000, 0x2008], 16).unwrap_err();
+        assert!(e.contains("kernel pointer 1 at 0x2008"), "{e}");
+        assert_eq!(check_alignment(&[0x1004], 4), Ok(()));
+        assert!(check_alignment(&[0x1002], 4).is_err());
+        assert_eq!(check_alignment(&[0x1002], 2), Ok(()));
+        assert_eq!(check_alignment(&[], 16), Ok(()));
+    }
+
+    // -- chunk validation --------------------------------------------------
+
+    fn chunk(addr: usize, first: i64, n: usize, skip: usize) -> ChunkCopy {
+        ChunkCopy {
+            host_addr: addr,
+            block_ids: (first..first + n as i64).collect(),
+            skip_blocks: skip,
+        }
+    }
+
+    #[test]
+    fn chunk_validation() {
+        let ok = vec![chunk(0x1000, 0, 4, 0), chunk(0x9000, 96, 4, 0)];
+        assert_eq!(validate_chunks(&ok, CopyDir::ToHost, 4, 100, 4096), Ok(()));
+        assert_eq!(validate_chunks(&[], CopyDir::ToHost, 4, 100, 4096), Ok(()));
+        let retrieve = vec![chunk(0x1000, 0, 4, 4), chunk(0x9000, 0, 4, 2)];
+        assert_eq!(
+            validate_chunks(&retrieve, CopyDir::ToDevice, 4, 100, 4096),
+            Ok(())
+        );
+        let cases = [
+            (chunk(0x1000, 0, 3, 0), CopyDir::ToHost, "has 3 block ids"),
+            (
+                chunk(0x1000, 97, 4, 0),
+                CopyDir::ToHost,
+                "block id 100 (index 3)",
+            ),
+            (chunk(0x1000, -1, 4, 0), CopyDir::ToDevice, "block id -1"),
+            (
+                chunk(0x1000, 0, 4, 5),
+                CopyDir::ToDevice,
+                "skip_blocks 5 exceeds",
+            ),
+            (chunk(0x1000, 0, 4, 1), CopyDir::ToHost, "store cannot skip"),
+            (chunk(0, 0, 4, 0), CopyDir::ToHost, "null host address"),
+            (chunk(usize::MAX - 100, 0, 4, 0), CopyDir::ToDevice, "wraps"),
+        ];
+        for (bad, dir, want) in cases {
+            let chunks = vec![chunk(0x1000, 0, 4, 0), bad];
+            let e = validate_chunks(&chunks, dir, 4, 100, 4096).unwrap_err();
+            assert!(
+                e.starts_with("chunk 1") && e.contains(want),
+                "want {want:?}: {e}"
+            );
+        }
+    }
+
+    // -- batches -----------------------------------------------------------
+
+    fn skips(batches: &[Batch]) -> Vec<(usize, usize, usize)> {
+        batches
+            .iter()
+            .map(|b| (b.first_chunk, b.chunks, b.skip_blocks))
+            .collect()
+    }
+
+    fn with_skips(s: &[usize], bpc: usize) -> Vec<ChunkCopy> {
+        s.iter()
+            .enumerate()
+            .map(|(i, &k)| chunk(0x1000 * (i + 1), (i * bpc) as i64, bpc, k))
+            .collect()
+    }
+
+    #[test]
+    fn batches_of_four_with_flat_ids() {
+        assert!(plan_batches(&[], 4).is_empty());
+        let chunks = with_skips(&[0; 9], 2);
+        let b = plan_batches(&chunks, 2);
+        assert_eq!(skips(&b), vec![(0, 4, 0), (4, 4, 0), (8, 1, 0)]);
+        assert_eq!(b[0].ids, (0..8).collect::<Vec<i64>>());
+        assert_eq!(b[1].ids, (8..16).collect::<Vec<i64>>());
+        assert_eq!(b[2].ids, vec![16, 17]);
+        assert!(!b[2].fully_skipped());
+    }
+
+    #[test]
+    fn batch_skip_is_the_first_chunks_skip_when_only_it_skips() {
+        let b = plan_batches(&with_skips(&[3, 0, 0, 0, 0, 0], 4), 4);
+        assert_eq!(skips(&b), vec![(0, 4, 3), (4, 2, 0)]);
+        let b = plan_batches(&with_skips(&[0, 0, 0, 0, 2, 0], 4), 4);
+        assert_eq!(skips(&b), vec![(0, 4, 0), (4, 2, 2)]);
+    }
+
+    #[test]
+    fn a_skipped_prefix_spans_chunks_like_lmcache() {
+        // Two whole chunks skipped, then 3 blocks of the third.
+        let b = plan_batches(&with_skips(&[4, 4, 3, 0, 0], 4), 4);
+        assert_eq!(skips(&b), vec![(0, 4, 11), (4, 1, 0)]);
+        // A batch skipped entirely.
+        let b = plan_batches(&with_skips(&[4, 4, 4, 4, 4, 1], 4), 4);
+        assert_eq!(skips(&b), vec![(0, 4, 16), (4, 2, 5)]);
+        assert!(b[0].fully_skipped());
+        assert!(!b[1].fully_skipped());
+    }
+
+    #[test]
+    fn a_skip_after_unskipped_blocks_starts_a_new_batch() {
+        let b = plan_batches(&with_skips(&[0, 0, 3, 0, 0, 0, 0], 4), 4);
+        assert_eq!(skips(&b), vec![(0, 2, 0), (2, 4, 3), (6, 1, 0)]);
+        let b = plan_batches(&with_skips(&[4, 0, 2], 4), 4);
+        assert_eq!(skips(&b), vec![(0, 2, 4), (2, 1, 2)]);
+    }
+
+    /// lmcache 0.5.6 batches a retrieve in fixed groups of four and skips
+    /// `floor(max(0, skip_tokens - batch_first_token) / bs)` flat blocks;
+    /// per-chunk skips derived from the same token count give the same plan.
+    #[test]
+    fn prefix_skips_reproduce_lmcache_batches() {
+        let (bs, bpc) = (16usize, 4usize);
+        let chunk_tokens = bs * bpc;
+        let n = 11;
+        for skip_tokens in 0..=(n * chunk_tokens + 5) {
+            let per_chunk: Vec<usize> = (0..n)
+                .map(|c| (skip_tokens.saturating_sub(c * chunk_tokens) / bs).min(bpc))
+                .collect();
+            let got = plan_batches(&with_skips(&per_chunk, bpc), bpc);
+            let want: Vec<(usize, usize, usize)> = (0..n)
+                .step_by(MAX_OBJECTS)
+                .map(|first| {
+                    let chunks = MAX_OBJECTS.min(n - first);
+                    let start = first * chunk_tokens;
+                    let skip = (skip_tokens.saturating_sub(start) / bs).min(chunks * bpc);
+                    (first, chunks, skip)
+                })
+                .collect();
+            assert_eq!(skips(&got), want, "skip_tokens {skip_tokens}");
+        }
+    }
+
+    /// Every pattern of per-chunk skips (bpc 3, up to 6 chunks): the flat
+    /// blocks each batch touches are exactly the blocks at or after each
+    /// chunk's own skip, batches cover the chunks in order, 1..=4 each.
+    #[test]
+    fn every_chunk_skip_is_honoured_exactly() {
+        let bpc = 3;
+        for n in 0..=6u32 {
+            for code in 0..4usize.pow(n) {
+                let s: Vec<usize> = (0..n).map(|i| (code / 4usize.pow(i)) % 4).collect();
+                let chunks = with_skips(&s, bpc);
+                let batches = plan_batches(&chunks, bpc);
+                let mut next = 0;
+                for b in &batches {
+                    assert_eq!(b.first_chunk, next, "{s:?}");
+                    assert!((1..=MAX_OBJECTS).contains(&b.chunks), "{s:?}");
+                    assert_eq!(b.ids.len(), b.chunks * bpc);
+                    for f in 0..b.ids.len() {
+                        let c = b.first_chunk + f / bpc;
+                        assert_eq!(b.ids[f], chunks[c].block_ids[f % bpc]);
+                        let touched = f >= b.skip_blocks;
+                        let wanted = f % bpc >= chunks[c].skip_blocks;
+                        assert_eq!(touched, wanted, "{s:?} batch {b:?} flat {f}");
+                    }
+                    next += b.chunks;
+                }
+                assert_eq!(next, chunks.len());
+            }
+        }
+    }
+
+    // -- host copies -------------------------------------------------------
+
+    fn pin_view(base: u64, len: u64, piece: u64) -> PinView {
+        PinView {
+            base,
+            len,
+            pieces: plan_pieces(base, len, piece).unwrap(),
+        }
+    }
+
+    fn parts(v: &[HostPart]) -> Vec<(u64, u64)> {
+        v.iter().map(|p| (p.offset, p.len)).collect()
+    }
+
+    #[test]
+    fn host_copies_are_cut_at_pinned_pieces() {
+        let base = 0x4000_0000;
+        let pin = pin_view(base, 150 * MIB, 64 * MIB);
+        let p = |addr, len| parts(&host_copy_parts(Some(&pin), addr, len).unwrap());
+        // No arena, or outside it: one copy.
+        assert_eq!(
+            parts(&host_copy_parts(None, base + 60 * MIB, 8 * MIB).unwrap()),
+            vec![(0, 8 * MIB)]
+        );
+        assert_eq!(p(base - 8 * MIB, 8 * MIB), vec![(0, 8 * MIB)]);
+        assert_eq!(p(base + 150 * MIB, 8 * MIB), vec![(0, 8 * MIB)]);
+        // Inside one piece.
+        assert_eq!(p(base + 64 * MIB, 2 * MIB), vec![(0, 2 * MIB)]);
+        // Across a boundary.
+        assert_eq!(p(base + 63 * MIB, 2 * MIB), vec![(0, MIB), (MIB, MIB)]);
+        // Across two boundaries.
+        assert_eq!(
+            p(base + 60 * MIB, 80 * MIB),
+            vec![(0, 4 * MIB), (4 * MIB, 64 * MIB), (68 * MIB, 12 * MIB)]
+        );
+        // Straddling the arena's start and end.
+        assert_eq!(p(base - MIB, 2 * MIB), vec![(0, MIB), (MIB, MIB)]);
+        assert_eq!(p(base + 149 * MIB, 3 * MIB), vec![(0, MIB), (MIB, 2 * MIB)]);
+        assert_eq!(
+            p(base - MIB, 152 * MIB),
+            vec![
+                (0, MIB),
+                (MIB, 64 * MIB),
+                (65 * MIB, 64 * MIB),
+                (129 * MIB, 22 * MIB),
+                (151 * MIB, MIB)
+            ]
+        );
+        assert!(p(base, 0).is_empty());
+        assert!(host_copy_parts(Some(&pin), u64::MAX, 2).is_err());
+    }
+
+    /// Byte model: parts tile the range in order and none crosses a piece
+    /// boundary or the arena's edges.
+    #[test]
+    fn host_parts_match_a_byte_model() {
+        let (base, piece) = (1 << 20, 4096u64);
+        let pin = pin_view(base, 5 * piece + 100, piece);
+        let piece_of = |a: u64| {
+            if a < base || a >= base + pin.len {
+                None
+            } else {
+                Some((a - base) / piece)
+            }
+        };
+        for addr in (base - 3 * piece..base + 7 * piece).step_by(777) {
+            for len in (1..4 * piece).step_by(1013) {
+                let got = host_copy_parts(Some(&pin), addr, len).unwrap();
+                let mut pos = 0;
+                for p in &got {
+                    assert_eq!(p.offset, pos);
+                    assert!(p.len > 0);
+                    let (a, z) = (addr + p.offset, addr + p.offset + p.len - 1);
+                    assert_eq!(piece_of(a), piece_of(z), "{addr:#x}+{len}: {p:?}");
+                    pos += p.len;
+                }
+                assert_eq!(pos, len);
+            }
+        }
+    }
+
+    // -- the threads without a usable GPU -----------------------------------
+
+    /// A CudaEnv that lists a device no driver has: opening it fails on this
+    /// host (no libcuda) and on a GPU host alike (no such ordinal).
+    const FAKE: usize = 4096;
+
+    fn fake_env() -> CudaEnv {
+        CudaEnv {
+            driver_version: 12080,
+            devices: vec![CudaDevice {
+                ordinal: FAKE as u32,
+                uuid: "00000000-0000-0000-0000-000000000000".into(),
+                name: "none".into(),
+                compute_capability: (9, 0),
+            }],
+        }
+    }
+
+    /// Runs `f` on another thread and fails if it has not finished in time.
+    fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
+        let (tx, rx) = channel();
+        let t = std::thread::spawn(move || {
+            f();
+            let _ = tx.send(());
+        });
+        match rx.recv_timeout(Duration::from_secs(secs)) {
+            Ok(()) => t.join().unwrap(),
+            Err(_) => {
+                if t.is_finished() {
+                    // Panicked: surface its message.
+                    t.join().unwrap();
+                }
+                panic!("hung for {secs} s");
+            }
+        }
+    }
+
+    fn register_job(iid: i64, tx: Sender<(i64, Result<(), String>)>) -> DeviceJob {
+        let mut s = spec();
+        s.ordinal = FAKE;
+        DeviceJob::Register {
+            iid,
+            spec: s,
+            done: Box::new(move |r| tx.send((iid, r)).unwrap()),
+        }
+    }
+
+    fn transfer_job(iid: i64, tx: Sender<(i64, Result<Vec<u8>, String>)>) -> DeviceJob {
+        DeviceJob::Transfer {
+            iid,
+            dir: CopyDir::ToDevice,
+            worker_event: Some(vec![0; 64]),
+            chunks: vec![chunk(0x1000, 0, 16, 0)],
+            done: Box::new(move |r| tx.send((iid, r)).unwrap()),
+        }
+    }
+
+    fn threads(pin: Option<(usize, usize)>, depth: usize) -> DeviceThreads {
+        // SAFETY: the fake device never opens, so nothing is pinned and no
+        // host range is ever copied.
+        unsafe { DeviceThreads::with_queue_depth(fake_env(), pin, Arc::new(()), depth) }
+    }
+
+    #[test]
+    fn an_unusable_device_answers_every_job_with_the_reason() {
+        within(30, || {
+            let arena = vec![0u8; 3 * 4096].into_boxed_slice();
+            let base = (arena.as_ptr() as usize).next_multiple_of(4096);
+            let keep: Arc<dyn Any + Send + Sync> = Arc::new(arena);
+            // SAFETY: the arena is a live allocation kept by `keep`; the
+            // device never opens, so it is never registered or copied.
+            let t = unsafe { DeviceThreads::new(fake_env(), Some((base, 4096)), keep) };
+            let (rtx, rrx) = channel();
+            let (ttx, trx) = channel();
+            t.submit(FAKE, register_job(1, rtx.clone())).unwrap();
+            t.submit(FAKE, DeviceJob::Unregister { iid: 1 }).unwrap();
+            t.submit(FAKE, transfer_job(1, ttx.clone())).unwrap();
+            let (iid, r) = rrx.recv().unwrap();
+            assert_eq!(iid, 1);
+            let e = r.unwrap_err();
+            assert!(
+                e.contains(&format!("CUDA device {FAKE} is unusable")),
+                "{e}"
+            );
+            assert!(e.contains(&format!("opening CUDA device {FAKE}")), "{e}");
+            let e = trx.recv().unwrap().1.unwrap_err();
+            assert!(e.contains("unusable"), "{e}");
+            // Later jobs, after the thread has failed, are answered too.
+            for iid in 2..6 {
+                t.submit(FAKE, register_job(iid, rtx.clone())).unwrap();
+                t.submit(FAKE, transfer_job(iid, ttx.clone())).unwrap();
+            }
+            for iid in 2..6 {
+                assert_eq!(rrx.recv().unwrap().0, iid);
+                assert!(trx.recv().unwrap().1.is_err());
+            }
+            drop(t);
+            // Nothing was left unanswered.
+            drop((rtx, ttx));
+            assert!(rrx.recv().is_err());
+            assert!(trx.recv().is_err());
+        });
+    }
+
+    #[test]
+    fn jobs_queued_at_drop_are_still_answered() {
+        within(30, || {
+            let t = threads(None, 64);
+            let (tx, rx) = channel();
+            for iid in 0..50 {
+                t.submit(FAKE, transfer_job(iid, tx.clone())).unwrap();
+            }
+            drop(t);
+            drop(tx);
+            let answered: Vec<i64> = rx
+                .iter()
+                .map(|(iid, r)| {
+                    assert!(r.is_err());
+                    iid
+                })
+                .collect();
+            assert_eq!(answered, (0..50).collect::<Vec<_>>());
+        });
+    }
+
+    #[test]
+    fn an_unknown_ordinal_hands_the_job_back() {
+        within(30, || {
+            let t = threads(None, 4);
+            let (tx, rx) = channel();
+            let job = t.submit(3, transfer_job(9, tx)).unwrap_err();
+            assert_eq!(
+                format!("{job:?}"),
+                "Transfer { iid: 9, dir: ToDevice, chunks: 1, .. }"
+            );
+            let back = t.submit(7, DeviceJob::Unregister { iid: 9 }).unwrap_err();
+            assert_eq!(format!("{back:?}"), "Unregister { iid: 9 }");
+            // Nothing ran it; the caller answers it itself.
+            assert!(rx.try_recv().is_err());
+            let DeviceJob::Transfer { done, .. } = job else {
+                panic!("not the transfer")
+            };
+            done(Err("no device".into()));
+            assert_eq!(rx.recv().unwrap(), (9, Err("no device".into())));
+            drop(t);
+        });
+    }
+
+    #[test]
+    fn a_full_queue_hands_the_job_back() {
+        within(30, || {
+            let t = threads(None, 2);
+            let (started_tx, started_rx) = channel();
+            let (release_tx, release_rx) = channel::<()>();
+            // The first job's answer blocks the thread until released.
+            t.submit(
+                FAKE,
+                DeviceJob::Register {
+                    iid: 1,
+                    spec: spec(),
+                    done: Box::new(move |_| {
+                        started_tx.send(()).unwrap();
+                        release_rx.recv().unwrap();
+                    }),
+                },
+            )
+            .unwrap();
+            started_rx.recv().unwrap();
+            let (tx, rx) = channel();
+            t.submit(FAKE, transfer_job(2, tx.clone())).unwrap();
+            t.submit(FAKE, transfer_job(3, tx.clone())).unwrap();
+            let back = t.submit(FAKE, transfer_job(4, tx.clone())).unwrap_err();
+            assert!(matches!(back, DeviceJob::Transfer { iid: 4, .. }));
+            release_tx.send(()).unwrap();
+            assert_eq!(rx.recv().unwrap().0, 2);
+            assert_eq!(rx.recv().unwrap().0, 3);
+            // Room again.
+            t.submit(FAKE, transfer_job(5, tx.clone())).unwrap();
+            assert_eq!(rx.recv().unwrap().0, 5);
+        });
+    }
+
+    #[test]
+    fn a_panicking_callback_does_not_kill_the_thread() {
+        within(30, || {
+            let t = threads(None, 8);
+            t.submit(
+                FAKE,
+                DeviceJob::Register {
+                    iid: 1,
+                    spec: spec(),
+                    done: Box::new(|_| panic!("callback bug")),
+                },
+            )
+            .unwrap();
+            let (tx, rx) = channel();
+            t.submit(FAKE, transfer_job(2, tx)).unwrap();
+            assert!(rx.recv().unwrap().1.is_err());
+        });
+    }
+
+    #[test]
+    fn dropping_unused_threads_is_immediate() {
+        within(10, || drop(threads(Some((0x1000, 4096)), 1)));
+    }
+
+    #[test]
+    fn pin_phases_settle_without_a_device() {
+        // An owner that never registered (e.g. it panicked while pinning)
+        // marks the arena failed and wakes the waiters.
+        let shared = Arc::new(PinShared {
+            state: Mutex::new(PinState {
+                phase: PinPhase::Registering,
+                users: 0,
+            }),
+            cv: Condvar::new(),
+        });
+        drop(PinOwner {
+            shared: shared.clone(),
+            region: None,
+        });
+        assert!(matches!(shared.lock().phase, PinPhase::Failed));
+        // An owner waits for its users before releasing.
+        let shared = Arc::new(PinShared {
+            state: Mutex::new(PinState {
+                phase: PinPhase::Registered(pin_view(0x10000, 4096, 4096)),
+                users: 1,
+            }),
+            cv: Condvar::new(),
+        });
+        let user = PinUser {
+            shared: shared.clone(),
+        };
+        let (tx, rx) = channel();
+        let for_owner = shared.clone();
+        let h = std::thread::spawn(move || {
+            drop(PinOwner {
+                shared: for_owner,
+                region: None,
+            });
+            tx.send(()).unwrap();
+        });
+        assert!(
+            rx.recv_timeout(Duration::from_millis(200)).is_err(),
+            "owner did not wait"
+        );
+        drop(user);
+        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        h.join().unwrap();
+        assert_eq!(shared.lock().users, 0);
+    }
+}

@@ -1,0 +1,433 @@
+//! End to end: GPU workers' lmcache_driven transfers (`--cuda-transfer on`)
+//! through the real binary, on a host without a GPU.
+//!
+//! There is no GPU here, so the server runs with `KVSHARD_CUDA_EMULATION=1`:
+//! its device thread is replaced by a CPU stand-in that maps `cuda_raw`
+//! handles naming POSIX shm segments and copies with the CPU executor of the
+//! kernel's stride tables. Everything else is the real path: the
+//! registration checks and layout, the L1 reservations and commits, the
+//! lookup read locks, batching and skips, the replies. The driver calls,
+//! the IPC imports and the kernel itself are not exercised (see
+//! `tools/gpu/check.sh` for a GPU host).
+//!
+//! The test plays a GPU worker whose "GPU memory" is shm, and checks the
+//! bytes against the cpu_shm path (whose objects match lmcache 0.5.6 byte
+//! for byte): a chunk stored by the GPU worker is retrieved by a CPU worker
+//! of the same model and lands in the same place.
+
+mod support;
+use support::*;
+
+const CS: usize = 16; // --chunk-size in Server::start
+const BS: usize = 4;
+const BPC: usize = CS / BS;
+const NB: usize = 32;
+const NL: usize = 2;
+const NH: usize = 2;
+const HS: usize = 8;
+const ES: usize = 2; // float16
+const BLOCK: usize = BS * NH * HS * ES;
+const LAYER: usize = 2 * NB * BLOCK;
+/// Where the tensor starts in its "allocation" (the descriptor's alloc_offset).
+const ALLOC_OFFSET: usize = 4096;
+const MODEL: &str = "gpu-model";
+const GPU_UUID: &str = "00000000-0000-4000-8000-0000000ee0e0";
+const EMULATION: (&str, &str) = ("KVSHARD_CUDA_EMULATION", "1");
+const SRC: [i64; 12] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
+const DST: [i64; 12] = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31];
+
+fn shape() -> Vec<i64> {
+    vec![2, NB as i64, BS as i64, NH as i64, HS as i64]
+}
+
+fn strides() -> Vec<i64> {
+    let (nb, bs, nh, hs) = (NB as i64, BS as i64, NH as i64, HS as i64);
+    vec![nb * bs * nh * hs, bs * nh * hs, nh * hs, hs, 1]
+}
+
+/// A `cuda_raw` descriptor whose 64-byte handle names the shm segment.
+fn cuda_raw(shm: &str, uuid: &str) -> V {
+    let mut handle = format!("/{shm}").into_bytes();
+    handle.resize(64, 0);
+    let inner = map(&[
+        ("type", s("cuda_raw")),
+        ("ipc_handle", V::Bin(handle)),
+        ("alloc_offset", V::I(ALLOC_OFFSET as i64)),
+        ("nbytes", V::I(LAYER as i64)),
+        ("version", V::I(1)),
+        (
+            "metadata",
+            map(&[
+                ("dtype", s("float16")),
+                ("shape", V::A(shape().into_iter().map(V::I).collect())),
+                ("stride", V::A(strides().into_iter().map(V::I).collect())),
+                ("storage_offset", V::I(0)),
+                ("device_uuid", s(uuid)),
+            ]),
+        ),
+    ]);
+    V::Ext(1, enc(&inner))
+}
+
+fn register_frames(iid: i64, descs: Vec<V>) -> Vec<V> {
+    let group = kv_group(NL, BS);
+    vec![
+        V::I(iid),
+        V::A(descs),
+        s(MODEL),
+        V::I(1),
+        s("vllm"),
+        map(&[("kv_layout", s("NHD"))]),
+        V::A(vec![group]),
+    ]
+}
+
+/// A worker's per-layer KV memory: shm segments with the layer at `offset`.
+struct Layers {
+    names: Vec<String>,
+    segs: Vec<ShmMap>,
+    offset: usize,
+}
+
+impl Layers {
+    fn new(prefix: &str, offset: usize, seed: u64) -> Layers {
+        let mut names = Vec::new();
+        let mut segs = Vec::new();
+        for l in 0..NL {
+            let name = unique(prefix);
+            let mut seg = ShmMap::create(&name, offset + LAYER);
+            seg.bytes_mut()[offset..].copy_from_slice(&pattern(seed * 100 + l as u64, LAYER));
+            names.push(name);
+            segs.push(seg);
+        }
+        Layers {
+            names,
+            segs,
+            offset,
+        }
+    }
+
+    fn block(&self, layer: usize, plane: usize, id: i64) -> &[u8] {
+        let at = self.offset + (plane * NB + id as usize) * BLOCK;
+        &self.segs[layer].bytes()[at..at + BLOCK]
+    }
+
+    fn fill(&mut self, ids: &[i64], byte: u8) {
+        for seg in &mut self.segs {
+            for plane in 0..2 {
+                for &id in ids {
+                    let at = self.offset + (plane * NB + id as usize) * BLOCK;
+                    seg.bytes_mut()[at..at + BLOCK].fill(byte);
+                }
+            }
+        }
+    }
+
+    /// Every (layer, plane) block of `ids`, for comparisons.
+    fn blocks(&self, ids: &[i64]) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        for layer in 0..NL {
+            for plane in 0..2 {
+                for &id in ids {
+                    out.push(self.block(layer, plane, id).to_vec());
+                }
+            }
+        }
+        out
+    }
+}
+
+fn ids(v: &[i64]) -> V {
+    V::A(vec![V::A(v.iter().map(|x| V::I(*x)).collect())])
+}
+
+fn key(toks: &[u32], worker: Option<i64>, rid: &str) -> V {
+    ipc_key(MODEL, 1, worker, toks, 0, toks.len() as i64, rid, 1)
+}
+
+/// STORE/RETRIEVE's `(event, ok)`.
+fn outcome(reply: Option<V>) -> (Vec<u8>, bool) {
+    match reply {
+        Some(V::A(a)) if a.len() == 2 => match &a[0] {
+            V::Bin(b) => (b.clone(), a[1].boolean()),
+            other => panic!("event is not bytes: {other:?}"),
+        },
+        other => panic!("expected (bytes, bool), got {other:?}"),
+    }
+}
+
+fn store(c: &mut Client, iid: i64, toks: &[u32], blocks: &[i64]) -> (Vec<u8>, bool) {
+    outcome(c.call(
+        OP_STORE,
+        &[
+            key(toks, Some(0), "store"),
+            V::I(iid),
+            ids(blocks),
+            V::Bin(vec![7; 64]),
+        ],
+    ))
+}
+
+fn lookup(c: &mut Client, toks: &[u32], rid: &str) -> i64 {
+    assert_eq!(c.call(OP_LOOKUP, &[key(toks, None, rid), V::I(1)]), None);
+    c.prefetch_result(rid)
+}
+
+fn retrieve(
+    c: &mut Client,
+    iid: i64,
+    toks: &[u32],
+    rid: &str,
+    blocks: &[i64],
+    skip: i64,
+) -> (Vec<u8>, bool) {
+    outcome(c.call(
+        OP_RETRIEVE,
+        &[
+            key(toks, Some(0), rid),
+            V::I(iid),
+            ids(blocks),
+            V::Bin(vec![7; 64]),
+            V::I(skip),
+        ],
+    ))
+}
+
+fn registered(srv: &Server) -> Vec<i64> {
+    srv.get_json("/status")["registered_gpu_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+fn refused_reason(srv: &Server, iid: i64) -> Option<String> {
+    srv.get_json("/status")["refused_gpu_instances"]
+        .as_array()?
+        .iter()
+        .find(|e| e["instance_id"] == iid)
+        .map(|e| e["reason"].as_str().unwrap().to_string())
+}
+
+fn start(dir: &std::path::Path, extra: &[&str]) -> Server {
+    let mut args = vec!["--cuda-transfer", "on"];
+    args.extend_from_slice(extra);
+    Server::start_logged_env(&args, &dir.join("server.log"), &[EMULATION])
+}
+
+#[test]
+fn gpu_worker_stores_and_retrieves_the_0_5_6_objects() {
+    let dir = std::env::temp_dir().join(unique("cuda-emu"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let srv = start(&dir, &[]);
+    let mut c = srv.client();
+    let mut gpu = Layers::new("kvt_gpu", ALLOC_OFFSET, 1);
+    let descs = gpu.names.iter().map(|n| cuda_raw(n, GPU_UUID)).collect();
+    assert_eq!(
+        c.call(OP_REGISTER_KV_CACHE, &register_frames(300, descs)),
+        None
+    );
+    wait_until("the GPU instance is set up on its device thread", || {
+        registered(&srv).contains(&300)
+    });
+    let meta = &srv.get_json("/status")["cache_context_meta"]["300"];
+    assert_eq!(meta["device"], "cuda:0", "{meta}");
+    assert_eq!(
+        meta["kv_cache_layout"]["kernel_groups"][0]["engine_kv_format"], "NL_X_TWO_NB_BS_NH_HS",
+        "{meta}"
+    );
+
+    let toks = ed_tokens(5, 3 * CS);
+    let stored = gpu.blocks(&SRC);
+    let (event, ok) = store(&mut c, 300, &toks, &SRC);
+    assert!(ok, "store");
+    assert_eq!(event, vec![0xee; 64], "the device's exported event");
+    assert_eq!(c.call(OP_END_SESSION, &[s("store")]), None);
+    // Answered after the commit: the very next lookup sees every chunk.
+    gpu.fill(&SRC, 0);
+    assert_eq!(lookup(&mut c, &toks, "r1"), 3);
+    let (event, ok) = retrieve(&mut c, 300, &toks, "r1", &DST, 0);
+    assert!(ok && event.len() == 64, "retrieve");
+    assert_eq!(
+        gpu.blocks(&DST),
+        stored,
+        "retrieved blocks equal the stored ones"
+    );
+    assert_eq!(c.call(OP_END_SESSION, &[s("r1")]), None);
+    assert_eq!(
+        srv.l1_count("read_locked_count"),
+        0,
+        "the lookup's locks are released"
+    );
+
+    // skip_first_n_tokens = BS + 1: the first whole block is left alone and
+    // the partially skipped second block is rewritten, as in 0.5.6.
+    gpu.fill(&DST, 0x5a);
+    assert_eq!(lookup(&mut c, &toks, "r2"), 3);
+    let (_, ok) = retrieve(&mut c, 300, &toks, "r2", &DST, (BS + 1) as i64);
+    assert!(ok);
+    for layer in 0..NL {
+        for plane in 0..2 {
+            assert!(gpu.block(layer, plane, DST[0]).iter().all(|&b| b == 0x5a));
+            for (i, &d) in DST.iter().enumerate().skip(1) {
+                let want = &stored[(layer * 2 + plane) * SRC.len() + i];
+                assert!(gpu.block(layer, plane, d) == &want[..], "block {i}");
+            }
+        }
+    }
+    assert_eq!(c.call(OP_END_SESSION, &[s("r2")]), None);
+
+    // A CPU worker of the same model reads the GPU worker's chunks: the
+    // objects have the cpu_shm path's (0.5.6's) layout.
+    let cpu = Layers::new("kvt_cpu", 0, 2);
+    let cpu_descs = cpu
+        .names
+        .iter()
+        .map(|n| {
+            cpu_shm_wrapper(
+                &format!("/{n}"),
+                LAYER as i64,
+                "float16",
+                &shape(),
+                &strides(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        c.call(OP_REGISTER_KV_CACHE, &register_frames(301, cpu_descs)),
+        None
+    );
+    assert!(registered(&srv).contains(&301));
+    assert_eq!(lookup(&mut c, &toks, "r3"), 3);
+    let (event, ok) = retrieve(&mut c, 301, &toks, "r3", &DST, 0);
+    assert!(ok && event.is_empty(), "a cpu_shm retrieve has no event");
+    assert_eq!(
+        cpu.blocks(&DST),
+        stored,
+        "the CPU worker gets the GPU worker's bytes"
+    );
+    assert_eq!(c.call(OP_END_SESSION, &[s("r3")]), None);
+
+    // And the other way: the CPU worker stores, the GPU worker retrieves.
+    let toks2 = ed_tokens(6, 2 * CS);
+    let cpu_stored = cpu.blocks(&SRC[..2 * BPC]);
+    assert!(
+        outcome(c.call(
+            OP_STORE,
+            &[
+                key(&toks2, Some(0), "s2"),
+                V::I(301),
+                ids(&SRC[..2 * BPC]),
+                V::Bin(vec![])
+            ],
+        ))
+        .1
+    );
+    assert_eq!(lookup(&mut c, &toks2, "r4"), 2);
+    assert!(retrieve(&mut c, 300, &toks2, "r4", &DST[..2 * BPC], 0).1);
+    assert!(
+        gpu.blocks(&DST[..2 * BPC]) == cpu_stored,
+        "the GPU worker gets the CPU worker's bytes"
+    );
+
+    // Unregistering drops the instance; its transfers then fail cleanly.
+    assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(300)]), None);
+    assert!(!registered(&srv).contains(&300));
+    assert_eq!(store(&mut c, 300, &toks, &SRC), (vec![], false));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn gpu_worker_failures_are_answered_and_refusals_reported() {
+    let dir = std::env::temp_dir().join(unique("cuda-emu-bad"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut srv = start(&dir, &[]);
+    let mut c = srv.client();
+    let gpu = Layers::new("kvt_gpu_bad", ALLOC_OFFSET, 3);
+    let descs = gpu.names.iter().map(|n| cuda_raw(n, GPU_UUID)).collect();
+    assert_eq!(
+        c.call(OP_REGISTER_KV_CACHE, &register_frames(400, descs)),
+        None
+    );
+    wait_until("registered", || registered(&srv).contains(&400));
+
+    let toks = ed_tokens(9, 3 * CS);
+    // Too few block ids, and a block past the worker's blocks.
+    assert_eq!(store(&mut c, 400, &toks, &SRC[..5]), (vec![], false));
+    let mut bad = SRC;
+    bad[3] = NB as i64;
+    assert_eq!(store(&mut c, 400, &toks, &bad), (vec![], false));
+    // Nothing was kept by the failed stores.
+    assert_eq!(lookup(&mut c, &toks, "miss"), 0);
+    assert_eq!(c.call(OP_END_SESSION, &[s("miss")]), None);
+    // A retrieve without the lookup's locks fails and changes nothing.
+    assert_eq!(
+        retrieve(&mut c, 400, &toks, "nolock", &DST, 0),
+        (vec![], false)
+    );
+
+    // A registration the device cannot set up is refused, with the cause,
+    // and the worker's PINGs then answer False.
+    let missing = cuda_raw(&unique("kvt_absent"), GPU_UUID);
+    assert_eq!(
+        c.call(
+            OP_REGISTER_KV_CACHE,
+            &register_frames(401, vec![missing.clone(), missing])
+        ),
+        None
+    );
+    wait_until("the failed set-up is reported", || {
+        refused_reason(&srv, 401).is_some()
+    });
+    let reason = refused_reason(&srv, 401).unwrap();
+    assert!(
+        reason.contains("setting it up on GPU 0 failed") && reason.contains("shm_open"),
+        "{reason}"
+    );
+    assert_eq!(c.call(OP_PING, &[V::I(401)]), Some(V::B(false)));
+    // A GPU the server does not see.
+    let other = gpu
+        .names
+        .iter()
+        .map(|n| cuda_raw(n, "11111111-0000-4000-8000-000000000000"))
+        .collect();
+    assert_eq!(
+        c.call(OP_REGISTER_KV_CACHE, &register_frames(402, other)),
+        None
+    );
+    let reason = refused_reason(&srv, 402).unwrap();
+    assert!(reason.contains("not visible to kvshard"), "{reason}");
+
+    // The good instance is still served.
+    let stored = gpu.blocks(&SRC);
+    assert!(store(&mut c, 400, &toks, &SRC).1);
+    assert_eq!(lookup(&mut c, &toks, "hit"), 3);
+    assert!(retrieve(&mut c, 400, &toks, "hit", &DST, 0).1);
+    assert!(gpu.blocks(&DST) == stored, "the good instance's round trip");
+    assert!(srv.alive());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn gpu_workers_need_the_l1_in_memory() {
+    let dir = std::env::temp_dir().join(unique("cuda-emu-gds"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let slabs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(unique("cuda-emu-slab"));
+    let srv = start(
+        &dir,
+        &["--gds-l1-path", slabs.to_str().unwrap(), "--shm-name", ""],
+    );
+    let mut c = srv.client();
+    let gpu = Layers::new("kvt_gpu_gds", ALLOC_OFFSET, 4);
+    let descs = gpu.names.iter().map(|n| cuda_raw(n, GPU_UUID)).collect();
+    assert_eq!(
+        c.call(OP_REGISTER_KV_CACHE, &register_frames(500, descs)),
+        None
+    );
+    let reason = refused_reason(&srv, 500).expect("refused");
+    assert!(reason.contains("--gds-l1-path"), "{reason}");
+    drop(srv);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&slabs);
+}

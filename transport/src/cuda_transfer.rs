@@ -1,0 +1,608 @@
+//! lmcache_driven transfers for GPU workers: the CUDA IPC path
+//! (`--cuda-transfer on`).
+//!
+//! A GPU worker registers its per-layer paged KV tensors with `cuda`,
+//! `cuda_raw` or `cuda_vmm` descriptors. This module turns such a
+//! registration into the device thread's [`InstanceSpec`]: the same layout
+//! detection as the cpu_shm path ([`DeviceGeometry`]), the copy kernel's
+//! stride table, and where each layer's first element sits in the memory the
+//! worker shares. The front then drives the transfers (see `front.rs`):
+//!
+//! - STORE: reserve the chunks' L1 objects on their shards, hand the device
+//!   thread the objects' host addresses and the worker's blocks, and once it
+//!   reports the copies complete, finish the writes and answer with the
+//!   exported event. The reply follows completion, so a stored chunk is
+//!   visible to the next lookup (0.5.6 answers first and commits later).
+//! - RETRIEVE: look up the read-locked objects, have the device thread
+//!   scatter them, then release the lookup's read locks.
+//!
+//! Nothing here touches CUDA: the device threads own every driver call.
+
+use std::sync::Arc;
+
+use kvshard_gds::cuda::{CudaDevice, CudaEnv};
+use kvshard_gds::device::emulated::{self, EmulatedDevice};
+use kvshard_gds::device::event::IpcEventHandle;
+use kvshard_gds::device::ipc::{FabricHandle, IpcMemHandle};
+use kvshard_gds::device::worker::{DeviceJob, DeviceThreads, InstanceSpec, LayerMemory, LayerSpec};
+use kvshard_gds::layout::{EngineKvFormat, PageBufferShape, StrideTable};
+
+use crate::cpu_shm::{DeviceGeometry, KvFormat, KvGroupSpec, ShmTensorSpec, TransferError};
+use crate::cuda_refusal::{parse_torch_handle, TorchHandle};
+use crate::msgpack::Value;
+use crate::registry::Layout;
+use crate::wire::{EngineGroupInfo, IpcData, TensorMetadata, VmmKind};
+
+/// A registered GPU worker, as the front sees it.
+#[derive(Debug, Clone)]
+pub struct CudaInstance {
+    /// The device the worker's tensors live on (the server's ordinal).
+    pub ordinal: usize,
+    pub geometry: DeviceGeometry,
+    pub null_block_id: i64,
+}
+
+impl CudaInstance {
+    pub fn blocks_per_chunk(&self) -> usize {
+        self.geometry.blocks_per_chunk
+    }
+
+    /// The L1 object layout of this worker's chunks.
+    pub fn layout(&self) -> Layout {
+        let l = &self.geometry.object_layout;
+        Layout {
+            bytes: l.bytes,
+            shape: l.shape.clone(),
+            dtype: l.dtype.clone(),
+        }
+    }
+
+    /// Every id must name a block of the paged buffers: the kernel addresses
+    /// each one (the null block is a real block in vLLM's pools).
+    pub fn validate_block_ids(&self, ids: &[i64]) -> Result<(), String> {
+        let nb = self.geometry.num_blocks as i64;
+        match ids.iter().find(|&&b| !(0..nb).contains(&b)) {
+            None => Ok(()),
+            Some(b) if *b == self.null_block_id => Err(format!(
+                "block id {b} is the null block id (--null-block-id) but outside the worker's \
+                 {nb} blocks, which the GPU copy kernel cannot address"
+            )),
+            Some(b) => Err(format!("block id {b} is outside the worker's {nb} blocks")),
+        }
+    }
+}
+
+/// 0.5.6's `EngineKVFormat` value of a detected per-layer format.
+fn engine_format(f: KvFormat) -> EngineKvFormat {
+    let value = match f {
+        KvFormat::TwoNbBsNhHs => 1,
+        KvFormat::NbTwoBsNhHs => 2,
+        KvFormat::NbBsHs => 3,
+        KvFormat::TwoNbNhBsHs => 6,
+        KvFormat::NbTwoNhBsHs => 7,
+        KvFormat::NbNhBsCs => 12,
+        KvFormat::NbBsNhCs => 13,
+    };
+    EngineKvFormat::from_u32(value).expect("every detected format has an engine format value")
+}
+
+/// Where one layer's memory is shared, and how many bytes of it its view may
+/// use (from the start of the shared range).
+fn layer_memory(index: usize, d: &IpcData) -> Result<(LayerMemory, u64, &TensorMetadata), String> {
+    match d {
+        IpcData::Cuda(c) => {
+            let raw =
+                c.handle.mem_handle.as_deref().ok_or_else(|| {
+                    format!("layer {index}'s CUDA storage carries no memory handle")
+                })?;
+            let block = match parse_torch_handle(raw)
+                .map_err(|e| format!("layer {index}'s CUDA IPC handle: {e}"))?
+            {
+                TorchHandle::Block(b) => b,
+                TorchHandle::ExpandableSegment => {
+                    return Err(format!(
+                        "layer {index}'s KV cache lives in a PyTorch expandable segment, which \
+                         cannot be mapped from another process; start vLLM with \
+                         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"
+                    ))
+                }
+            };
+            let handle = IpcMemHandle::from_bytes(block).map_err(|e| e.to_string())?;
+            let alloc_event = match (&c.handle.event_handle, c.handle.event_sync_required) {
+                (Some(ev), true) => Some(
+                    IpcEventHandle::from_bytes(ev)
+                        .map_err(|e| format!("layer {index}'s allocation event: {e}"))?,
+                ),
+                _ => None,
+            };
+            Ok((
+                LayerMemory::Cuda {
+                    handle,
+                    storage_offset: c.handle.storage_offset,
+                    storage_bytes: c.handle.storage_size,
+                    alloc_event,
+                },
+                c.handle.storage_size,
+                &c.metadata,
+            ))
+        }
+        IpcData::CudaRaw(r) => Ok((
+            LayerMemory::Raw {
+                handle: IpcMemHandle(r.ipc_handle),
+                alloc_offset: r.alloc_offset,
+                nbytes: r.nbytes,
+            },
+            r.nbytes,
+            &r.metadata,
+        )),
+        IpcData::CudaVmm(v) => {
+            if v.kind != VmmKind::Fabric {
+                return Err(format!(
+                    "layer {index} is a posix_fd CUDA VMM export, which needs a file-descriptor \
+                     channel the lmcache 0.5.6 protocol does not have (only fabric exports can \
+                     be imported)"
+                ));
+            }
+            let blob = v
+                .fabric_blob
+                .as_deref()
+                .ok_or_else(|| format!("layer {index}'s fabric export carries no handle"))?;
+            let handle = FabricHandle::from_bytes(blob).map_err(|e| e.to_string())?;
+            let fits = v
+                .alloc_offset
+                .checked_add(v.nbytes)
+                .is_some_and(|end| end <= v.alloc_size);
+            if !fits {
+                return Err(format!(
+                    "layer {index}: range {}+{} ends past its allocation of {} bytes",
+                    v.alloc_offset, v.nbytes, v.alloc_size
+                ));
+            }
+            Ok((
+                LayerMemory::Fabric {
+                    handle,
+                    alloc_size: v.alloc_size,
+                    alloc_offset: v.alloc_offset,
+                    nbytes: v.nbytes,
+                },
+                v.nbytes,
+                &v.metadata,
+            ))
+        }
+        IpcData::CpuShm(_) => Err(format!(
+            "layer {index} is a cpu_shm tensor in a CUDA registration; a worker registers all \
+             its layers one way"
+        )),
+        IpcData::Unsupported { tag } => Err(format!(
+            "layer {index} has unsupported device descriptor type {tag:?}"
+        )),
+    }
+}
+
+/// The `kv_layout` hint of a registration, if it names one.
+pub fn kv_layout_hint(layout_hints: &Value) -> Option<String> {
+    match layout_hints {
+        Value::Map(m) => m.iter().find_map(|(k, v)| match (k, v) {
+            (Value::Str(k), Value::Str(v)) if k == "kv_layout" => Some(v.clone()),
+            _ => None,
+        }),
+        _ => None,
+    }
+}
+
+/// The KV groups of a registration, as the layout detection takes them.
+pub fn group_specs(groups: &[EngineGroupInfo]) -> Vec<KvGroupSpec> {
+    groups
+        .iter()
+        .map(|g| KvGroupSpec {
+            engine_group_id: g.engine_group_id,
+            layer_indices: g.layer_indices.clone(),
+            tokens_per_block: g.tokens_per_block,
+            sw_size_tokens: g.sw_size_tokens,
+            extra_object_group_tag: g.extra_object_group_tag,
+            recurrent_state: g.recurrent_state,
+        })
+        .collect()
+}
+
+/// Builds the front's view and the device thread's spec of a CUDA
+/// registration, checking everything that can be checked without the GPU.
+/// `devices` are the GPUs the server sees.
+pub fn build(
+    kv_cache: &[IpcData],
+    groups: &[EngineGroupInfo],
+    layout_hints: &Value,
+    chunk_size: usize,
+    null_block_id: i64,
+    devices: &[CudaDevice],
+) -> Result<(CudaInstance, InstanceSpec), String> {
+    if kv_cache.is_empty() {
+        return Err("kv_cache is empty".into());
+    }
+    let mut memories = Vec::with_capacity(kv_cache.len());
+    let mut tensors = Vec::with_capacity(kv_cache.len());
+    let mut uuid: Option<&str> = None;
+    for (i, d) in kv_cache.iter().enumerate() {
+        let (memory, budget, meta) = layer_memory(i, d)?;
+        let this = meta
+            .device_uuid
+            .strip_prefix("GPU-")
+            .unwrap_or(&meta.device_uuid);
+        match uuid {
+            None => uuid = Some(this),
+            Some(u) if u != this => {
+                return Err(format!(
+                    "layer {i} is on GPU {this} but layer 0 on GPU {u}; one worker's KV cache \
+                     lives on one GPU"
+                ))
+            }
+            Some(_) => {}
+        }
+        tensors.push(ShmTensorSpec {
+            shm_name: format!("CUDA tensor {i}"),
+            nbytes: budget,
+            dtype: meta.dtype.clone(),
+            shape: meta.shape.clone(),
+            stride: meta.stride.clone(),
+            storage_offset: meta.storage_offset,
+        });
+        memories.push(memory);
+    }
+    let uuid = uuid.unwrap_or_default();
+    let device = devices.iter().find(|d| d.uuid == uuid).ok_or_else(|| {
+        format!(
+            "the worker's GPU {uuid} is not visible to kvshard; start kvshard with every GPU \
+             its workers use visible"
+        )
+    })?;
+    let hint = kv_layout_hint(layout_hints);
+    let geometry =
+        DeviceGeometry::detect(&tensors, &group_specs(groups), chunk_size, hint.as_deref())
+            .map_err(|e| match e {
+                TransferError::SegmentTooSmall {
+                    name,
+                    needed_bytes,
+                    segment_bytes,
+                } => format!(
+                    "CUDA registration: {name} shares {segment_bytes} bytes but its view needs \
+             {needed_bytes}"
+                ),
+                e => e
+                    .to_string()
+                    .replacen("cpu_shm transfer", "CUDA registration", 1),
+            })?;
+    let shape = PageBufferShape {
+        kv_size: geometry.kv_size as u32,
+        nl: geometry.group_layers.len() as u32,
+        nb: geometry.num_blocks as u64,
+        bs: geometry.block_size as u32,
+        nh: geometry.num_heads as u32,
+        hs: geometry.head_size as u32,
+        element_size: geometry.dtype.size_bytes() as u32,
+        block_stride_elems: geometry.block_stride_elems,
+    };
+    let table = StrideTable::new(engine_format(geometry.format), &shape)
+        .map_err(|e| format!("CUDA registration: the copy kernel cannot take this layout: {e}"))?;
+    let chunk_slots = geometry.chunk_size_tokens as u64;
+    let object_bytes = table
+        .object_bytes(chunk_slots)
+        .map_err(|e| format!("CUDA registration: {e}"))?;
+    if object_bytes != geometry.object_layout.bytes {
+        return Err(format!(
+            "CUDA registration: the copy kernel's object is {object_bytes} bytes but the layout \
+             says {}",
+            geometry.object_layout.bytes
+        ));
+    }
+    let layers = memories
+        .into_iter()
+        .zip(&geometry.views)
+        .map(|(memory, &(view_offset, view_bytes))| LayerSpec {
+            memory,
+            view_offset,
+            view_bytes,
+        })
+        .collect();
+    let spec = InstanceSpec {
+        ordinal: device.ordinal as usize,
+        layers,
+        kernel_layers: geometry.group_layers.clone(),
+        table,
+        chunk_slots,
+        blocks_per_chunk: geometry.blocks_per_chunk,
+        object_bytes,
+    };
+    let instance = CudaInstance {
+        ordinal: device.ordinal as usize,
+        geometry,
+        null_block_id,
+    };
+    Ok((instance, spec))
+}
+
+/// What a device thread reports to the front (on its event queue).
+pub enum CudaEvent {
+    /// A registration was set up on its GPU, or why not.
+    Registered {
+        iid: i64,
+        result: Result<(), String>,
+    },
+    /// A transfer's copies completed (with the exported event), or why not.
+    Transferred {
+        seq: crate::shard::Seq,
+        result: Result<Vec<u8>, String>,
+    },
+}
+
+/// The L1 arena's host memory, when the L1 lives in memory: what CUDA
+/// copies go to and from. `keep` holds the mapping while device threads run.
+#[derive(Clone)]
+pub struct L1Memory {
+    pub base: usize,
+    pub len: usize,
+    pub keep: Arc<kvshard_io::arena::Arena>,
+}
+
+/// A CUDA registration the front waits on its device thread for.
+pub struct PendingRegistration {
+    pub model_name: String,
+    pub world_size: u32,
+    pub descriptor: &'static str,
+    pub instance: CudaInstance,
+}
+
+/// A CUDA transfer the front waits on (keyed by its sequence number).
+pub enum CudaOp {
+    Store {
+        to: crate::front::ReplyTo,
+        iid: i64,
+        /// The reserved objects, to finish (or abort) once the copies ended.
+        keys: Vec<kvshard_engine::keys::ObjectKey>,
+    },
+    Retrieve {
+        to: crate::front::ReplyTo,
+        iid: i64,
+        request_id: String,
+        /// (chunk index, key) of every read-locked object, to release.
+        locked: Vec<(usize, kvshard_engine::keys::ObjectKey)>,
+    },
+}
+
+/// What runs the CUDA jobs: the device threads, or the CPU emulation the
+/// tests use on hosts without a GPU (`KVSHARD_CUDA_EMULATION=1`).
+pub enum CudaExecutor {
+    Device(DeviceThreads),
+    Emulated(EmulatedDevice),
+}
+
+impl CudaExecutor {
+    /// Starts the executor of `env` (the emulation when the environment
+    /// asks for it) over the L1 memory `mem`.
+    pub fn start(env: CudaEnv, mem: &L1Memory) -> Result<CudaExecutor, String> {
+        if emulated::enabled() {
+            return EmulatedDevice::start().map(CudaExecutor::Emulated);
+        }
+        let keep: Arc<dyn std::any::Any + Send + Sync> = mem.keep.clone();
+        // SAFETY: the arena is mapped, page-aligned and registered by no one
+        // else, and `keep` holds it mapped while the threads run. The front
+        // only names L1 objects it reserved (a store's staged objects,
+        // invisible to readers until finished) or read-locked (a retrieve's,
+        // never rewritten while locked) in a transfer, and finishes or
+        // releases them only after the job's `done` ran.
+        let threads = unsafe { DeviceThreads::new(env, Some((mem.base, mem.len)), keep) };
+        Ok(CudaExecutor::Device(threads))
+    }
+
+    /// Queues a job for GPU `ordinal`; hands it back when it cannot.
+    #[allow(clippy::result_large_err)]
+    pub fn submit(&self, ordinal: usize, job: DeviceJob) -> Result<(), DeviceJob> {
+        match self {
+            CudaExecutor::Device(t) => t.submit(ordinal, job),
+            CudaExecutor::Emulated(e) => e.submit(ordinal, job),
+        }
+    }
+}
+
+/// Blocks of one chunk that a retrieve leaves untouched: the whole blocks of
+/// its `skip_tokens` (0.5.6 rewrites a partially skipped block).
+pub fn skip_blocks(skip_tokens: usize, block_size: usize) -> usize {
+    skip_tokens / block_size.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::golden::{cuda_golden, golden_frames};
+    use crate::wire::{decode_request, Request};
+
+    const UUID: &str = "8f6b2c1e-0000-1111-2222-333344445555";
+
+    fn gpus(uuid: &str) -> Vec<CudaDevice> {
+        vec![
+            CudaDevice {
+                ordinal: 0,
+                uuid: "00000000-0000-0000-0000-000000000000".into(),
+                name: "other".into(),
+                compute_capability: (9, 0),
+            },
+            CudaDevice {
+                ordinal: 1,
+                uuid: uuid.into(),
+                name: "worker's".into(),
+                compute_capability: (9, 0),
+            },
+        ]
+    }
+
+    /// The golden REGISTER of `name`: its descriptors, groups and hints.
+    fn golden(name: &str) -> (Vec<IpcData>, Vec<EngineGroupInfo>, Value) {
+        let (op, frames) = golden_frames(&cuda_golden(), name);
+        let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        match decode_request(op, &refs).unwrap() {
+            Request::RegisterKvCache {
+                kv_cache,
+                layout_hints,
+                engine_group_infos,
+                ..
+            } => (kv_cache, engine_group_infos, layout_hints),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn golden_registrations_build_the_kernel_spec_of_the_layout() {
+        // Two bf16 layers [2, 1024, 16, 8, 128] (vLLM flash attention, NHD).
+        let layer = 2 * 1024 * 16 * 8 * 128 * 2u64;
+        for name in [
+            "register_kv_cache_cuda",
+            "register_kv_cache_cuda_raw",
+            "register_kv_cache_cuda_vmm",
+        ] {
+            let (kv, groups, hints) = golden(name);
+            let (inst, spec) = build(&kv, &groups, &hints, 256, 0, &gpus(UUID)).unwrap();
+            assert_eq!(inst.ordinal, 1, "{name}: the worker's GPU by UUID");
+            assert_eq!(spec.ordinal, 1);
+            let g = &inst.geometry;
+            assert_eq!(g.format, KvFormat::TwoNbBsNhHs, "{name}");
+            assert_eq!(
+                (
+                    g.kv_size,
+                    g.num_blocks,
+                    g.block_size,
+                    g.num_heads,
+                    g.head_size
+                ),
+                (2, 1024, 16, 8, 128)
+            );
+            assert_eq!(g.views, vec![(0, layer); 2], "{name}");
+            assert_eq!(g.block_stride_elems, 0);
+            assert_eq!(inst.blocks_per_chunk(), 16);
+            // [2, layers, chunk, heads x head size] in bf16.
+            let l = inst.layout();
+            assert_eq!(l.shape, vec![2, 2, 256, 1024], "{name}");
+            assert_eq!(l.bytes, 2 * 2 * 256 * 1024 * 2);
+            assert_eq!(spec.object_bytes, l.bytes);
+            assert_eq!(spec.chunk_slots, 256);
+            assert_eq!(spec.kernel_layers, vec![0, 1]);
+            assert_eq!(spec.table.format().as_u32(), 1);
+            assert_eq!(spec.table.unit_bytes(), 16);
+            assert_eq!(spec.layers.len(), 2);
+            assert_eq!(spec.layers[0].view_offset, 0);
+            assert_eq!(spec.layers[0].view_bytes, layer);
+            match (&spec.layers[0].memory, name) {
+                (
+                    LayerMemory::Cuda {
+                        handle,
+                        storage_offset,
+                        storage_bytes,
+                        alloc_event,
+                    },
+                    "register_kv_cache_cuda",
+                ) => {
+                    let want: Vec<u8> = (0..64).collect();
+                    assert_eq!(handle.0.to_vec(), want, "the 'c' payload");
+                    assert_eq!((*storage_offset, *storage_bytes), (4096, layer));
+                    assert!(alloc_event.is_some(), "event_sync_required");
+                }
+                (
+                    LayerMemory::Raw {
+                        alloc_offset,
+                        nbytes,
+                        ..
+                    },
+                    "register_kv_cache_cuda_raw",
+                ) => assert_eq!((*alloc_offset, *nbytes), (4096, layer)),
+                (
+                    LayerMemory::Fabric {
+                        alloc_size, nbytes, ..
+                    },
+                    "register_kv_cache_cuda_vmm",
+                ) => {
+                    assert_eq!(*nbytes, layer);
+                    assert!(*alloc_size >= layer);
+                }
+                (m, _) => panic!("{name}: wrong memory kind {m:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn registrations_the_kernel_cannot_take_are_refused_with_the_cause() {
+        let (kv, groups, hints) = golden("register_kv_cache_cuda_raw");
+        // The worker's GPU is not visible.
+        let e = build(
+            &kv,
+            &groups,
+            &hints,
+            256,
+            0,
+            &gpus("ffffffff-0000-0000-0000-000000000000"),
+        )
+        .unwrap_err();
+        assert!(e.contains(&format!("GPU {UUID} is not visible")), "{e}");
+        // A chunk that is not whole blocks.
+        let e = build(&kv, &groups, &hints, 24, 0, &gpus(UUID)).unwrap_err();
+        assert!(e.contains("multiple of the block size"), "{e}");
+
+        let with_raw = |f: &dyn Fn(&mut crate::wire::RawCudaIpc)| -> Vec<IpcData> {
+            let mut kv = kv.clone();
+            if let IpcData::CudaRaw(r) = &mut kv[0] {
+                f(r);
+            }
+            kv
+        };
+        // Padded heads: not the tight layout the kernel reads.
+        let padded = with_raw(&|r| {
+            r.metadata.stride = vec![16777216 * 2, 16384 * 2, 2048, 256, 1];
+            r.nbytes *= 2;
+        });
+        let e = build(&padded, &groups, &hints, 256, 0, &gpus(UUID)).unwrap_err();
+        assert!(e.contains("not the tight"), "{e}");
+        // A view past the shared range.
+        let shifted = with_raw(&|r| r.metadata.storage_offset = 1);
+        let e = build(&shifted, &groups, &hints, 256, 0, &gpus(UUID)).unwrap_err();
+        assert!(
+            e.contains("shares 67108864 bytes") && e.contains("needs"),
+            "{e}"
+        );
+        // Layers on two GPUs.
+        let mut two = kv.clone();
+        let mut other = kv[0].clone();
+        if let IpcData::CudaRaw(r) = &mut other {
+            r.metadata.device_uuid = "00000000-0000-0000-0000-000000000000".into();
+        }
+        two.push(other);
+        let e = build(&two, &[], &hints, 256, 0, &gpus(UUID)).unwrap_err();
+        assert!(e.contains("one GPU"), "{e}");
+        // A posix_fd VMM export.
+        let (mut vmm, groups, hints) = golden("register_kv_cache_cuda_vmm");
+        if let IpcData::CudaVmm(v) = &mut vmm[0] {
+            v.kind = VmmKind::PosixFd;
+        }
+        let e = build(&vmm, &groups, &hints, 256, 0, &gpus(UUID)).unwrap_err();
+        assert!(e.contains("posix_fd"), "{e}");
+    }
+
+    #[test]
+    fn block_ids_must_name_blocks_and_skips_are_whole_blocks() {
+        let (kv, groups, hints) = golden("register_kv_cache_cuda_raw");
+        let (inst, _) = build(&kv, &groups, &hints, 256, 0, &gpus(UUID)).unwrap();
+        assert!(inst.validate_block_ids(&[0, 5, 1023]).is_ok());
+        assert!(inst
+            .validate_block_ids(&[1024])
+            .unwrap_err()
+            .contains("outside"));
+        assert!(inst.validate_block_ids(&[-1]).is_err());
+        let null_outside = CudaInstance {
+            null_block_id: -1,
+            ..inst
+        };
+        assert!(null_outside
+            .validate_block_ids(&[-1])
+            .unwrap_err()
+            .contains("null block id"));
+        assert_eq!(skip_blocks(0, 16), 0);
+        assert_eq!(skip_blocks(17, 16), 1, "a partial block is rewritten");
+        assert_eq!(skip_blocks(32, 16), 2);
+    }
+}
