@@ -815,9 +815,9 @@ fn gds_l1_settings(
             "auto" => GdsBackend::IoUring,
             "cufile" => return Err(ConfigError::unsupported(
                 "--gds-l1-backend",
-                "cufile moves objects between GPU memory and the slab, and kvshard serves no GPU \
-                 transfers yet (CUDA workers are refused), so every object it holds is in host \
-                 memory: use auto, which reads and writes the slab with O_DIRECT through io_uring",
+                "cufile moves objects between GPU memory and the slab without host staging, and \
+                 kvshard has no cuFile slab backend (GPU workers need the L1 in memory): use \
+                 auto, which reads and writes the slab with O_DIRECT through io_uring",
             )),
             "ugds" => return Err(ConfigError::unsupported(
                 "--gds-l1-backend",

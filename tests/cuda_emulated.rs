@@ -361,6 +361,21 @@ fn gpu_worker_failures_are_answered_and_refusals_reported() {
     // Nothing was kept by the failed stores.
     assert_eq!(lookup(&mut c, &toks, "miss"), 0);
     assert_eq!(c.call(OP_END_SESSION, &[s("miss")]), None);
+    // An isolated_ipc worker's 81-byte timeline-semaphore event is refused
+    // (and so is any handle that is not CUDA's 64 bytes), its reservations
+    // dropped: a good store of the same chunks works right after.
+    let store_with_event = |c: &mut Client, ev: Vec<u8>| {
+        outcome(c.call(
+            OP_STORE,
+            &[key(&toks, Some(0), "ev"), V::I(400), ids(&SRC), V::Bin(ev)],
+        ))
+    };
+    assert_eq!(store_with_event(&mut c, vec![1; 81]), (vec![], false));
+    assert_eq!(store_with_event(&mut c, vec![1; 63]), (vec![], false));
+    let text = std::fs::read_to_string(dir.join("server.log")).unwrap();
+    assert!(text.contains("isolated_ipc timeline-semaphore"), "{text}");
+    assert_eq!(lookup(&mut c, &toks, "miss2"), 0);
+    assert_eq!(c.call(OP_END_SESSION, &[s("miss2")]), None);
     // A retrieve without the lookup's locks fails and changes nothing.
     assert_eq!(
         retrieve(&mut c, 400, &toks, "nolock", &DST, 0),

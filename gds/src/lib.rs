@@ -5,9 +5,11 @@
 //! whether they exist, so a host without a GPU gets a reason instead of a
 //! panic.
 pub mod cuda;
+pub mod cufile;
 pub mod devdax;
 pub mod device;
 pub mod kernel;
 pub mod layout;
+pub mod libfind;
 pub mod nvrtc;
 pub mod slab;

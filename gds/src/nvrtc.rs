@@ -8,7 +8,8 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fmt;
-use std::path::{Path, PathBuf};
+
+use crate::libfind::{error_chain, LibraryUnavailable, Search};
 
 /// Environment variable naming the NVRTC library file to use.
 pub const NVRTC_PATH_ENV: &str = "KVSHARD_NVRTC_PATH";
@@ -85,26 +86,7 @@ impl fmt::Debug for Nvrtc {
 }
 
 /// NVRTC could not be loaded; lists each place tried and why it failed.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NvrtcUnavailable {
-    pub tried: Vec<(String, String)>,
-}
-
-impl fmt::Display for NvrtcUnavailable {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "NVRTC not found (set {NVRTC_PATH_ENV} to libnvrtc.so.*); tried {} places:",
-            self.tried.len()
-        )?;
-        for (place, why) in &self.tried {
-            write!(f, "\n  {place}: {why}")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for NvrtcUnavailable {}
+pub type NvrtcUnavailable = LibraryUnavailable;
 
 /// What to produce.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,67 +150,6 @@ impl fmt::Display for CompileError {
 
 impl std::error::Error for CompileError {}
 
-/// Every `site-packages`/`dist-packages` directory found cheaply: the
-/// lmcache venv kvshard provisions, the active virtualenv, the user's and
-/// the system's, one `read_dir` per `lib` directory.
-fn site_package_dirs() -> Vec<PathBuf> {
-    let mut prefixes: Vec<PathBuf> = Vec::new();
-    let home = std::env::var_os("HOME").map(PathBuf::from);
-    if let Some(h) = &home {
-        prefixes.push(h.join(".cache/kvshard/lmcache-0.5.6"));
-    }
-    if let Some(v) = std::env::var_os("VIRTUAL_ENV") {
-        prefixes.push(PathBuf::from(v));
-    }
-    if let Some(c) = std::env::var_os("CONDA_PREFIX") {
-        prefixes.push(PathBuf::from(c));
-    }
-    if let Some(h) = &home {
-        prefixes.push(h.join(".local"));
-    }
-    prefixes.push(PathBuf::from("/usr/local"));
-    prefixes.push(PathBuf::from("/usr"));
-
-    let mut dirs = Vec::new();
-    for prefix in prefixes {
-        let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else {
-            continue;
-        };
-        let mut pythons: Vec<PathBuf> = entries
-            .filter_map(Result::ok)
-            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
-            .map(|e| e.path())
-            .collect();
-        pythons.sort();
-        pythons.reverse(); // newest python first
-        for py in pythons {
-            for leaf in ["site-packages", "dist-packages"] {
-                let d = py.join(leaf);
-                if d.is_dir() {
-                    dirs.push(d);
-                }
-            }
-        }
-    }
-    dirs.dedup();
-    dirs
-}
-
-/// Library directories to search, in order after the loader's own lookup.
-fn library_dirs() -> Vec<PathBuf> {
-    let mut dirs = Vec::new();
-    if let Some(h) = std::env::var_os("CUDA_HOME") {
-        dirs.push(PathBuf::from(h).join("lib64"));
-    }
-    dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
-    for site in site_package_dirs() {
-        for wheel in WHEEL_DIRS {
-            dirs.push(site.join(wheel));
-        }
-    }
-    dirs
-}
-
 /// Resolves a required symbol; the caller's library must outlive the value.
 ///
 /// # Safety
@@ -270,45 +191,14 @@ impl Nvrtc {
     /// `$CUDA_HOME/lib64`, `/usr/local/cuda/lib64` and the pip wheel
     /// directories of every python found. Never panics.
     pub fn load() -> Result<Nvrtc, NvrtcUnavailable> {
-        let mut tried: Vec<(String, String)> = Vec::new();
-        let attempt =
-            |tried: &mut Vec<(String, String)>, place: String, target: &std::ffi::OsStr| {
-                Self::open(target)
-                    .map_err(|why| tried.push((place, why)))
-                    .ok()
-            };
-        if let Some(path) = std::env::var_os(NVRTC_PATH_ENV) {
-            let place = format!("${NVRTC_PATH_ENV}={}", Path::new(&path).display());
-            if let Some(n) = attempt(&mut tried, place, &path) {
-                return Ok(n);
-            }
-        }
-        for soname in SONAMES {
-            if let Some(n) = attempt(&mut tried, format!("loader: {soname}"), soname.as_ref()) {
-                return Ok(n);
-            }
-        }
-        for dir in library_dirs() {
-            let mut found = false;
-            for soname in SONAMES {
-                let file = dir.join(soname);
-                if file.exists() {
-                    found = true;
-                    if let Some(n) =
-                        attempt(&mut tried, file.display().to_string(), file.as_os_str())
-                    {
-                        return Ok(n);
-                    }
-                }
-            }
-            if !found {
-                tried.push((
-                    dir.display().to_string(),
-                    "no libnvrtc.so* here".to_string(),
-                ));
-            }
-        }
-        Err(NvrtcUnavailable { tried })
+        let search = Search {
+            library: "NVRTC",
+            env: NVRTC_PATH_ENV,
+            sonames: &SONAMES,
+            wheel_dirs: &WHEEL_DIRS,
+            what: "libnvrtc.so*",
+        };
+        search.find(Self::open)
     }
 
     fn open(target: &std::ffi::OsStr) -> Result<Nvrtc, String> {
@@ -473,17 +363,6 @@ impl Nvrtc {
 
 /// An error and its sources, so dlopen's own message (the path, the missing
 /// file or dependency) is kept.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
-}
-
 fn trim_nul(bytes: &mut Vec<u8>) {
     while bytes.last() == Some(&0) {
         bytes.pop();
@@ -548,6 +427,9 @@ mod tests {
     #[test]
     fn unavailable_lists_every_place() {
         let e = NvrtcUnavailable {
+            library: "NVRTC",
+            env: NVRTC_PATH_ENV,
+            pattern: "libnvrtc.so*",
             tried: vec![
                 ("loader: libnvrtc.so.13".into(), "not found".into()),
                 (
@@ -558,6 +440,10 @@ mod tests {
         };
         let s = e.to_string();
         assert!(s.contains("tried 2 places"), "{s}");
+        assert!(
+            s.starts_with("NVRTC not found (set KVSHARD_NVRTC_PATH to libnvrtc.so*)"),
+            "{s}"
+        );
         assert!(
             s.contains("/usr/local/cuda/lib64: no libnvrtc.so* here"),
             "{s}"

@@ -2090,6 +2090,19 @@ impl Front {
         chunks: Vec<ChunkCopy>,
         op: CudaOp,
     ) {
+        if !event.is_empty() && event.len() != 64 {
+            let e = format!(
+                "the worker sent a {}-byte event handle where CUDA's are 64 bytes{}",
+                event.len(),
+                if event.len() == 81 {
+                    " (81 bytes is lmcache's isolated_ipc timeline-semaphore form, which kvshard \
+                     does not support: turn lmcache.mp.isolated_ipc off on the worker)"
+                } else {
+                    ""
+                }
+            );
+            return self.finish_cuda_op(op, Err(e));
+        }
         let seq = self.alloc_seq();
         let tx = self.setup.events.clone();
         let job = DeviceJob::Transfer {
