@@ -125,8 +125,13 @@ impl Aligned {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 
-    fn view(&mut self) -> ObjectBytes {
-        ObjectBytes::from_mut_slice(self.bytes_mut())
+    /// # Safety
+    /// As [`ObjectBytes::new`]: `self` outlives, and nobody else touches it
+    /// during, every adapter call that receives the view.
+    unsafe fn view(&mut self) -> ObjectBytes {
+        // SAFETY: the caller keeps the buffer alive and untouched for the
+        // adapter calls.
+        unsafe { ObjectBytes::from_mut_slice(self.bytes_mut()) }
     }
 }
 
@@ -250,7 +255,9 @@ fn adapter_throughput(dir: &Path, n_obj: usize, obj: usize, rounds: usize) {
                     let items: Vec<(ObjectKey, ObjectBytes)> = keys
                         .iter()
                         .cloned()
-                        .zip(src.iter_mut().map(|b| b.view()))
+                        // SAFETY: `src` outlives the awaited store; nothing
+                        // writes it meanwhile.
+                        .zip(src.iter_mut().map(|b| unsafe { b.view() }))
                         .collect();
                     let t = Instant::now();
                     let res = adapter.store(&items).await;
@@ -265,7 +272,9 @@ fn adapter_throughput(dir: &Path, n_obj: usize, obj: usize, rounds: usize) {
                     let items: Vec<(ObjectKey, ObjectBytes)> = keys
                         .iter()
                         .cloned()
-                        .zip(dst.iter_mut().map(|b| b.view()))
+                        // SAFETY: `dst` outlives the awaited load; nothing
+                        // else touches it meanwhile.
+                        .zip(dst.iter_mut().map(|b| unsafe { b.view() }))
                         .collect();
                     let t = Instant::now();
                     let ok = adapter.load(&items).await;

@@ -656,6 +656,24 @@ impl L1Shard {
         Ok(result)
     }
 
+    /// Keeps write reservations alive: `tag`'s staging object of each key,
+    /// when its write lock is live, gets its deadline pushed to
+    /// `now + write_ttl`. For a writer whose work on the memory can outlast
+    /// the TTL (an L2 load). Answers per key whether the reservation was
+    /// live: once it was not, the stage may have been freed or handed to
+    /// another writer, and its memory must not be written any more.
+    pub fn renew_write(&mut self, keys: &[ObjectKey], tag: WriterTag, now: Instant) -> Vec<bool> {
+        let write_ttl = self.cfg.write_ttl;
+        keys.iter()
+            .map(|key| {
+                self.entries
+                    .get_mut(key)
+                    .and_then(|e| e.stages.iter_mut().find(|s| s.tag == tag))
+                    .is_some_and(|s| s.write_lock.extend(now, write_ttl))
+            })
+            .collect()
+    }
+
     /// Drops `tag`'s staging objects (0.5.6 `finish_write_and_delete`; the
     /// object never becomes resident). `KeyNotExist` if the tag stages nothing
     /// for the key.
@@ -1526,6 +1544,73 @@ mod tests {
         assert_eq!(c.len, 3 * A);
         assert_eq!(sh.usage().0, 4 * A);
         assert_eq!(sh.status(secs(t0, 12)).staging_object_count, 1);
+        sh.validate();
+    }
+
+    #[test]
+    fn renewed_write_reservations_outlive_their_ttl() {
+        let t0 = Instant::now();
+        let mut sh = shard(8, PolicyKind::Lru);
+        let ks = keys(&[1, 2]);
+        let slabs: Vec<Slab> = sh
+            .reserve_write(&ks, A, T1, false, t0)
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        // Write TTL 10 s: renewed at 8 s and 16 s, the stages hold past 20 s.
+        assert_eq!(sh.renew_write(&ks, T1, secs(t0, 8)), vec![true, true]);
+        assert_eq!(sh.renew_write(&ks, T2, secs(t0, 8)), vec![false, false]);
+        assert_eq!(sh.renew_write(&ks[..1], T1, secs(t0, 16)), vec![true]);
+        // Live stages are neither taken over nor evicted to make room.
+        assert_eq!(
+            sh.reserve_write(&keys(&[3, 4, 5, 6, 7, 8, 9]), A, T2, false, secs(t0, 17))
+                .iter()
+                .filter(|r| r.is_ok())
+                .count(),
+            6
+        );
+        assert_eq!(
+            sh.finish_write(&ks[..1], T1, secs(t0, 20)),
+            vec![Ok(Admission::Admitted)]
+        );
+        assert_eq!(sh.get(&ks[0]), Some(slabs[0]));
+        // Key 2 was not renewed at 16 s: expired at 18 s, and an expired
+        // reservation is not brought back.
+        assert_eq!(sh.renew_write(&ks[1..], T1, secs(t0, 19)), vec![false]);
+        sh.validate();
+    }
+
+    #[test]
+    fn a_writer_whose_stage_expired_never_touches_its_successor() {
+        let t0 = Instant::now();
+        let mut sh = shard(8, PolicyKind::Lru);
+        let k = keys(&[1]);
+        let a = sh.reserve_write(&k, A, T1, false, t0)[0].unwrap();
+        // Expired at 10 s and taken over by T2: same memory, new owner.
+        let b = sh.reserve_write(&k, A, T2, false, secs(t0, 11))[0].unwrap();
+        assert_eq!(a, b);
+        assert_eq!(sh.renew_write(&k, T1, secs(t0, 12)), vec![false]);
+        assert_eq!(
+            sh.finish_write(&k, T1, secs(t0, 12)),
+            vec![Err(L1Error::KeyNotExist)]
+        );
+        assert_eq!(sh.abort_write(&k, T1), vec![Err(L1Error::KeyNotExist)]);
+        // T2's reservation is untouched by T1's late calls.
+        assert_eq!(sh.renew_write(&k, T2, secs(t0, 12)), vec![true]);
+        assert_eq!(
+            sh.finish_write(&k, T2, secs(t0, 12)),
+            vec![Ok(Admission::Admitted)]
+        );
+        // Expired and not taken over: the late finish fails, the abort frees it.
+        let k2 = keys(&[2]);
+        sh.reserve_write(&k2, A, T1, false, t0);
+        assert_eq!(sh.renew_write(&k2, T1, secs(t0, 10)), vec![false]);
+        assert_eq!(
+            sh.finish_write(&k2, T1, secs(t0, 10)),
+            vec![Err(L1Error::KeyInWrongState)]
+        );
+        assert_eq!(sh.abort_write(&k2, T1), vec![Ok(())]);
+        assert_eq!(sh.usage().0, A);
         sh.validate();
     }
 

@@ -76,10 +76,11 @@ fn key(model: &str, i: u32, salt: &str) -> ObjectKey {
 
 async fn store(t: &L2Tier, items: &[(ObjectKey, Vec<u8>)]) -> Vec<StoreResult> {
     let mut bufs: Vec<Vec<u8>> = items.iter().map(|(_, b)| b.clone()).collect();
+    // SAFETY: `bufs` outlives the awaited store and nothing else touches it.
     let views: Vec<(ObjectKey, ObjectBytes)> = items
         .iter()
         .zip(bufs.iter_mut())
-        .map(|((k, _), b)| (k.clone(), ObjectBytes::from_mut_slice(b)))
+        .map(|((k, _), b)| (k.clone(), unsafe { ObjectBytes::from_mut_slice(b) }))
         .collect();
     let res = t.store(&views).await;
     drop(views);
@@ -95,10 +96,11 @@ async fn store_one(t: &L2Tier, k: &ObjectKey, bytes: &[u8]) -> StoreResult {
 /// marker byte, so an untouched buffer is not mistaken for a load).
 async fn load(t: &L2Tier, items: &[(ObjectKey, usize)]) -> Vec<(bool, Vec<u8>)> {
     let mut bufs: Vec<Vec<u8>> = items.iter().map(|(_, n)| vec![0xa5; *n]).collect();
+    // SAFETY: `bufs` outlives the awaited load and nothing else touches it.
     let views: Vec<(ObjectKey, ObjectBytes)> = items
         .iter()
         .zip(bufs.iter_mut())
-        .map(|((k, _), b)| (k.clone(), ObjectBytes::from_mut_slice(b)))
+        .map(|((k, _), b)| (k.clone(), unsafe { ObjectBytes::from_mut_slice(b) }))
         .collect();
     let ok = t.load(&views).await;
     drop(views);
@@ -704,6 +706,7 @@ fn mock_conforms() {
     let cfg = |capacity: u64| MockConfig {
         max_size_gb: capacity as f64 / GIB,
         mock_bandwidth_gb: 100.0,
+        mock_load_latency_ms: 0,
     };
     let make = |_case: &str, capacity: Option<u64>| Backing {
         adapter: Box::new(MockAdapter::new(&cfg(capacity.unwrap_or(ROOMY)), 0, 1)),

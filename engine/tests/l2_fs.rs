@@ -42,9 +42,14 @@ impl Aligned {
     }
 
     /// A view of the first `len` bytes.
-    fn view(&self, len: usize) -> ObjectBytes {
+    ///
+    /// # Safety
+    /// As [`ObjectBytes::new`]: `self` outlives, and nobody else touches it
+    /// during, every adapter call that receives the view.
+    unsafe fn view(&self, len: usize) -> ObjectBytes {
         assert!(len <= self.layout.size());
-        // SAFETY: owned allocation, alive for the test's adapter calls.
+        // SAFETY: the allocation holds `len` bytes; the caller keeps it alive
+        // and untouched for the adapter calls.
         unsafe { ObjectBytes::new(self.ptr, len) }
     }
 
@@ -88,10 +93,11 @@ fn cfg(dir: &Path) -> FsConfig {
 
 async fn store(a: &FsAdapter, items: &[(ObjectKey, Vec<u8>)]) -> Vec<StoreResult> {
     let mut bufs: Vec<Vec<u8>> = items.iter().map(|(_, b)| b.clone()).collect();
+    // SAFETY: `bufs` outlives the awaited store and nothing else touches it.
     let views: Vec<(ObjectKey, ObjectBytes)> = items
         .iter()
         .zip(bufs.iter_mut())
-        .map(|((k, _), b)| (k.clone(), ObjectBytes::from_mut_slice(b)))
+        .map(|((k, _), b)| (k.clone(), unsafe { ObjectBytes::from_mut_slice(b) }))
         .collect();
     a.store(&views).await
 }
@@ -99,9 +105,9 @@ async fn store(a: &FsAdapter, items: &[(ObjectKey, Vec<u8>)]) -> Vec<StoreResult
 /// Loads into a buffer of `len` bytes pre-filled with a marker.
 async fn load(a: &FsAdapter, k: &ObjectKey, len: usize) -> (bool, Vec<u8>) {
     let mut buf = vec![0xa5u8; len];
-    let ok = a
-        .load(&[(k.clone(), ObjectBytes::from_mut_slice(&mut buf))])
-        .await[0];
+    // SAFETY: `buf` outlives the awaited load and nothing else touches it.
+    let view = unsafe { ObjectBytes::from_mut_slice(&mut buf) };
+    let ok = a.load(&[(k.clone(), view)]).await[0];
     (ok, buf)
 }
 
@@ -207,7 +213,8 @@ fn odirect_aligned_and_unaligned_read_back_equal() {
             .iter()
             .zip(&srcs)
             .zip(sizes)
-            .map(|((k, s), n)| (k.clone(), s.view(n)))
+            // SAFETY: `srcs` outlives the awaited store; nothing writes it.
+            .map(|((k, s), n)| (k.clone(), unsafe { s.view(n) }))
             .collect();
         let res = a.store(&items).await;
         let want: Vec<StoreResult> = sizes
@@ -225,7 +232,9 @@ fn odirect_aligned_and_unaligned_read_back_equal() {
             .iter()
             .zip(&dsts)
             .zip(sizes)
-            .map(|((k, d), n)| (k.clone(), d.view(n)))
+            // SAFETY: `dsts` outlives the awaited load; nothing else touches
+            // it meanwhile.
+            .map(|((k, d), n)| (k.clone(), unsafe { d.view(n) }))
             .collect();
         assert_eq!(a.load(&items).await, vec![true; sizes.len()]);
         for ((s, d), n) in srcs.iter().zip(&dsts).zip(sizes) {

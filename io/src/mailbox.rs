@@ -23,6 +23,9 @@ struct Wake {
     sleeping: AtomicBool,
     /// Write end of the wake channel (socketpair end or eventfd), nonblocking.
     fd: OwnedFd,
+    /// The consumer is gone (a mailbox's receiver was dropped: its shard
+    /// thread ended). Set once, never cleared.
+    receiver_gone: AtomicBool,
     /// eventfd counters take 8-byte writes; socketpairs take one byte.
     eventfd: bool,
 }
@@ -139,19 +142,45 @@ impl<T> std::fmt::Debug for MailboxSender<T> {
     }
 }
 
+/// Why [`MailboxSender::try_send`] handed a message back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendError<T> {
+    /// The mailbox holds its capacity: try again once the consumer took some.
+    Full(T),
+    /// The receiver is gone (its shard thread ended): no retry can succeed.
+    Closed(T),
+}
+
+impl<T> SendError<T> {
+    /// The message that was not queued.
+    pub fn into_inner(self) -> T {
+        match self {
+            SendError::Full(m) | SendError::Closed(m) => m,
+        }
+    }
+}
+
 impl<T: Send> MailboxSender<T> {
-    /// Queue `msg` without blocking. `Err(msg)` when the mailbox is full (the
-    /// caller counts it and answers the request with a failure) or when the
-    /// receiver is gone.
-    pub fn try_send(&self, msg: T) -> Result<(), T> {
+    /// Queue `msg` without blocking, or hand it back saying why not: the
+    /// mailbox is full (the caller decides whether to queue it elsewhere or
+    /// refuse it) or closed (the receiver is gone for good).
+    pub fn try_send(&self, msg: T) -> Result<(), SendError<T>> {
         let tx = self.inner.tx.as_ref().expect("sender alive until drop");
         match tx.try_send(msg) {
             Ok(()) => {
                 self.inner.wake.notify();
                 Ok(())
             }
-            Err(TrySendError::Full(m)) | Err(TrySendError::Disconnected(m)) => Err(m),
+            Err(TrySendError::Full(m)) => Err(SendError::Full(m)),
+            Err(TrySendError::Disconnected(m)) => Err(SendError::Closed(m)),
         }
+    }
+
+    /// Whether the receiver is gone (dropped, e.g. because its shard thread
+    /// ended), so that a sender with nothing to send can still find out. One
+    /// atomic load.
+    pub fn is_closed(&self) -> bool {
+        self.inner.wake.receiver_gone.load(Ordering::SeqCst)
     }
 }
 
@@ -192,6 +221,14 @@ pub struct MailboxReceiver<T> {
     park_failed: bool,
 }
 
+impl<T> Drop for MailboxReceiver<T> {
+    fn drop(&mut self) {
+        // Before the channel's receiver (a field, dropped after this): a
+        // sender that sees the channel disconnected also sees the flag.
+        self.wake.receiver_gone.store(true, Ordering::SeqCst);
+    }
+}
+
 impl<T> std::fmt::Debug for MailboxReceiver<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MailboxReceiver")
@@ -220,6 +257,7 @@ pub fn try_mailbox<T: Send>(capacity: usize) -> io::Result<(MailboxSender<T>, Ma
     let wake = Arc::new(Wake {
         sleeping: AtomicBool::new(false),
         fd: wr,
+        receiver_gone: AtomicBool::new(false),
         eventfd: false,
     });
     let sender = MailboxSender {
@@ -395,6 +433,7 @@ pub fn try_notify_queue<T: Send>() -> io::Result<(NotifySender<T>, NotifyReceive
         // Nothing drained yet: the consumer counts as waiting.
         sleeping: AtomicBool::new(true),
         fd,
+        receiver_gone: AtomicBool::new(false),
         eventfd: true,
     });
     let (tx, rx) = mpsc::channel();
@@ -473,14 +512,29 @@ mod tests {
         let (tx, mut rx) = mailbox::<u32>(2);
         assert_eq!(tx.try_send(1), Ok(()));
         assert_eq!(tx.try_send(2), Ok(()));
-        assert_eq!(tx.try_send(3), Err(3));
+        assert_eq!(tx.try_send(3), Err(SendError::Full(3)));
         assert_eq!(rx.try_recv(), Ok(1));
         assert_eq!(tx.try_send(4), Ok(()));
         assert_eq!(rx.try_recv(), Ok(2));
         assert_eq!(rx.try_recv(), Ok(4));
         assert_eq!(rx.try_recv(), Err(TryRecvError::Empty));
+        assert!(!tx.is_closed());
         drop(rx);
-        assert_eq!(tx.try_send(5), Err(5), "receiver gone");
+        assert!(tx.is_closed(), "receiver gone");
+        assert_eq!(tx.try_send(5), Err(SendError::Closed(5)), "receiver gone");
+    }
+
+    #[test]
+    fn closed_is_told_apart_from_full_even_with_a_full_queue() {
+        let (tx, rx) = mailbox::<u32>(1);
+        assert_eq!(tx.try_send(1), Ok(()));
+        assert_eq!(tx.try_send(2), Err(SendError::Full(2)));
+        let tx2 = tx.clone();
+        // The consumer's thread ends with a message still queued.
+        std::thread::spawn(move || drop(rx)).join().unwrap();
+        assert!(tx.is_closed() && tx2.is_closed());
+        assert_eq!(tx2.try_send(3), Err(SendError::Closed(3)));
+        assert_eq!(SendError::Full(7).into_inner(), 7);
     }
 
     #[test]
@@ -500,7 +554,7 @@ mod tests {
                             Ok(()) => break,
                             Err(back) => {
                                 full += 1;
-                                m = back;
+                                m = back.into_inner();
                                 std::thread::yield_now();
                             }
                         }

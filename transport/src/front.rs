@@ -6,8 +6,8 @@
 //! a request that fails is answered with what the 0.5.6 client reads as a failure
 //! or a miss, and the cause is logged and counted.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,7 +16,7 @@ use kvshard_engine::slab::Slab;
 use kvshard_gds::device::worker::{ChunkCopy, CopyDir, DeviceJob};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
-use kvshard_io::mailbox::{MailboxSender, NotifyReceiver, NotifySender};
+use kvshard_io::mailbox::{MailboxSender, NotifyReceiver, NotifySender, SendError};
 
 use crate::config::ServerConfig;
 use crate::control::{ControlBody, ControlRequest, ControlResponse, Responder};
@@ -30,9 +30,22 @@ use crate::session::{LookupScope, Sessions};
 use crate::shard::{Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome};
 use crate::shard_l2::{FOUND_L1, FOUND_L2, FOUND_MISS};
 
-/// Writer tags of L2 loads (staged objects of a prefetch); worker instance ids
-/// use the low values.
-const LOAD_TAG_BIT: u64 = 1 << 62;
+/// Writer tags of L2 loads (staged objects of a prefetch): `LOAD_TAG_BIT | n`.
+/// Worker instance ids are writer tags too (`iid as u64`), so the ids whose
+/// tags would have this bit set, the negative ones, are refused at
+/// registration ([`writer_tag`] checks it at every use). vLLM's ids are
+/// `uuid4 & (2^63 - 1)`: never negative, and any value below 2^63.
+const LOAD_TAG_BIT: u64 = 1 << 63;
+
+/// `/cache/checksums` computations running at once; one more is answered 503.
+/// Each hashes a whole KV cache on a thread of its own.
+const MAX_CHECKSUM_THREADS: usize = 2;
+
+/// Test only: `KVSHARD_TEST_STOP_SHARD=N` makes the front drop its mailbox
+/// sender of shard N just before its first message to it, so that the shard
+/// thread ends as it does at shutdown and that message finds the mailbox
+/// closed: the path of a shard thread that died. Never set in production.
+const TEST_STOP_SHARD_ENV: &str = "KVSHARD_TEST_STOP_SHARD";
 use crate::wire::{self, IpcKey, Op, Request, RequestError};
 
 /// Everything that wakes the front besides the ROUTER socket.
@@ -70,6 +83,9 @@ struct Inflight {
     remaining: usize,
     /// Global item indices sent to each shard, in the order sent.
     parts: Vec<Vec<usize>>,
+    /// Per shard: its answer is still awaited. A part whose shard died is
+    /// failed (and no longer awaited) by `Front::fail_dead_parts`.
+    waiting: Vec<bool>,
     kind: InflightKind,
 }
 
@@ -214,6 +230,24 @@ pub struct Front {
     /// CUDA transfers whose copies are running, by sequence number.
     cuda_ops: HashMap<Seq, CudaOp>,
     layouts: Layouts,
+    /// Per shard: messages waiting for room in its full mailbox, in send order
+    /// (once a shard has some, later messages to it queue behind them).
+    /// Client requests are refused while it holds `overflow_bound`; other
+    /// messages always queue (see `Front::send`).
+    overflow: Vec<VecDeque<ShardMsg>>,
+    /// Shards whose overflow queue is not empty (the loop polls while any).
+    overflowing: usize,
+    /// `--shard-queue-depth`: a shard has at most that many client requests
+    /// in its mailbox and as many again in its overflow queue.
+    overflow_bound: usize,
+    /// Shards whose thread has ended (their mailbox is closed).
+    dead: Vec<bool>,
+    /// Some in-flight request may await a dead shard: `fail_dead_parts` runs.
+    dead_parts_pending: bool,
+    /// See [`TEST_STOP_SHARD_ENV`].
+    test_stop_shard: Option<usize>,
+    /// `/cache/checksums` threads running.
+    checksum_threads: Arc<AtomicUsize>,
     inflight: HashMap<Seq, Inflight>,
     /// wait_prefetch_status callers parked on pending jobs (0 lets the loop skip
     /// scanning the jobs for deadlines).
@@ -263,7 +297,21 @@ impl Front {
                     None
                 }
             });
+        let n = shards.len();
+        let test_stop_shard = std::env::var(TEST_STOP_SHARD_ENV)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok());
+        if let Some(i) = test_stop_shard {
+            log::warn!("{TEST_STOP_SHARD_ENV}={i} is set: shard {i} will be stopped on its first message (a test hook)");
+        }
         Front {
+            overflow: (0..n).map(|_| VecDeque::new()).collect(),
+            overflowing: 0,
+            overflow_bound: cfg.shard_queue_depth.max(1),
+            dead: vec![false; n],
+            dead_parts_pending: false,
+            test_stop_shard,
+            checksum_threads: Arc::new(AtomicUsize::new(0)),
             sessions: Sessions::new(cfg.session_ttl, cfg.max_sessions),
             leases: LeaseBook::new(cfg.max_sessions, cfg.l1.read_ttl),
             registry: Registry::new(cfg.max_registrations),
@@ -341,6 +389,11 @@ impl Front {
     }
 
     fn poll_timeout_ms(&self) -> i64 {
+        if self.overflowing > 0 {
+            // A shard frees mailbox room without a word for messages that want
+            // no reply: look again soon. Only while some shard is overloaded.
+            return 1;
+        }
         let now = Instant::now();
         let mut next = self.next_session_sweep.min(self.next_reap);
         if self.num_waiters > 0 {
@@ -359,6 +412,7 @@ impl Front {
     // ---------------------------------------------------------------- timers
 
     fn on_timers(&mut self, now: Instant) {
+        self.watch_shards();
         if now >= self.next_log_flush {
             self.next_log_flush = now + Duration::from_secs(1);
             kvshard_io::log_limit::flush(now);
@@ -769,19 +823,213 @@ impl Front {
         s
     }
 
-    /// Sends `msg` to shard `i`, waiting while its mailbox is full (backpressure:
-    /// the front slows down rather than dropping a request or a lock release).
-    fn send(&mut self, shard: usize, mut msg: ShardMsg) {
-        loop {
+    /// Gives `msg` to shard `shard` without ever waiting. When its mailbox is
+    /// full the message joins the shard's overflow queue (drained as room
+    /// appears, in order). The overflow bound applies to client requests only,
+    /// checked before any of their parts is sent ([`Front::refused`]): the
+    /// other messages (lock releases, aborts, commits and the other posts with
+    /// seq 0, L2 loads, control requests) always queue, as dropping one would
+    /// leak a lock or a reservation. They are bounded by the requests that
+    /// caused them, and control requests by the HTTP API's connection limit.
+    ///
+    /// A message for a dead shard is dropped; a request's part of it is failed
+    /// by [`Front::fail_dead_parts`] (its `Inflight` still awaits that shard).
+    fn send(&mut self, shard: usize, msg: ShardMsg) {
+        if self.test_stop_shard == Some(shard) {
+            self.test_stop_shard = None;
+            self.stop_shard_for_test(shard);
+        }
+        if self.dead[shard] {
+            self.dead_parts_pending |= msg.seq != 0;
+            return;
+        }
+        if !self.overflow[shard].is_empty() {
+            self.drain_overflow(shard);
+            if !self.overflow[shard].is_empty() {
+                self.overflow[shard].push_back(msg);
+                return;
+            }
+        }
+        match self.shards[shard].try_send(msg) {
+            Ok(()) => {}
+            Err(SendError::Full(msg)) => {
+                self.metrics.mailbox_full += 1;
+                self.overflowing += 1;
+                self.overflow[shard].push_back(msg);
+            }
+            Err(SendError::Closed(msg)) => {
+                self.dead_parts_pending |= msg.seq != 0;
+                self.mark_dead(shard, "its mailbox is closed");
+            }
+        }
+    }
+
+    /// Moves what fits of shard `shard`'s overflow queue into its mailbox.
+    fn drain_overflow(&mut self, shard: usize) {
+        debug_assert!(!self.overflow[shard].is_empty());
+        while let Some(msg) = self.overflow[shard].pop_front() {
             match self.shards[shard].try_send(msg) {
-                Ok(()) => return,
-                Err(back) => {
-                    self.metrics.mailbox_full += 1;
-                    msg = back;
-                    std::thread::sleep(Duration::from_micros(20));
+                Ok(()) => {}
+                Err(SendError::Full(msg)) => {
+                    self.overflow[shard].push_front(msg);
+                    return;
+                }
+                Err(SendError::Closed(_)) => {
+                    // Drops the rest; the requests among them are failed by
+                    // fail_dead_parts like every other part awaiting the shard.
+                    self.overflow[shard].clear();
+                    self.overflowing -= 1;
+                    self.mark_dead(shard, "its mailbox is closed");
+                    return;
                 }
             }
         }
+        self.overflowing -= 1;
+    }
+
+    /// Runs on every turn of the loop: moves overflow into mailboxes that have
+    /// room, notices shards whose thread ended, and fails what awaited them.
+    fn watch_shards(&mut self) {
+        if self.overflowing > 0 {
+            for shard in 0..self.shards.len() {
+                if !self.overflow[shard].is_empty() {
+                    self.drain_overflow(shard);
+                }
+            }
+        }
+        for shard in 0..self.shards.len() {
+            if !self.dead[shard] && self.shards[shard].is_closed() {
+                self.mark_dead(shard, "its thread ended");
+            }
+        }
+        self.fail_dead_parts();
+    }
+
+    /// Records that shard `shard`'s thread is gone: from now on every request
+    /// that needs it is answered with its failure reply, `/healthcheck` says
+    /// unhealthy and `/status` names it. Its queued messages are dropped.
+    fn mark_dead(&mut self, shard: usize, why: &str) {
+        if self.dead[shard] {
+            return;
+        }
+        self.dead[shard] = true;
+        if !self.overflow[shard].is_empty() {
+            self.overflow[shard].clear();
+            self.overflowing -= 1;
+        }
+        self.dead_parts_pending = true;
+        log::error!(
+            "shard {shard} has stopped ({why}): requests that need it are answered with their \
+             failure reply from now on, and /healthcheck reports unhealthy; restart the server"
+        );
+    }
+
+    /// Fails every part of an in-flight request that awaits a dead shard; a
+    /// request whose last awaited part that was completes (answered once, as a
+    /// failure for the dead shard's items).
+    fn fail_dead_parts(&mut self) {
+        // Completing a request may send more (to dead shards too): repeat.
+        while std::mem::take(&mut self.dead_parts_pending) {
+            let dead = &self.dead;
+            let parts: Vec<(Seq, usize)> = self
+                .inflight
+                .iter()
+                .flat_map(|(seq, inf)| {
+                    inf.waiting
+                        .iter()
+                        .enumerate()
+                        .filter(|(s, w)| **w && dead[*s])
+                        .map(move |(s, _)| (*seq, s))
+                })
+                .collect();
+            for (seq, shard) in parts {
+                self.settle_part(seq, shard, None);
+            }
+        }
+    }
+
+    /// Folds shard `shard`'s answer to request `seq` in (`None`: the shard is
+    /// dead, its items fail) and completes the request after its last part.
+    fn settle_part(&mut self, seq: Seq, shard: usize, body: Option<ShardReplyBody>) {
+        let Some(inf) = self.inflight.get_mut(&seq) else {
+            if !self.dead[shard] {
+                log_limited!(
+                    Level::Error,
+                    "reply for unknown request {seq} from shard {shard}"
+                );
+            }
+            return;
+        };
+        if !inf.waiting[shard] {
+            // An answer racing the shard's death, after its part was failed.
+            log::debug!("late reply to request {seq} from stopped shard {shard} ignored");
+            return;
+        }
+        inf.waiting[shard] = false;
+        let idx = std::mem::take(&mut inf.parts[shard]);
+        match body {
+            Some(body) => merge(&mut inf.kind, &idx, shard, body),
+            None => fail_items(&mut inf.kind, &idx),
+        }
+        inf.remaining -= 1;
+        if inf.remaining > 0 {
+            return;
+        }
+        let inf = self.inflight.remove(&seq).expect("looked up above");
+        self.complete(seq, inf.kind);
+    }
+
+    /// Test hook ([`TEST_STOP_SHARD_ENV`]): drops the front's only sender of
+    /// shard `shard`'s mailbox, keeping a closed one in its place. The shard's
+    /// loop then ends and its thread exits, as at shutdown.
+    fn stop_shard_for_test(&mut self, shard: usize) {
+        log::warn!("test hook: stopping shard {shard}");
+        let (closed, rx) = kvshard_io::mailbox::mailbox(1);
+        drop(rx);
+        self.shards[shard] = closed;
+    }
+
+    /// Whether a client request that needs `shards` must be refused now: one
+    /// of them is dead, or its overflow queue holds `overflow_bound` messages.
+    /// Checked before any part is sent, so a request is given to all its shards
+    /// or to none. Counts and logs the refusal; the caller answers.
+    fn refused(&mut self, to: &ReplyTo, shards: impl IntoIterator<Item = usize>) -> bool {
+        let op = wire::decode_op(&to.op).map_or("request", |o| o.name());
+        for shard in shards {
+            if !self.dead[shard] && self.shards[shard].is_closed() {
+                self.mark_dead(shard, "its thread ended");
+            }
+            if self.dead[shard] {
+                self.metrics.shard_dead_refused += 1;
+                log_limited!(
+                    Level::Warn,
+                    "{op} needs stopped shard {shard}: answered with the failure reply"
+                );
+                return true;
+            }
+            if self.overflow[shard].len() >= self.overflow_bound {
+                self.drain_overflow(shard);
+            }
+            if self.overflow[shard].len() >= self.overflow_bound {
+                self.metrics.shard_overflow_refused += 1;
+                log_limited!(
+                    Level::Warn,
+                    "{op}: shard {shard} is overloaded (its mailbox is full and {} more messages wait, \
+                     the bound of --shard-queue-depth); answered with the failure reply",
+                    self.overflow[shard].len()
+                );
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Answers `to` with its op's failure reply.
+    fn reply_failure(&mut self, to: &ReplyTo) {
+        let payload = wire::decode_op(&to.op)
+            .ok()
+            .and_then(|op| self.failure_payload(op));
+        self.reply(to, payload);
     }
 
     /// Splits `keys` by owning shard (keeping their order) and returns, per shard,
@@ -815,11 +1063,13 @@ impl Front {
                 self.send(shard, ShardMsg { seq, op });
             }
         }
+        let waiting = parts.iter().map(|p| !p.is_empty()).collect();
         self.inflight.insert(
             seq,
             Inflight {
                 remaining: involved,
                 parts,
+                waiting,
                 kind,
             },
         );
@@ -869,6 +1119,7 @@ impl Front {
             Inflight {
                 remaining: n,
                 parts: vec![Vec::new(); n],
+                waiting: vec![true; n],
                 kind,
             },
         );
@@ -883,23 +1134,7 @@ impl Front {
     }
 
     fn on_shard_reply(&mut self, reply: ShardReply) {
-        let Some(mut inf) = self.inflight.remove(&reply.seq) else {
-            log_limited!(
-                Level::Error,
-                "reply for unknown request {} from shard {}",
-                reply.seq,
-                reply.shard
-            );
-            return;
-        };
-        let idx = std::mem::take(&mut inf.parts[reply.shard]);
-        merge(&mut inf.kind, &idx, reply.shard, reply.body);
-        inf.remaining -= 1;
-        if inf.remaining > 0 {
-            self.inflight.insert(reply.seq, inf);
-            return;
-        }
-        self.complete(reply.seq, inf.kind);
+        self.settle_part(reply.seq, reply.shard, Some(reply.body));
     }
 
     fn complete(&mut self, seq: Seq, kind: InflightKind) {
@@ -943,7 +1178,7 @@ impl Front {
                         // Prepared twice without a commit: the earlier reservation is abandoned.
                         self.post(old, |keys| ShardOp::AbortWrite {
                             keys,
-                            tag: tkey.instance_id as u64,
+                            tag: writer_tag(tkey.instance_id),
                         });
                     }
                 }
@@ -1225,6 +1460,9 @@ impl Front {
         let num_ranks = ranks.len();
         let objs = Self::object_keys(&key.model_name, &key.cache_salt, &hashes, &ranks);
         let parts = self.split(&objs);
+        if self.refused(&to, involved(&parts)) {
+            return early(self, "shard_unavailable");
+        }
         let seq = self.next_seq;
         // One key list per involved shard, in the order fan_out visits them.
         let sent: Vec<Vec<ObjectKey>> = parts
@@ -1602,6 +1840,11 @@ impl Front {
     }
 
     fn clear(&mut self, to: Option<ReplyTo>, responder: Option<Responder>, force: bool) {
+        if let Some(to) = &to {
+            if self.refused(to, 0..self.shards.len()) {
+                return self.reply_failure(to);
+            }
+        }
         if force {
             // Locked objects go too: a lock on a key stored again later is
             // nobody's here.
@@ -1641,6 +1884,14 @@ impl Front {
             );
             return None;
         };
+        if let Some(e) = reserved_instance_id(p.instance_id) {
+            log_limited!(
+                Level::Error,
+                "register_kv_cache_engine_driven_context refused: {e}"
+            );
+            self.metrics.bad_requests += 1;
+            return None;
+        }
         let reply = wire::encode_register_engine_driven_reply(&shm_name, pool_size);
         if self.registry.touch_engine(p.instance_id, now) {
             log_limited!(
@@ -1751,10 +2002,16 @@ impl Front {
     /// their shards; `kind` collects the slabs.
     fn reserve_writes(&mut self, kind: InflightKind, keys: &[ObjectKey], size: u64, iid: i64) {
         let parts = self.split(keys);
+        if let InflightKind::PrepareStore { to, .. } | InflightKind::CudaStore { to, .. } = &kind {
+            if self.refused(to, involved(&parts)) {
+                return self.reply_failure(to);
+            }
+        }
+        let tag = writer_tag(iid);
         if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReserveWrite {
             keys: idx.iter().map(|i| keys[*i].clone()).collect(),
             size,
-            tag: iid as u64,
+            tag,
         }) {
             self.complete(0, kind);
         }
@@ -1789,7 +2046,7 @@ impl Front {
         // Shards run their mailbox in order: a lookup sent after this sees the objects.
         self.post(keys, |keys| ShardOp::FinishWrite {
             keys,
-            tag: iid as u64,
+            tag: writer_tag(iid),
         });
         self.metrics.stored_chunks += n;
         self.metrics.finished_stores += 1;
@@ -1814,6 +2071,9 @@ impl Front {
         };
         let tkey = TransferKey::new(iid, &key);
         let parts = self.split(&objs);
+        if self.refused(&to, involved(&parts)) {
+            return self.reply_failure(&to);
+        }
         let n = objs.len();
         let keys_ref = objs.clone();
         let kind = InflightKind::PrepareRetrieve {
@@ -2138,7 +2398,7 @@ impl Front {
                         // reply reaches each shard after its commit.
                         self.post(keys, |keys| ShardOp::FinishWrite {
                             keys,
-                            tag: iid as u64,
+                            tag: writer_tag(iid),
                         });
                         wire::encode_store_reply(&handle, true)
                     }
@@ -2146,7 +2406,7 @@ impl Front {
                         log_limited!(Level::Error, "store from CUDA instance {iid} failed: {e}");
                         self.post(keys, |keys| ShardOp::AbortWrite {
                             keys,
-                            tag: iid as u64,
+                            tag: writer_tag(iid),
                         });
                         wire::encode_store_reply(b"", false)
                     }
@@ -2206,7 +2466,7 @@ impl Front {
                 .collect();
             self.post(reserved, |keys| ShardOp::AbortWrite {
                 keys,
-                tag: iid as u64,
+                tag: writer_tag(iid),
             });
             return self.reply_unregistered_transfer(&to, "store", iid);
         };
@@ -2326,6 +2586,11 @@ impl Front {
         if !self.cfg.transfer_mode.lmcache_driven_enabled() {
             log_limited!(Level::Error, "register_kv_cache from instance {iid}: lmcache_driven transfer is not enabled (--supported-transfer-mode {:?})", self.cfg.transfer_mode);
             return;
+        }
+        if let Some(e) = reserved_instance_id(iid) {
+            self.metrics.bad_requests += 1;
+            self.metrics.failed_registrations += 1;
+            return log_limited!(Level::Error, "register_kv_cache refused: {e}");
         }
         if self.registry.touch_lmc(iid, now) {
             log_limited!(
@@ -2490,6 +2755,9 @@ impl Front {
             .filter(|(_, b)| !crate::cpu_shm::all_null(b, null))
             .unzip();
         let parts = self.split(&objs);
+        if self.refused(&to, involved(&parts)) {
+            return self.reply_failure(&to);
+        }
         let n = objs.len();
         let size = layout.bytes;
         let reg = match reg {
@@ -2517,7 +2785,7 @@ impl Front {
                 .map(|i| (objs[*i].clone(), blocks[*i].clone()))
                 .collect(),
             size,
-            tag: iid as u64,
+            tag: writer_tag(iid),
         }) {
             self.complete(0, kind);
         }
@@ -2545,6 +2813,10 @@ impl Front {
         let first = first_chunk_of(&key, cs);
         let skip = usize::try_from(skip).unwrap_or(0);
         let parts = self.split(&objs);
+        // Before the lease book hears of the locks this request releases.
+        if self.refused(&to, involved(&parts)) {
+            return self.reply_failure(&to);
+        }
         let n = objs.len();
         let reg = match reg {
             LmcTransfer::CpuShm(reg) => reg,
@@ -2617,7 +2889,7 @@ impl Front {
             for keys in writes {
                 self.post(keys, |keys| ShardOp::AbortWrite {
                     keys,
-                    tag: iid as u64,
+                    tag: writer_tag(iid),
                 });
             }
             for keys in reads {
@@ -2724,11 +2996,31 @@ impl Front {
                         501,
                         format!("instance_id {instance_id} is a GPU worker: checksums of GPU memory are not supported"),
                     )),
-                    // Hashing a whole KV cache takes a while: keep it off the request path.
+                    // Hashing a whole KV cache takes a while: keep it off the
+                    // request path, on at most MAX_CHECKSUM_THREADS threads.
+                    Some((LmcTransfer::CpuShm(_), _))
+                        if self.checksum_threads.load(Ordering::SeqCst) >= MAX_CHECKSUM_THREADS =>
+                    {
+                        log_limited!(
+                            Level::Warn,
+                            "/cache/checksums refused: {MAX_CHECKSUM_THREADS} are already running"
+                        );
+                        responder.send(ControlResponse::error(
+                            503,
+                            format!(
+                                "{MAX_CHECKSUM_THREADS} checksum computations are already running \
+                                 (the most kvshard runs at once); retry when one has finished"
+                            ),
+                        ))
+                    }
                     Some((LmcTransfer::CpuShm(reg), _)) => {
+                        // Only this thread increments; the checksum thread
+                        // decrements when it ends (or never starts).
+                        let running = RunningGuard::enter(&self.checksum_threads);
                         let spawned = std::thread::Builder::new()
                             .name("kvshard-checksums".into())
                             .spawn(move || {
+                                let _running = running;
                                 let resp =
                                     match reg.checksums(&block_ids, chunk_size_blocks, layerwise) {
                                         Ok(report) => ControlResponse::json(
@@ -2740,6 +3032,8 @@ impl Front {
                                 responder.send(resp);
                             });
                         if let Err(e) = spawned {
+                            // The closure (guard and responder with it) is
+                            // dropped: the HTTP side answers 503.
                             log_limited!(Level::Error, "cannot start a checksum thread: {e}");
                         }
                     }
@@ -2794,6 +3088,8 @@ impl Front {
                         jobs: self.jobs.len(),
                         leases: self.leases.len(),
                         refused_gpu_instances: self.refused.len(),
+                        dead_shards: self.dead.iter().filter(|d| **d).count(),
+                        overflow_queued: self.overflow.iter().map(VecDeque::len).sum(),
                     },
                 );
                 ControlResponse {
@@ -2927,7 +3223,7 @@ impl Front {
             // `lmcache describe kvcache` shows L1 use only when this is present.
             "memory_usage_ratio": usage_ratio,
             "capacity_bytes_by_backend": {"cpu": configured},
-            "num_shards": reports.len(),
+            "num_shards": self.shards.len(),
             "huge_pages": self.setup.huge_pages.as_str(),
             "huge_page_bytes_at_start": self.setup.huge_page_bytes,
             "arena": self.arena_json(reports),
@@ -2940,8 +3236,9 @@ impl Front {
                 json!({"transfer_mode": mode, "seconds_since_last_seen": now.duration_since(last_seen).as_secs_f64(), "has_liveness_signal": pinged}),
             );
         }
-        json!({
-            "is_healthy": true,
+        let dead: Vec<usize> = (0..self.dead.len()).filter(|s| self.dead[*s]).collect();
+        let mut status = json!({
+            "is_healthy": dead.is_empty(),
             "engine_type": "MPCacheServer",
             "server": "kvshard",
             "chunk_size": self.cfg.chunk_size,
@@ -2979,11 +3276,75 @@ impl Front {
             "worker_liveness": worker_liveness,
             // GPU workers whose CUDA registrations were refused, and why.
             "refused_gpu_instances": self.refused.to_json(now),
-        })
+            // kvshard only: shards whose thread ended, and the overflow
+            // queues of shards whose mailbox is full.
+            "shards": {
+                "num_shards": self.shards.len(),
+                "dead_shards": dead,
+                "mailbox_depth": self.cfg.shard_queue_depth,
+                "overflow_bound": self.overflow_bound,
+                "overflow_queued": self.overflow.iter().map(VecDeque::len).collect::<Vec<_>>(),
+            },
+        });
+        if !dead.is_empty() {
+            // /healthcheck's reason.
+            status["unhealthy_reason"] = format!(
+                "shard(s) {dead:?} stopped: requests that need them are answered with failure replies"
+            )
+            .into();
+        }
+        status
     }
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// Counts one running piece of work in a shared counter while it lives.
+struct RunningGuard(Arc<AtomicUsize>);
+
+impl RunningGuard {
+    fn enter(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        RunningGuard(count.clone())
+    }
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The shards a request split into `parts` involves.
+fn involved(parts: &[Vec<usize>]) -> impl Iterator<Item = usize> + '_ {
+    parts
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| !p.is_empty())
+        .map(|(s, _)| s)
+}
+
+/// The writer tag of worker instance `iid`'s reservations. Registration
+/// refuses the ids whose tags would fall in the L2 loads' space.
+fn writer_tag(iid: i64) -> u64 {
+    let tag = iid as u64;
+    assert!(
+        tag & LOAD_TAG_BIT == 0,
+        "instance id {iid} is in the internal writer-tag space; registration refuses it"
+    );
+    tag
+}
+
+/// Why an instance id cannot be registered, if it cannot: its writer tag
+/// would collide with the L2 loads' (see [`LOAD_TAG_BIT`]).
+fn reserved_instance_id(iid: i64) -> Option<String> {
+    ((iid as u64) & LOAD_TAG_BIT != 0).then(|| {
+        format!(
+            "instance id {iid} is negative: kvshard reserves those writer tags for its L2 loads \
+             (lmcache's instance ids are never negative)"
+        )
+    })
+}
 
 /// The request's chunk index of a worker key's first object.
 fn first_chunk_of(key: &IpcKey, chunk_size: usize) -> usize {
@@ -2996,6 +3357,46 @@ fn reap_interval(cfg: &ServerConfig) -> Duration {
         Duration::from_secs(3600)
     } else {
         (t / 4).max(Duration::from_millis(100))
+    }
+}
+
+/// Marks the items `idx` of a request failed: their shard stopped before it
+/// answered. Most kinds start out as failed already (no slab, not loaded, not
+/// retrieved, no report); a lookup finds nothing there.
+fn fail_items(kind: &mut InflightKind, idx: &[usize]) {
+    match kind {
+        InflightKind::Lookup { lookup, .. } => {
+            if lookup.found.is_empty() {
+                lookup.found = vec![FOUND_MISS; lookup.keys.len()];
+            }
+            for i in idx {
+                lookup.found[*i] = FOUND_MISS;
+            }
+        }
+        InflightKind::Store { outcomes, .. } => {
+            for i in idx {
+                outcomes[*i] = StoreOutcome::Failed;
+            }
+        }
+        InflightKind::Load { loaded, .. } => {
+            for i in idx {
+                loaded[*i] = false;
+            }
+        }
+        InflightKind::Retrieve { oks, .. } => {
+            for i in idx {
+                oks[*i] = false;
+            }
+        }
+        InflightKind::PrepareStore { slabs, .. }
+        | InflightKind::PrepareRetrieve { slabs, .. }
+        | InflightKind::CudaStore { slabs, .. }
+        | InflightKind::CudaRetrieve { slabs, .. } => {
+            for i in idx {
+                slabs[*i] = None;
+            }
+        }
+        InflightKind::Clear { .. } | InflightKind::Reports { .. } => {}
     }
 }
 

@@ -323,7 +323,12 @@ where
         ),
         Endpoint::Healthcheck => {
             let r = call(ctx, ControlRequest::Status).await;
-            if r.status == 200 {
+            // A status that answers but says unhealthy (a shard stopped) is unhealthy.
+            let said_unhealthy = matches!(
+                &r.body,
+                ControlBody::Json(v) if v.get("is_healthy") == Some(&Value::Bool(false))
+            );
+            if r.status == 200 && !said_unhealthy {
                 json_bytes(StatusCode::OK, br#"{"status":"healthy"}"#.to_vec())
             } else {
                 let reason = Value::String(failure_reason(&r));
@@ -599,11 +604,14 @@ fn control_response(r: ControlResponse, style: JsonStyle) -> Response<Full<Bytes
 /// What a failed control answer says, for `/healthcheck`'s `reason`.
 fn failure_reason(r: &ControlResponse) -> String {
     match &r.body {
-        ControlBody::Json(v) => ["detail", "error", "reason"]
+        ControlBody::Json(v) => ["detail", "error", "reason", "unhealthy_reason"]
             .iter()
             .find_map(|k| v.get(*k).and_then(Value::as_str))
             .map(str::to_string)
-            .unwrap_or_else(|| format!("status request failed with HTTP {}", r.status)),
+            .unwrap_or_else(|| match r.status {
+                200 => "the server reports itself unhealthy".to_string(),
+                s => format!("status request failed with HTTP {s}"),
+            }),
         ControlBody::Text(t) if !t.is_empty() => t.clone(),
         ControlBody::Text(_) => format!("status request failed with HTTP {}", r.status),
     }
@@ -1212,6 +1220,16 @@ mod tests {
             raw.push_str("\r\n");
         }
         exchange(addr, raw.as_bytes())
+    }
+
+    #[test]
+    fn a_status_that_says_unhealthy_gives_the_healthcheck_reason() {
+        let r = ControlResponse::json(
+            json!({"is_healthy": false, "unhealthy_reason": "shard(s) [1] stopped"}),
+        );
+        assert_eq!(failure_reason(&r), "shard(s) [1] stopped");
+        let r = ControlResponse::json(json!({"is_healthy": false}));
+        assert_eq!(failure_reason(&r), "the server reports itself unhealthy");
     }
 
     #[test]

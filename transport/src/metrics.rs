@@ -20,6 +20,10 @@ pub struct FrontGauges {
     pub leases: usize,
     /// GPU workers whose CUDA registrations were refused.
     pub refused_gpu_instances: usize,
+    /// Shards whose thread ended.
+    pub dead_shards: usize,
+    /// Messages waiting in the shards' overflow queues (their mailbox is full).
+    pub overflow_queued: usize,
 }
 
 /// Counters owned by the front thread.
@@ -34,7 +38,13 @@ pub struct Metrics {
     pub unknown_ops: u64,
     pub unsupported_ops: BTreeMap<&'static str, u64>,
     pub reply_failures: u64,
+    /// Messages that found their shard's mailbox full and joined its overflow queue.
     pub mailbox_full: u64,
+    /// Client requests answered with a failure because a shard they need had
+    /// its overflow queue at the bound (`--shard-queue-depth`).
+    pub shard_overflow_refused: u64,
+    /// Client requests answered with a failure because a shard they need stopped.
+    pub shard_dead_refused: u64,
     pub lookups: u64,
     pub lookup_requested_tokens: u64,
     pub lookup_hit_tokens: u64,
@@ -74,6 +84,8 @@ impl Metrics {
             jobs,
             leases,
             refused_gpu_instances,
+            dead_shards,
+            overflow_queued,
         } = gauges;
         let sum = |f: &dyn Fn(&ShardReport) -> u64| shards.iter().map(f).sum::<u64>();
         // Shard (L1) counters.
@@ -251,8 +263,19 @@ impl Metrics {
         );
         t.counter(
             "kvshard_shard_mailbox_full_total",
-            "Times the front waited on a full shard mailbox",
+            "Messages that found their shard's mailbox full and were queued in its overflow queue",
             self.mailbox_full,
+        );
+        t.counter(
+            "kvshard_shard_overflow_refused_total",
+            "Requests answered with a failure because a shard's mailbox and overflow queue were full \
+             (--shard-queue-depth each)",
+            self.shard_overflow_refused,
+        );
+        t.counter(
+            "kvshard_shard_dead_refused_total",
+            "Requests answered with a failure because a shard they need has stopped",
+            self.shard_dead_refused,
         );
         // Together these two are lmcache_mp_l1_allocation_failure_chunks_total.
         t.counter(
@@ -301,6 +324,16 @@ impl Metrics {
             sum(&|r| r.stats.expired_stages),
         );
         t.gauge("kvshard_active_sessions", "Sessions held", sessions as f64);
+        t.gauge(
+            "kvshard_dead_shards",
+            "Shards whose thread has stopped (see /status shards.dead_shards); /healthcheck is unhealthy",
+            dead_shards as f64,
+        );
+        t.gauge(
+            "kvshard_shard_overflow_queued",
+            "Messages waiting in the shards' overflow queues for room in their mailbox",
+            overflow_queued as f64,
+        );
         t.gauge(
             "kvshard_refused_gpu_instances",
             "GPU workers whose CUDA registration was refused; their PINGs are answered False",

@@ -4,6 +4,7 @@
 use std::net::ToSocketAddrs;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,14 +14,14 @@ use kvshard_engine::slab::SlabAllocator;
 use kvshard_gds::slab::{GdsSlab, SlabOptions};
 use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
 use kvshard_io::executor::{spawn_shard, ShardHandle};
-use kvshard_io::mailbox::{mailbox, notify_queue};
+use kvshard_io::mailbox::{mailbox, notify_queue, MailboxSender};
 
 use crate::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
 use crate::control::ControlHandle;
 use crate::cuda_transfer::L1Memory;
 use crate::front::{Front, FrontSetup};
 use crate::http_api::{self, HttpInfo};
-use crate::shard::{run_shard, ShardBacking, ShardConfig};
+use crate::shard::{run_shard, ShardBacking, ShardConfig, ShardMsg};
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -198,6 +199,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     check_l2_paths(&cfg)?;
     let mut senders = Vec::with_capacity(n);
     let mut handles: Vec<ShardHandle> = Vec::with_capacity(n);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     for (i, (offset, max, init)) in slices.iter().copied().enumerate() {
         let (tx, rx) = mailbox(cfg.shard_queue_depth);
         senders.push(tx);
@@ -221,16 +223,31 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             eviction_interval: Duration::from_secs(1),
         };
         let l2 = (cfg.l2.clone(), n);
-        let h = spawn_shard(i, core, format!("kvshard-shard-{i}"), move || async move {
+        let ready = ready_tx.clone();
+        let spawned = spawn_shard(i, core, format!("kvshard-shard-{i}"), move || async move {
             let alloc = SlabAllocator::new(offset, init, align);
             let l1 = L1Shard::new(alloc, l1cfg, policy);
-            run_shard(scfg, backing, l1, l2, rx, replies).await
-        })
-        .map_err(|e| format!("cannot start shard {i} on core {core:?}: {e}"))?;
-        handles.push(h);
+            run_shard(scfg, backing, l1, l2, rx, replies, ready).await
+        });
+        match spawned {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                stop_shards(senders, handles);
+                return Err(format!("cannot start shard {i} on core {core:?}: {e}"));
+            }
+        }
     }
+    drop(ready_tx);
 
-    start_http(&cfg, ControlHandle::new(events_tx.clone()))?;
+    // Serve only once every shard is up; on any failure from here on, stop
+    // the shards before returning so that the last reference to the arena
+    // goes with them and its shm segment is unlinked.
+    let started = shards_ready(&ready_rx, n)
+        .and_then(|()| start_http(&cfg, ControlHandle::new(events_tx.clone())));
+    if let Err(e) = started {
+        stop_shards(senders, handles);
+        return Err(e);
+    }
 
     drop(store);
     drop(events_tx);
@@ -249,6 +266,30 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         let _ = h.join();
     }
     Ok(())
+}
+
+/// Waits until each of the `n` shards reports that it is ready; the first
+/// that cannot start gives the error.
+fn shards_ready(ready: &Receiver<Result<(), String>>, n: usize) -> Result<(), String> {
+    for _ in 0..n {
+        match ready.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err("a shard stopped before it was ready to serve".into()),
+        }
+    }
+    Ok(())
+}
+
+/// Stops shards that were started: closing their mailboxes ends them.
+fn stop_shards(senders: Vec<MailboxSender<ShardMsg>>, handles: Vec<ShardHandle>) {
+    drop(senders);
+    for h in handles {
+        let (id, name) = (h.shard_id(), h.name().to_owned());
+        if h.join().is_err() {
+            log::error!("shard {id} ('{name}') panicked while stopping");
+        }
+    }
 }
 
 /// The L1 arena: mapped from `--l1-devdax-path` when given, else a POSIX shm

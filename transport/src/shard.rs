@@ -663,7 +663,13 @@ impl ReplyAddr {
     }
 }
 
-/// Runs one shard until its mailbox closes.
+/// How a shard tells the server, once, that it is ready to serve (`Ok`) or
+/// why it cannot start (`Err`, worded for the operator, naming the shard).
+pub type ShardReady = std::sync::mpsc::Sender<Result<(), String>>;
+
+/// Runs one shard until its mailbox closes. Reports on `ready` once its L2
+/// is built; a shard that cannot start returns right after reporting why,
+/// dropping what it holds (its share of the arena) and serving nothing.
 pub async fn run_shard(
     cfg: ShardConfig,
     backing: ShardBacking,
@@ -671,6 +677,7 @@ pub async fn run_shard(
     l2: (L2Settings, usize),
     mut rx: MailboxReceiver<ShardMsg>,
     replies: NotifySender<FrontEvent>,
+    ready: ShardReady,
 ) {
     let id = cfg.id;
     let interval = cfg.eviction_interval;
@@ -682,8 +689,10 @@ pub async fn run_shard(
             built
         }
         Err(e) => {
-            log::error!("shard {id}: {e}; the server cannot run as configured");
-            std::process::exit(2);
+            // The server stops every shard and returns this; a server that is
+            // gone already has nobody left to tell.
+            let _ = ready.send(Err(format!("shard {id} cannot start: {e}")));
+            return;
         }
     };
     let backing = match backing {
@@ -718,7 +727,14 @@ pub async fn run_shard(
     if let Err(e) = &parker {
         log::warn!("shard {id}: no persistent wake stream ({e}); parking per message");
     }
+    let _ = ready.send(Ok(()));
+    drop(ready);
     loop {
+        // Taking the next message never waits while some are queued: give
+        // the ticker and the L2 tasks their turn once this task queue's time
+        // slice is used up, or a saturating client starves expiry and
+        // eviction.
+        glommio::yield_if_needed().await;
         let next = match parker.as_mut() {
             Ok(p) => rx.recv_with(p).await,
             Err(_) => rx.recv().await,

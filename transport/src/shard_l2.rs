@@ -12,7 +12,8 @@
 //! - Adapters are told the full-chunk object size of every layout a request
 //!   names ([`L2Shard::note_layout`]).
 //! - Loads go into staged (write-locked) L1 objects that only become visible
-//!   when the whole object is in.
+//!   when the whole object is in; the write reservations are renewed while
+//!   the adapters work, so a slow load never writes memory L1 gave away.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -543,64 +544,116 @@ pub(crate) async fn load(
     // A slab-backed L1 is loaded through buffers, written to the slab after.
     let slab_l1 = state.borrow().slab_l1();
     let mut bufs: Vec<Option<AlignedBuf>> = (0..keys.len()).map(|_| None).collect();
-    for (t, tier) in l2.tiers.iter().enumerate() {
-        let mut idx = Vec::new();
-        let mut items = Vec::new();
-        {
-            let st = state.borrow();
-            for (i, ((key, code), slab)) in keys.iter().zip(&slabs).enumerate() {
-                if *code != FOUND_L2 + t as u8 {
-                    continue;
-                }
-                match slab {
-                    Ok(slab) => {
-                        let ptr = match &slab_l1 {
-                            None => st.ptr(slab),
-                            Some(_) => bufs[i]
-                                .insert(AlignedBuf::zeroed(slab.len as usize))
-                                .as_mut_ptr(),
-                        };
-                        // SAFETY: staged for this tag only: invisible to readers
-                        // and not evictable until finished or aborted below
-                        // (or a buffer in `bufs`, which outlives the load).
-                        let b = unsafe { ObjectBytes::new(ptr, size as usize) };
-                        idx.push(i);
-                        items.push((key.clone(), b));
+    // The keys staged for this load, whose write reservations must stay live
+    // until the load is finished or aborted below.
+    let staged: Vec<ObjectKey> = plain
+        .iter()
+        .zip(&slabs)
+        .filter(|(_, s)| s.is_ok())
+        .map(|(k, _)| k.clone())
+        .collect();
+    let work = async {
+        for (t, tier) in l2.tiers.iter().enumerate() {
+            let mut idx = Vec::new();
+            let mut items = Vec::new();
+            {
+                let st = state.borrow();
+                for (i, ((key, code), slab)) in keys.iter().zip(&slabs).enumerate() {
+                    if *code != FOUND_L2 + t as u8 {
+                        continue;
                     }
-                    Err(L1Error::KeyNotWritable) => resident.push(i),
-                    Err(_) => {}
+                    match slab {
+                        Ok(slab) => {
+                            let ptr = match &slab_l1 {
+                                None => st.ptr(slab),
+                                Some(_) => bufs[i]
+                                    .insert(AlignedBuf::zeroed(slab.len as usize))
+                                    .as_mut_ptr(),
+                            };
+                            // SAFETY: staged for this tag only: invisible to
+                            // readers and neither evicted nor handed to another
+                            // writer while its write reservation is live, which
+                            // `renew` below keeps it until the load is finished
+                            // or aborted (or a buffer in `bufs`, which outlives
+                            // the load). The load awaits every adapter call.
+                            let b = unsafe { ObjectBytes::new(ptr, size as usize) };
+                            idx.push(i);
+                            items.push((key.clone(), b));
+                        }
+                        Err(L1Error::KeyNotWritable) => resident.push(i),
+                        Err(_) => {}
+                    }
+                }
+            }
+            if !items.is_empty() {
+                let res = tier.load(&items).await;
+                for (i, r) in idx.into_iter().zip(res) {
+                    ok[i] = r;
                 }
             }
         }
-        if !items.is_empty() {
-            let res = tier.load(&items).await;
-            for (i, r) in idx.into_iter().zip(res) {
-                ok[i] = r;
+        unlock(l2, &keys);
+        if let Some(slab_l1) = &slab_l1 {
+            let (mut idx, mut writes) = (Vec::new(), Vec::new());
+            for (i, buf) in bufs.iter_mut().enumerate() {
+                if let (true, Some(buf), Ok(slab)) = (ok[i], buf.take(), &slabs[i]) {
+                    idx.push(i);
+                    writes.push((slab.offset, buf));
+                }
             }
-        }
-    }
-    unlock(l2, &keys);
-    if let Some(slab_l1) = &slab_l1 {
-        let (mut idx, mut writes) = (Vec::new(), Vec::new());
-        for (i, buf) in bufs.iter_mut().enumerate() {
-            if let (true, Some(buf), Ok(slab)) = (ok[i], buf.take(), &slabs[i]) {
-                idx.push(i);
-                writes.push((slab.offset, buf));
-            }
-        }
-        if !writes.is_empty() {
-            if let Err(e) = slab_l1.write(writes).await {
-                kvshard_io::log_limited!(
-                    log::Level::Error,
-                    "{} objects loaded from L2 were dropped: writing them to the L1 slab failed: {e}",
-                    idx.len()
-                );
-                for i in idx {
+            // Only into stages that are still ours: a lapsed one may hold
+            // another writer's object by now.
+            let wkeys: Vec<ObjectKey> = idx.iter().map(|&i| plain[i].clone()).collect();
+            let live = state
+                .borrow_mut()
+                .l1
+                .renew_write(&wkeys, tag, Instant::now());
+            let mut lapsed = 0;
+            let (mut idx_live, mut writes_live) = (Vec::new(), Vec::new());
+            for ((i, w), live) in idx.into_iter().zip(writes).zip(live) {
+                if live {
+                    idx_live.push(i);
+                    writes_live.push(w);
+                } else {
                     ok[i] = false;
+                    lapsed += 1;
+                }
+            }
+            if lapsed > 0 {
+                log_lapsed(lapsed);
+            }
+            if !writes_live.is_empty() {
+                if let Err(e) = slab_l1.write(writes_live).await {
+                    kvshard_io::log_limited!(
+                        log::Level::Error,
+                        "{} objects loaded from L2 were dropped: writing them to the L1 slab failed: {e}",
+                        idx_live.len()
+                    );
+                    for i in idx_live {
+                        ok[i] = false;
+                    }
                 }
             }
         }
-    }
+    };
+    // An adapter may take longer than the write TTL (a slow GET, a busy
+    // disk): the reservation must not lapse under it, or L1 could free the
+    // stage, or hand it to another writer, and reuse the memory while the
+    // adapter still writes into it.
+    let renew_every = {
+        let ttl = state.borrow().l1.config().write_ttl;
+        (ttl / 4).max(Duration::from_millis(100))
+    };
+    let renew = async {
+        loop {
+            glommio::timer::sleep(renew_every).await;
+            state
+                .borrow_mut()
+                .l1
+                .renew_write(&staged, tag, Instant::now());
+        }
+    };
+    futures_lite::future::or(work, renew).await;
     let now = Instant::now();
     let mut st = state.borrow_mut();
     let (mut done, mut failed) = (Vec::new(), Vec::new());
@@ -617,8 +670,20 @@ pub(crate) async fn load(
     let res = st
         .l1
         .finish_write_and_reserve_read(&done_keys, tag, readers, now);
-    for ((i, _), r) in done.iter().zip(res) {
-        ok[*i] = r.is_ok();
+    let mut lapsed = 0;
+    for ((i, key), r) in done.into_iter().zip(res) {
+        ok[i] = r.is_ok();
+        if r.is_err() {
+            // The reservation lapsed (only if the shard stalled for most of
+            // the write TTL): the stage is gone or another writer's (nothing
+            // of ours to drop), or still ours and expired (dropped now rather
+            // than left to the expiry tick).
+            lapsed += 1;
+            failed.push(key);
+        }
+    }
+    if lapsed > 0 {
+        log_lapsed(lapsed);
     }
     if !failed.is_empty() {
         st.l1.abort_write(&failed, tag);
@@ -638,6 +703,15 @@ pub(crate) async fn load(
         s.prefetch_failure_objects += keys.len() as u64 - loaded;
     });
     ok
+}
+
+/// A load's L1 write reservations lapsed before it finished: the objects
+/// are dropped, and the memory may have been reused while an adapter wrote it.
+fn log_lapsed(n: usize) {
+    kvshard_io::log_limited!(
+        log::Level::Error,
+        "{n} objects loaded from L2 were dropped: their L1 write reservation lapsed before the load finished (the shard stalled for most of --l1-write-ttl-seconds)"
+    );
 }
 
 /// skip_l1: drops from L1 the stored keys that were locked when their store

@@ -19,6 +19,10 @@ pub const GIB: f64 = (1u64 << 30) as f64;
 pub struct MockConfig {
     pub max_size_gb: f64,
     pub mock_bandwidth_gb: f64,
+    /// kvshard: `mock_load_latency_ms`, how long every load waits before it
+    /// writes the objects into their buffers, as a slow read whose bytes land
+    /// at the end would (default 0: none). For tests of slow L2 loads.
+    pub mock_load_latency_ms: u64,
 }
 
 /// `{"type":"fs", "base_path", ...}`: one file per object under `base_path`,
@@ -192,7 +196,7 @@ pub fn parse_adapter_spec(index: usize, raw: &str) -> Result<AdapterSpec, String
         }
     };
     let own_fields: &[&str] = match type_name {
-        "mock" => &["max_size_gb", "mock_bandwidth_gb"],
+        "mock" => &["max_size_gb", "mock_bandwidth_gb", "mock_load_latency_ms"],
         "fs" => &[
             "base_path",
             "relative_tmp_dir",
@@ -240,6 +244,12 @@ pub fn parse_adapter_spec(index: usize, raw: &str) -> Result<AdapterSpec, String
         "mock" => AdapterKind::Mock(MockConfig {
             max_size_gb: positive(obj, "max_size_gb", &at)?,
             mock_bandwidth_gb: positive(obj, "mock_bandwidth_gb", &at)?,
+            mock_load_latency_ms: match obj.get("mock_load_latency_ms") {
+                None => 0,
+                Some(v) => v.as_u64().ok_or_else(|| {
+                    format!("{at}: field 'mock_load_latency_ms' must be a non-negative integer")
+                })?,
+            },
         }),
         "s3" => {
             let c = parse_s3(obj, &at)?;
@@ -549,9 +559,19 @@ mod tests {
             m.kind,
             AdapterKind::Mock(MockConfig {
                 max_size_gb: 2.0,
-                mock_bandwidth_gb: 10.0
+                mock_bandwidth_gb: 10.0,
+                mock_load_latency_ms: 0,
             })
         );
+        let slow = parse_adapter_spec(
+            1,
+            r#"{"type":"mock","max_size_gb":1,"mock_bandwidth_gb":1,"mock_load_latency_ms":1500}"#,
+        )
+        .unwrap();
+        let AdapterKind::Mock(slow) = &slow.kind else {
+            panic!()
+        };
+        assert_eq!(slow.mock_load_latency_ms, 1500);
         assert_eq!(m.capacity_bytes(), 2 << 30);
         assert!(m.eviction.is_none());
         let f = parse_adapter_spec(
@@ -580,6 +600,10 @@ mod tests {
         assert!(err(r#"{"type":"disk"}"#).contains("unknown adapter type 'disk'"));
         assert!(err(r#"{"type":"nixl_store"}"#).contains("not available"));
         assert!(err(r#"{"type":"mock","max_size_gb":1}"#).contains("'mock_bandwidth_gb'"));
+        assert!(err(
+            r#"{"type":"mock","max_size_gb":1,"mock_bandwidth_gb":1,"mock_load_latency_ms":-5}"#
+        )
+        .contains("'mock_load_latency_ms'"));
         assert!(
             err(r#"{"type":"mock","max_size_gb":-1,"mock_bandwidth_gb":1}"#)
                 .contains("'max_size_gb'")

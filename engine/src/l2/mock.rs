@@ -5,7 +5,9 @@
 //! gets an equal share of both, so N shards together behave like one 0.5.6
 //! adapter. Copies happen on the executor thread (they are memcpy, not I/O);
 //! the bandwidth is simulated by a timer after the copy, so other requests of
-//! the shard keep running meanwhile.
+//! the shard keep running meanwhile. A load latency (`mock_load_latency_ms`,
+//! kvshard only) delays each load before its copy, so the buffer is written
+//! at the end of the wait, as by a slow read.
 //!
 //! Unlike 0.5.6, a key locked by `lookup_and_lock` is not deleted until it is
 //! unlocked, as the [`L2Adapter`] contract requires of every adapter.
@@ -37,6 +39,8 @@ pub struct MockAdapter {
     capacity_bytes: u64,
     /// This shard's share of the bandwidth; 0 = no simulated delay.
     bandwidth_bytes_per_s: f64,
+    /// Wait of every load before it writes its buffers.
+    load_latency: Duration,
     state: RefCell<State>,
 }
 
@@ -57,6 +61,7 @@ impl MockAdapter {
             shard,
             capacity_bytes: share(cfg.max_size_gb) as u64,
             bandwidth_bytes_per_s: share(cfg.mock_bandwidth_gb),
+            load_latency: Duration::from_millis(cfg.mock_load_latency_ms),
             state: RefCell::new(State::default()),
         }
     }
@@ -189,6 +194,9 @@ impl L2Adapter for MockAdapter {
 
     fn load<'a>(&'a self, items: &'a [(ObjectKey, ObjectBytes)]) -> LocalFut<'a, Vec<bool>> {
         Box::pin(async move {
+            if !self.load_latency.is_zero() {
+                glommio::timer::sleep(self.load_latency).await;
+            }
             let start = Instant::now();
             let (results, copied) = self.load_now(items);
             self.pace(copied, start).await;
@@ -275,6 +283,7 @@ impl L2Adapter for MockAdapter {
             "used_bytes": st.used_bytes,
             "keys": st.objects.len(),
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s as u64,
+            "load_latency_ms": self.load_latency.as_millis() as u64,
         })
     }
 }
@@ -306,6 +315,7 @@ mod tests {
         let cfg = MockConfig {
             max_size_gb: 2.0,
             mock_bandwidth_gb: 8.0,
+            mock_load_latency_ms: 0,
         };
         let a = MockAdapter::new(&cfg, 1, 4);
         assert_eq!(a.capacity_bytes(), 512 << 20);
@@ -325,20 +335,24 @@ mod tests {
             let cfg = MockConfig {
                 max_size_gb: 1.0,
                 mock_bandwidth_gb: 0.01,
+                mock_load_latency_ms: 0,
             };
             let a = MockAdapter::new(&cfg, 0, 2);
             let expect = Duration::from_secs_f64((256 << 10) as f64 / (0.01 * GIB / 2.0));
             let mut src = vec![7u8; 256 << 10];
+            // SAFETY (every view in this test): the buffers outlive the
+            // awaited calls that receive their views and nothing else touches
+            // them meanwhile.
             let t = Instant::now();
             let r = a
-                .store(&[(key(1), ObjectBytes::from_mut_slice(&mut src))])
+                .store(&[(key(1), unsafe { ObjectBytes::from_mut_slice(&mut src) })])
                 .await;
             assert_eq!(r, [StoreResult::Stored(256 << 10)]);
             assert!(t.elapsed() >= expect, "store took {:?}", t.elapsed());
             // Already stored: nothing copied, no delay owed.
             let t = Instant::now();
             let r = a
-                .store(&[(key(1), ObjectBytes::from_mut_slice(&mut src))])
+                .store(&[(key(1), unsafe { ObjectBytes::from_mut_slice(&mut src) })])
                 .await;
             assert_eq!(r, [StoreResult::Exists]);
             assert!(
@@ -349,7 +363,7 @@ mod tests {
             let mut dst = vec![0u8; 256 << 10];
             let t = Instant::now();
             let r = a
-                .load(&[(key(1), ObjectBytes::from_mut_slice(&mut dst))])
+                .load(&[(key(1), unsafe { ObjectBytes::from_mut_slice(&mut dst) })])
                 .await;
             assert_eq!(r, [true]);
             assert!(t.elapsed() >= expect, "load took {:?}", t.elapsed());
@@ -363,13 +377,17 @@ mod tests {
             let cfg = MockConfig {
                 max_size_gb: 1.0,
                 mock_bandwidth_gb: 100.0,
+                mock_load_latency_ms: 0,
             };
             let a = MockAdapter::new(&cfg, 0, 1);
             let mut b1 = vec![1u8; 100];
             let mut b2 = vec![2u8; 50];
+            // SAFETY (every view in this test): the buffers outlive the
+            // awaited calls that receive their views and nothing else touches
+            // them meanwhile.
             a.store(&[
-                (key(1), ObjectBytes::from_mut_slice(&mut b1)),
-                (key(2), ObjectBytes::from_mut_slice(&mut b2)),
+                (key(1), unsafe { ObjectBytes::from_mut_slice(&mut b1) }),
+                (key(2), unsafe { ObjectBytes::from_mut_slice(&mut b2) }),
             ])
             .await;
             assert_eq!(a.status()["used_bytes"], 150);
@@ -386,10 +404,49 @@ mod tests {
             // Freed room is usable again.
             let mut big = vec![3u8; 1 << 20];
             let r = a
-                .store(&[(key(3), ObjectBytes::from_mut_slice(&mut big))])
+                .store(&[(key(3), unsafe { ObjectBytes::from_mut_slice(&mut big) })])
                 .await;
             assert_eq!(r, [StoreResult::Stored(1 << 20)]);
             assert!(a.list(None, 0, None).await.is_err());
+        });
+    }
+
+    #[test]
+    fn load_latency_delays_only_loads() {
+        run(async {
+            let cfg = MockConfig {
+                max_size_gb: 1.0,
+                mock_bandwidth_gb: 100.0,
+                mock_load_latency_ms: 150,
+            };
+            let a = MockAdapter::new(&cfg, 0, 1);
+            assert_eq!(a.status()["load_latency_ms"], 150);
+            let mut src = vec![9u8; 4096];
+            let mut dst = vec![0u8; 4096];
+            // SAFETY (every view in this test): the buffers outlive the
+            // awaited calls that receive their views and nothing else touches
+            // them meanwhile.
+            let t = Instant::now();
+            let r = a
+                .store(&[(key(1), unsafe { ObjectBytes::from_mut_slice(&mut src) })])
+                .await;
+            assert_eq!(r, [StoreResult::Stored(4096)]);
+            assert!(
+                t.elapsed() < Duration::from_millis(150),
+                "{:?}",
+                t.elapsed()
+            );
+            let t = Instant::now();
+            let r = a
+                .load(&[(key(1), unsafe { ObjectBytes::from_mut_slice(&mut dst) })])
+                .await;
+            assert_eq!(r, [true]);
+            assert!(
+                t.elapsed() >= Duration::from_millis(150),
+                "{:?}",
+                t.elapsed()
+            );
+            assert_eq!(dst, src);
         });
     }
 }

@@ -33,11 +33,25 @@ pub type LocalFut<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
 /// The bytes of one L1 object, handed to an adapter for a store (read) or a
 /// load (write).
 ///
-/// It is a raw view: whoever builds one promises that the memory stays
-/// allocated, and is not written by anyone else while an adapter stores from
-/// it or read by anyone else while an adapter loads into it, until the
-/// adapter's future has resolved (the L1 read or write lock does this). It is
-/// `Send` so that blocking I/O threads may use it under the same promise.
+/// It is a raw view, with no lifetime: adapters hand it to work that is not
+/// bounded by a borrow (the fs adapter's blocking pool, an s3 connection that
+/// may still read a PUT body after its request ended), and a borrow would end
+/// when the adapter's future is dropped while that work still touches the
+/// memory. So every constructor is `unsafe` and whoever builds one takes on
+/// the whole contract, for the value and every copy of it:
+///
+/// - the memory stays allocated, and is neither written by anyone else while
+///   an adapter stores from it nor read or written by anyone else while an
+///   adapter loads into it, until every adapter call that received the view
+///   has resolved (in the server the L1 read or write lock, renewed while the
+///   adapters work, does this);
+/// - such a call's future is driven to completion, not dropped: a dropped
+///   future does not stop I/O it already started on another thread or
+///   connection.
+///
+/// It is `Send` so that blocking I/O threads may use it under the same
+/// contract. Adapters may rely on it in their `unsafe` blocks; safe code
+/// cannot build a view, so cannot hand an adapter dangling memory.
 #[derive(Debug, Clone, Copy)]
 pub struct ObjectBytes {
     ptr: *mut u8,
@@ -50,17 +64,25 @@ pub struct ObjectBytes {
 unsafe impl Send for ObjectBytes {}
 
 impl ObjectBytes {
+    /// A view of `len` bytes at `ptr` (an L1 object).
+    ///
     /// # Safety
-    /// `ptr..ptr+len` must be valid for reads and writes, and stay so (and
-    /// unused by others in the way described on the type) until every adapter
-    /// call that receives this value has resolved.
+    /// `ptr..ptr+len` must be valid for reads and writes and stay so, used by
+    /// nobody else in the way described on the type, until every adapter call
+    /// that receives this value (or a copy) has resolved; those calls must be
+    /// driven to completion.
     pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
         ObjectBytes { ptr, len }
     }
 
-    /// A view of a caller-owned buffer. The caller must keep `buf` alive and
-    /// untouched while an adapter uses the view (tests and benches).
-    pub fn from_mut_slice(buf: &mut [u8]) -> Self {
+    /// A view of a caller-owned buffer (tests, benches, staging copies).
+    ///
+    /// # Safety
+    /// As [`ObjectBytes::new`]: `buf` must not be dropped, moved out of,
+    /// read or written until every adapter call that receives this value (or
+    /// a copy) has resolved, and those calls must be driven to completion.
+    /// The `&mut` borrow ends when this returns; it does not enforce that.
+    pub unsafe fn from_mut_slice(buf: &mut [u8]) -> Self {
         ObjectBytes {
             ptr: buf.as_mut_ptr(),
             len: buf.len(),
@@ -80,13 +102,17 @@ impl ObjectBytes {
     }
 
     /// # Safety
-    /// See [`ObjectBytes::new`]: nobody writes the memory meanwhile.
+    /// Only inside an adapter call that received this view (the type's
+    /// contract holds there), and the slice must not outlive that call or
+    /// coexist with a slice from [`ObjectBytes::as_mut_slice`].
     pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
         std::slice::from_raw_parts(self.ptr, self.len)
     }
 
     /// # Safety
-    /// See [`ObjectBytes::new`]: nobody else reads or writes the memory meanwhile.
+    /// Only inside an adapter load that received this view (the type's
+    /// contract holds there), and the slice must not outlive that call or
+    /// coexist with any other slice of the same memory.
     pub unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
         std::slice::from_raw_parts_mut(self.ptr, self.len)
     }

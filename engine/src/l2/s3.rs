@@ -860,15 +860,19 @@ mod tests {
             let mut short = vec![2u8; 1000];
             let mut other_ws = vec![3u8; 1000];
             let mut other_model = vec![4u8; 1000];
-            let items = [
-                (key("m", 1, 1), ObjectBytes::from_mut_slice(&mut full)),
-                (key("m", 1, 2), ObjectBytes::from_mut_slice(&mut short)),
-                (key("m", 2, 3), ObjectBytes::from_mut_slice(&mut other_ws)),
-                (
-                    key("n", 1, 4),
-                    ObjectBytes::from_mut_slice(&mut other_model),
-                ),
-            ];
+            // SAFETY: the buffers outlive `items` and every awaited call that
+            // receives it, and nothing else touches them meanwhile.
+            let items = unsafe {
+                [
+                    (key("m", 1, 1), ObjectBytes::from_mut_slice(&mut full)),
+                    (key("m", 1, 2), ObjectBytes::from_mut_slice(&mut short)),
+                    (key("m", 2, 3), ObjectBytes::from_mut_slice(&mut other_ws)),
+                    (
+                        key("n", 1, 4),
+                        ObjectBytes::from_mut_slice(&mut other_model),
+                    ),
+                ]
+            };
             assert_eq!(
                 a.store(&items).await,
                 vec![
@@ -984,9 +988,10 @@ mod tests {
             // socket buffers take.
             let mut body = vec![7u8; 8 << 20];
             let t0 = Instant::now();
-            let res = a
-                .store(&[(key("m", 1, 1), ObjectBytes::from_mut_slice(&mut body))])
-                .await;
+            // SAFETY: `body` outlives the awaited store (which waits for the
+            // connections to let go of it) and nothing else touches it.
+            let view = unsafe { ObjectBytes::from_mut_slice(&mut body) };
+            let res = a.store(&[(key("m", 1, 1), view)]).await;
             assert_eq!(res, vec![StoreResult::Failed]);
             let st = a.status();
             assert!(st["client"]["timeouts"].as_u64().unwrap() >= 1, "{st}");
