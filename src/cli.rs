@@ -698,7 +698,10 @@ pub struct KvshardArgs {
     /// [default: every core in the process's allowed CPU set].
     #[arg(long, value_name = "LIST")]
     pub cores: Option<String>,
-    /// [kvshard only] Bound of each shard's request mailbox, in requests.
+    /// [kvshard only] Bound of each shard's request mailbox, in requests; also the bound of the
+    /// front's overflow queue for that shard. A request that finds both full is answered with its
+    /// failure reply and counted (kvshard_shard_overflow_refused_total); the front never waits on
+    /// a shard.
     #[arg(
         long,
         value_name = "N",

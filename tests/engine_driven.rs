@@ -214,17 +214,36 @@ fn reaper_releases_silent_workers() {
     let toks = tokens(4, 2 * CS);
     let key = ipc_key("m", 1, Some(0), &toks, 0, 2 * CS as i64, "x", 1);
     // Instance 7 reserves and goes silent; 8 keeps pinging.
+    let silent_since = std::time::Instant::now();
     let r = c.call(OP_PREPARE_STORE, &[key.clone(), V::I(7)]).unwrap();
     assert_eq!(
         r.get("context").unwrap().get("slots").unwrap().arr().len(),
         2
     );
-    let t0 = std::time::Instant::now();
-    // Scans run every timeout/4, so 7 is gone within 37.5 s of its last request.
-    while t0.elapsed() < std::time::Duration::from_secs(39) {
-        assert_eq!(c.call(OP_PING, &[V::I(8)]), Some(V::B(true)));
-        std::thread::sleep(std::time::Duration::from_millis(500));
-    }
+    // Scans run every timeout/4 from the start, so 7 goes at the first scan
+    // more than 30 s after its last request (37.5 s after the start: the 30 s
+    // floor of the timeout is what this test waits out). Wait for the reap
+    // itself, pinging 8 all along.
+    wait_until_within(
+        "the reaper to release silent instance 7",
+        std::time::Duration::from_secs(60),
+        std::time::Duration::from_millis(250),
+        || {
+            assert_eq!(c.call(OP_PING, &[V::I(8)]), Some(V::B(true)));
+            srv.metric("kvshard_reaped_workers_total", &[]) == Some(1.0)
+        },
+    );
+    // Not before the timeout; within timeout + one scan interval (37.5 s),
+    // with the slack the fixed 39 s wait had.
+    let silent = silent_since.elapsed();
+    assert!(
+        silent > std::time::Duration::from_secs(30),
+        "7 was reaped {silent:?} after its last request, before the 30 s timeout"
+    );
+    assert!(
+        silent < std::time::Duration::from_secs(39),
+        "7 was reaped only {silent:?} after its last request"
+    );
     // 7 is gone, its reservation with it: a commit fails and 8 can reserve the chunks.
     assert_eq!(
         c.call(OP_COMMIT_STORE, &[key.clone(), V::I(7), V::Bin(vec![])]),
@@ -242,6 +261,11 @@ fn reaper_releases_silent_workers() {
         r.get("context").unwrap().get("slots").unwrap().arr().len(),
         2,
         "reaped reservation released"
+    );
+    assert_eq!(
+        srv.metric("kvshard_reaped_workers_total", &[]),
+        Some(1.0),
+        "the pinging instance 8 was not reaped"
     );
 }
 

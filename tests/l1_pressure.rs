@@ -318,8 +318,15 @@ fn noop_policy_never_evicts() {
     assert_eq!(total_chunks, fit(), "filled to the last object, no further");
     assert_eq!(used, (total_chunks * OBJ) as u64);
 
-    // Far above the default 0.8 watermark across an eviction tick: nothing goes.
-    std::thread::sleep(Duration::from_millis(1200));
+    // Far above the default 0.8 watermark across eviction ticks: every tick
+    // finds the L1 over the mark (it triggers) and nothing goes.
+    let triggered = metric(&srv, "lmcache_mp_l1_eviction_loop_triggered_total");
+    srv.wait_l1_ticks_after(srv.l1_ticks());
+    let shards = srv.l1_count("num_shards");
+    assert!(
+        metric(&srv, "lmcache_mp_l1_eviction_loop_triggered_total") >= triggered + 2 * shards,
+        "the ticks found the full L1 above the watermark"
+    );
     assert_eq!(metric(&srv, "lmcache_mp_l1_evicted_chunks_total"), 0);
     assert_eq!(used_total(&srv).0, used);
     c.noop_ok();

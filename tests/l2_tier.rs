@@ -5,7 +5,6 @@
 
 mod support;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use support::*;
 
@@ -133,7 +132,15 @@ fn retain_keeps_loaded_chunks_in_l1() {
     let srv = Server::start(&["--l2-adapter", &adapter, "--l2-prefetch-policy", "retain"]);
     let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 3, "warm");
     assert_eq!((hits, back), (3, stored));
-    std::thread::sleep(Duration::from_millis(200));
+    let ticks = srv.l1_ticks();
+    // Loaded as resident objects, not temporary ones: neither the end of the
+    // read nor a tick's expiry frees them.
+    assert_eq!(
+        srv.l1_count("temporary_count"),
+        0,
+        "retained chunks are not temporary"
+    );
+    srv.wait_l1_ticks_after(ticks);
     assert_eq!(
         srv.l1_count("total_object_count"),
         3,
@@ -335,16 +342,29 @@ fn fs_capacity_evicts_the_least_recently_used_objects() {
         });
     }
     // 8 objects over a capacity of 6: a tick evicts the 4 least recent.
-    wait_until("L2 eviction", || data_files(&dir.0).len() == 4);
-    assert_eq!(
-        srv.metric("lmcache_mp_l2_evicted_objects_chunks_total", &[]),
-        Some(4.0)
-    );
-    std::thread::sleep(Duration::from_millis(1500));
+    // The pass counts its evictions once all its deletes are done, after the
+    // files are gone: wait for both.
+    wait_until("L2 eviction", || {
+        data_files(&dir.0).len() == 4
+            && srv.metric("lmcache_mp_l2_evicted_objects_chunks_total", &[]) == Some(4.0)
+    });
+    // Two more passes start: the first of them began after the eviction was
+    // seen and had finished before the second began (one pass at a time).
+    let l2_ticks = || {
+        srv.metric("kvshard_l2_eviction_ticks_total", &[])
+            .expect("kvshard_l2_eviction_ticks_total in /metrics")
+    };
+    let ticks = l2_ticks();
+    wait_until("two more L2 eviction passes", || l2_ticks() >= ticks + 2.0);
     assert_eq!(
         data_files(&dir.0).len(),
         4,
         "below the watermark nothing more goes"
+    );
+    assert_eq!(
+        srv.metric("lmcache_mp_l2_evicted_objects_chunks_total", &[]),
+        Some(4.0),
+        "below the watermark nothing more is evicted"
     );
     let hits: Vec<i64> = reqs
         .iter()

@@ -30,7 +30,7 @@
 //!   on once the read TTL has passed since admission; 0.5.6 leaks them under
 //!   the `noop` policy.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -216,8 +216,11 @@ pub struct ObjectInfo {
 pub struct L1Status {
     /// Resident plus staging objects.
     pub total_object_count: usize,
-    /// Staging objects whose write lock is live.
+    /// Staging objects whose write lock is live. Like `read_locked_count`,
+    /// exact at any `now` not before the last [`L1Shard::expire`]: a lock
+    /// that expired by that pass no longer counts for an earlier `now`.
     pub write_locked_count: usize,
+    /// Resident objects whose read lock is live (a release counts at once).
     pub read_locked_count: usize,
     /// Temporary objects, resident and staging.
     pub temporary_count: usize,
@@ -320,6 +323,171 @@ fn evictable_bytes(entry: &Entry, now: Instant) -> Option<u64> {
     }
 }
 
+/// Locks of one kind (read locks of resident objects, or write locks of
+/// staging objects) held as of the last sweep, so `/status` need not walk
+/// every object.
+///
+/// A lock is counted while its count is above 0 and its deadline is after
+/// `swept_until`, the latest `now` that [`sweep`](Self::sweep) saw (the shard
+/// sweeps in [`L1Shard::expire`], every tick). The deadlines of counted
+/// locks are kept in order, so the locks live at `now` are the counted ones
+/// minus those whose deadline is at or before `now`: exact for any `now` not
+/// before the last sweep, and the subtraction only visits locks that expired
+/// since then.
+#[derive(Debug, Default)]
+struct LockCount {
+    /// Number of counted locks (the sum of `deadlines`' values).
+    held: usize,
+    /// Deadline -> number of counted locks with that deadline.
+    deadlines: BTreeMap<Instant, usize>,
+    swept_until: Option<Instant>,
+}
+
+impl LockCount {
+    /// The deadline `lock` is counted under, or `None` if it is not counted.
+    fn slot(&self, lock: &TtlLock) -> Option<Instant> {
+        let deadline = lock.deadline()?;
+        (lock.count() > 0 && self.swept_until.is_none_or(|s| deadline > s)).then_some(deadline)
+    }
+
+    fn add(&mut self, lock: &TtlLock) {
+        self.file(self.slot(lock));
+    }
+
+    fn remove(&mut self, lock: &TtlLock) {
+        self.unfile(self.slot(lock));
+    }
+
+    /// Re-files a lock that changed from counted under `before` (its
+    /// [`slot`](Self::slot) before the change) to its current state.
+    fn changed(&mut self, before: Option<Instant>, lock: &TtlLock) {
+        let after = self.slot(lock);
+        if before != after {
+            self.unfile(before);
+            self.file(after);
+        }
+    }
+
+    fn file(&mut self, slot: Option<Instant>) {
+        if let Some(d) = slot {
+            *self.deadlines.entry(d).or_default() += 1;
+            self.held += 1;
+        }
+    }
+
+    fn unfile(&mut self, slot: Option<Instant>) {
+        if let Some(d) = slot {
+            let n = self
+                .deadlines
+                .get_mut(&d)
+                .expect("counted lock's deadline is indexed");
+            *n -= 1;
+            if *n == 0 {
+                self.deadlines.remove(&d);
+            }
+            self.held -= 1;
+        }
+    }
+
+    /// Locks live at `now`; O(log n + locks expired since the last sweep).
+    fn live(&self, now: Instant) -> usize {
+        let expired: usize = self.deadlines.range(..=now).map(|(_, &n)| n).sum();
+        self.held - expired
+    }
+
+    /// Stops counting locks whose deadline is at or before `now`;
+    /// O(expired locks * log n).
+    fn sweep(&mut self, now: Instant) {
+        let until = self.swept_until.map_or(now, |s| s.max(now));
+        self.swept_until = Some(until);
+        while let Some(entry) = self.deadlines.first_entry() {
+            if *entry.key() > until {
+                break;
+            }
+            self.held -= entry.remove();
+        }
+    }
+
+    /// Recounts from every lock of this kind; panics on drift.
+    fn validate<'a>(&self, locks: impl Iterator<Item = &'a TtlLock>, what: &str) {
+        let mut deadlines: BTreeMap<Instant, usize> = BTreeMap::new();
+        for lock in locks {
+            if let Some(d) = self.slot(lock) {
+                *deadlines.entry(d).or_default() += 1;
+            }
+        }
+        assert_eq!(
+            deadlines.values().sum::<usize>(),
+            self.held,
+            "{what}: held count drifted"
+        );
+        assert_eq!(deadlines, self.deadlines, "{what}: deadline index drifted");
+    }
+}
+
+/// The object counts `/status` reports, kept up to date as objects change:
+/// every change to an entry is bracketed by [`leave`](Self::leave) and
+/// [`enter`](Self::enter), and lock-only changes by [`LockCount::changed`].
+#[derive(Debug, Default)]
+struct Tally {
+    residents: usize,
+    stages: usize,
+    /// Aligned bytes of staging objects.
+    staging_bytes: u64,
+    /// Temporary objects, resident and staging.
+    temporaries: usize,
+    read_locks: LockCount,
+    write_locks: LockCount,
+}
+
+impl Tally {
+    /// Takes `entry`'s objects out of the counts, before it changes.
+    fn leave(&mut self, entry: &Entry) {
+        if let Some(r) = &entry.resident {
+            self.remove_resident(r);
+        }
+        for s in &entry.stages {
+            self.remove_stage(s);
+        }
+    }
+
+    /// Puts `entry`'s objects into the counts, after it changed.
+    fn enter(&mut self, entry: &Entry) {
+        if let Some(r) = &entry.resident {
+            self.add_resident(r);
+        }
+        for s in &entry.stages {
+            self.add_stage(s);
+        }
+    }
+
+    fn add_resident(&mut self, r: &Resident) {
+        self.residents += 1;
+        self.temporaries += r.temporary as usize;
+        self.read_locks.add(&r.read_lock);
+    }
+
+    fn remove_resident(&mut self, r: &Resident) {
+        self.residents -= 1;
+        self.temporaries -= r.temporary as usize;
+        self.read_locks.remove(&r.read_lock);
+    }
+
+    fn add_stage(&mut self, s: &Stage) {
+        self.stages += 1;
+        self.staging_bytes += s.slab.len;
+        self.temporaries += s.temporary as usize;
+        self.write_locks.add(&s.write_lock);
+    }
+
+    fn remove_stage(&mut self, s: &Stage) {
+        self.stages -= 1;
+        self.staging_bytes -= s.slab.len;
+        self.temporaries -= s.temporary as usize;
+        self.write_locks.remove(&s.write_lock);
+    }
+}
+
 /// One core's L1 object table and memory.
 #[derive(Debug)]
 pub struct L1Shard {
@@ -333,6 +501,8 @@ pub struct L1Shard {
     temporary_keys: HashSet<ObjectKey>,
     /// cache_salt -> bytes held (resident and staging, aligned).
     bytes_by_salt: HashMap<String, u64>,
+    /// What `status` reports, so it need not walk the table.
+    tally: Tally,
     stats: L1Stats,
 }
 
@@ -346,6 +516,7 @@ impl L1Shard {
             staged_keys: HashSet::new(),
             temporary_keys: HashSet::new(),
             bytes_by_salt: HashMap::new(),
+            tally: Tally::default(),
             stats: L1Stats::default(),
         }
     }
@@ -445,6 +616,7 @@ impl L1Shard {
                 out.push(Err(L1Error::KeyNotWritable));
                 continue;
             }
+            self.tally.leave(entry);
             // Take over one expired staging object of the right length (the
             // caller's own first), free the other expired ones.
             let expired = |s: &Stage| !s.write_lock.is_locked(now);
@@ -484,6 +656,7 @@ impl L1Shard {
             if let Some(stage) = taken {
                 entry.stages.push(stage);
             }
+            self.tally.enter(entry);
             for slab in freed {
                 self.release(&key.cache_salt, slab);
             }
@@ -525,6 +698,7 @@ impl L1Shard {
                 write_lock,
                 temporary,
             };
+            self.tally.add_stage(&stage);
             match self.entries.get_mut(key) {
                 Some(entry) => entry.stages.push(stage),
                 None => {
@@ -602,7 +776,9 @@ impl L1Shard {
                         .get_mut(key)
                         .expect("admitted key has an entry");
                     let resident = entry.resident.as_mut().expect("admitted key is resident");
+                    let before = self.tally.read_locks.slot(&resident.read_lock);
                     resident.read_lock.lock(count, now, read_ttl);
+                    self.tally.read_locks.changed(before, &resident.read_lock);
                     resident.last_access = now;
                     out.push(Ok(resident.slab));
                 }
@@ -636,12 +812,13 @@ impl L1Shard {
             return Err(L1Error::KeyInWrongState);
         }
         let stage = entry.stages.swap_remove(at);
+        self.tally.remove_stage(&stage);
         let result = if entry.resident.is_some() {
             let temporary = stage.temporary;
             self.release(&key.cache_salt, stage.slab);
             (Admission::AlreadyResident, temporary)
         } else {
-            entry.resident = Some(Resident {
+            let resident = entry.resident.insert(Resident {
                 slab: stage.slab,
                 size: stage.size,
                 read_lock: TtlLock::new(),
@@ -649,6 +826,7 @@ impl L1Shard {
                 admitted_at: now,
                 last_access: now,
             });
+            self.tally.add_resident(resident);
             self.stats.write_chunks += 1;
             (Admission::Admitted, stage.temporary)
         };
@@ -666,10 +844,17 @@ impl L1Shard {
         let write_ttl = self.cfg.write_ttl;
         keys.iter()
             .map(|key| {
-                self.entries
+                let Some(s) = self
+                    .entries
                     .get_mut(key)
                     .and_then(|e| e.stages.iter_mut().find(|s| s.tag == tag))
-                    .is_some_and(|s| s.write_lock.extend(now, write_ttl))
+                else {
+                    return false;
+                };
+                let before = self.tally.write_locks.slot(&s.write_lock);
+                let live = s.write_lock.extend(now, write_ttl);
+                self.tally.write_locks.changed(before, &s.write_lock);
+                live
             })
             .collect()
     }
@@ -688,6 +873,7 @@ impl L1Shard {
             });
             match stage {
                 Some(stage) => {
+                    self.tally.remove_stage(&stage);
                     self.release(&key.cache_salt, stage.slab);
                     self.settle(key);
                     out.push(Ok(()));
@@ -713,7 +899,9 @@ impl L1Shard {
         for key in keys {
             match self.entries.get_mut(key).and_then(|e| e.resident.as_mut()) {
                 Some(r) => {
+                    let before = self.tally.read_locks.slot(&r.read_lock);
                     r.read_lock.lock(count, now, read_ttl);
+                    self.tally.read_locks.changed(before, &r.read_lock);
                     r.last_access = now;
                     self.stats.read_chunks += 1;
                     out.push(Ok(r.slab));
@@ -757,10 +945,13 @@ impl L1Shard {
                 out.push(Err(L1Error::KeyInWrongState));
                 continue;
             }
+            let before = self.tally.read_locks.slot(&r.read_lock);
             r.read_lock.unlock(count);
+            self.tally.read_locks.changed(before, &r.read_lock);
             if r.temporary && !r.read_lock.is_locked(now) {
-                let slab = entry.resident.take().expect("resident checked above").slab;
-                self.release(&key.cache_salt, slab);
+                let resident = entry.resident.take().expect("resident checked above");
+                self.tally.remove_resident(&resident);
+                self.release(&key.cache_salt, resident.slab);
                 self.settle(key);
             }
             out.push(Ok(()));
@@ -776,10 +967,13 @@ impl L1Shard {
         let read_ttl = self.cfg.read_ttl;
         keys.iter()
             .map(|key| {
-                self.entries
-                    .get_mut(key)
-                    .and_then(|e| e.resident.as_mut())
-                    .is_some_and(|r| r.read_lock.extend(now, read_ttl))
+                let Some(r) = self.entries.get_mut(key).and_then(|e| e.resident.as_mut()) else {
+                    return false;
+                };
+                let before = self.tally.read_locks.slot(&r.read_lock);
+                let live = r.read_lock.extend(now, read_ttl);
+                self.tally.read_locks.changed(before, &r.read_lock);
+                live
             })
             .collect()
     }
@@ -855,6 +1049,7 @@ impl L1Shard {
                 out.push(Err(L1Error::KeyNotExist));
                 continue;
             };
+            self.tally.leave(entry);
             let mut freed = Vec::new();
             let mut expired = 0u64;
             entry.stages.retain(|s| {
@@ -893,6 +1088,7 @@ impl L1Shard {
                     }
                 }
             };
+            self.tally.enter(entry);
             for slab in freed {
                 self.release(&key.cache_salt, slab);
             }
@@ -910,6 +1106,7 @@ impl L1Shard {
         let mut count = 0;
         for key in &keys {
             let entry = self.entries.get_mut(key).expect("key listed above");
+            self.tally.leave(entry);
             let mut freed = Vec::new();
             entry.stages.retain(|s| {
                 let keep = !force && s.write_lock.is_locked(now);
@@ -925,6 +1122,7 @@ impl L1Shard {
             {
                 freed.push(entry.resident.take().expect("resident checked").slab);
             }
+            self.tally.enter(entry);
             count += freed.len();
             for slab in freed {
                 self.release(&key.cache_salt, slab);
@@ -1030,6 +1228,7 @@ impl L1Shard {
             .collect();
         for key in &stale {
             let entry = self.entries.get_mut(key).expect("staged key has an entry");
+            self.tally.leave(entry);
             let mut freed = Vec::new();
             entry.stages.retain(|s| {
                 let live = s.write_lock.is_locked(now);
@@ -1038,6 +1237,7 @@ impl L1Shard {
                 }
                 live
             });
+            self.tally.enter(entry);
             outcome.stages += freed.len();
             for slab in freed {
                 self.release(&key.cache_salt, slab);
@@ -1062,39 +1262,39 @@ impl L1Shard {
                 .entries
                 .get_mut(key)
                 .expect("temporary key has an entry");
-            let slab = entry
-                .resident
-                .take()
-                .expect("temporary key is resident")
-                .slab;
-            self.release(&key.cache_salt, slab);
+            let resident = entry.resident.take().expect("temporary key is resident");
+            self.tally.remove_resident(&resident);
+            self.release(&key.cache_salt, resident.slab);
             self.settle(key);
         }
         outcome.temporaries = abandoned.len();
+        // Locks that ran out without being released stop being counted, so
+        // `status` only looks at those that expired since this pass.
+        self.tally.read_locks.sweep(now);
+        self.tally.write_locks.sweep(now);
         self.stats.expired_stages += outcome.stages as u64;
         self.stats.expired_temporaries += outcome.temporaries as u64;
         outcome
     }
 
-    /// Counts for `/status`; O(objects).
+    /// Counts for `/status`, kept up to date as objects change rather than
+    /// walked. The lock counts are exact for any `now` not before the last
+    /// [`expire`](Self::expire) call; a lock whose deadline passed at or
+    /// before that call is not counted even when `now` is earlier.
+    /// O(log objects + locks that expired since the last `expire`).
     pub fn status(&self, now: Instant) -> L1Status {
-        let mut s = L1Status::default();
-        for entry in self.entries.values() {
-            if let Some(r) = &entry.resident {
-                s.total_object_count += 1;
-                s.read_locked_count += r.read_lock.is_locked(now) as usize;
-                s.temporary_count += r.temporary as usize;
-            }
-            for st in &entry.stages {
-                s.total_object_count += 1;
-                s.staging_object_count += 1;
-                s.staging_bytes += st.slab.len;
-                s.write_locked_count += st.write_lock.is_locked(now) as usize;
-                s.temporary_count += st.temporary as usize;
-            }
+        let t = &self.tally;
+        let (memory_used_bytes, memory_total_bytes) = self.usage();
+        L1Status {
+            total_object_count: t.residents + t.stages,
+            write_locked_count: t.write_locks.live(now),
+            read_locked_count: t.read_locks.live(now),
+            temporary_count: t.temporaries,
+            staging_object_count: t.stages,
+            staging_bytes: t.staging_bytes,
+            memory_used_bytes,
+            memory_total_bytes,
         }
-        (s.memory_used_bytes, s.memory_total_bytes) = self.usage();
-        s
     }
 
     /// Every slab held: (key, the writer tag for a staging object or `None`
@@ -1190,6 +1390,7 @@ impl L1Shard {
                 .all(|k| self.entries.contains_key(k)),
             "stale temporary key"
         );
+        self.validate_tally();
         assert_eq!(
             self.policy.tracked_len(Scope::All),
             if self.policy.kind() == PolicyKind::Noop {
@@ -1199,6 +1400,28 @@ impl L1Shard {
             },
             "policy tracks keys the shard does not hold"
         );
+    }
+
+    /// Recounts what `status` reports by a walk; panics where the kept
+    /// counts drifted.
+    fn validate_tally(&self) {
+        let t = &self.tally;
+        let residents = self.entries.values().filter_map(|e| e.resident.as_ref());
+        let stages = self.entries.values().flat_map(|e| e.stages.iter());
+        assert_eq!(residents.clone().count(), t.residents, "resident count");
+        assert_eq!(stages.clone().count(), t.stages, "staging count");
+        assert_eq!(
+            stages.clone().map(|s| s.slab.len).sum::<u64>(),
+            t.staging_bytes,
+            "staging bytes"
+        );
+        let temporaries = residents.clone().filter(|r| r.temporary).count()
+            + stages.clone().filter(|s| s.temporary).count();
+        assert_eq!(temporaries, t.temporaries, "temporary count");
+        t.read_locks
+            .validate(residents.map(|r| &r.read_lock), "read locks");
+        t.write_locks
+            .validate(stages.map(|s| &s.write_lock), "write locks");
     }
 
     /// Eviction candidates in policy order.
@@ -1258,6 +1481,7 @@ impl L1Shard {
             .entries
             .remove(key)
             .expect("eviction victim is in the table");
+        self.tally.leave(&entry);
         // Evicting a locked object would hand its memory to a new writer while
         // a reader or writer still uses it.
         let bytes = evictable_bytes(&entry, now).expect("eviction victim is locked");
@@ -1901,6 +2125,139 @@ mod tests {
         );
         let later = sh.status(secs(t0, 10));
         assert_eq!((later.write_locked_count, later.read_locked_count), (0, 0));
+    }
+
+    /// `status` as the walk it replaced computes it.
+    fn walked_status(sh: &L1Shard, now: Instant) -> L1Status {
+        let mut s = L1Status::default();
+        for entry in sh.entries.values() {
+            if let Some(r) = &entry.resident {
+                s.total_object_count += 1;
+                s.read_locked_count += r.read_lock.is_locked(now) as usize;
+                s.temporary_count += r.temporary as usize;
+            }
+            for st in &entry.stages {
+                s.total_object_count += 1;
+                s.staging_object_count += 1;
+                s.staging_bytes += st.slab.len;
+                s.write_locked_count += st.write_lock.is_locked(now) as usize;
+                s.temporary_count += st.temporary as usize;
+            }
+        }
+        (s.memory_used_bytes, s.memory_total_bytes) = sh.usage();
+        s
+    }
+
+    #[test]
+    fn status_counts_follow_lock_expiry_and_sweeps() {
+        let t0 = Instant::now();
+        let mut sh = shard(8, PolicyKind::Lru);
+        write(&mut sh, &keys(&[1, 2]), t0);
+        sh.reserve_read(&keys(&[1]), 2, t0); // deadline t0+5
+        sh.reserve_read(&keys(&[2]), 1, secs(t0, 3)); // deadline t0+8
+        sh.reserve_write(&keys(&[3]), A, T1, false, t0); // deadline t0+10
+        let locked = |sh: &L1Shard, s| {
+            let st = sh.status(secs(t0, s));
+            assert_eq!(st, walked_status(sh, secs(t0, s)));
+            (st.read_locked_count, st.write_locked_count)
+        };
+        assert_eq!(locked(&sh, 4), (2, 1));
+        // Expired but not yet swept: still exact.
+        assert_eq!(locked(&sh, 5), (1, 1));
+        sh.expire(secs(t0, 6));
+        sh.validate();
+        assert_eq!(locked(&sh, 6), (1, 1));
+        // Releasing a lock counts at once, without an expire pass.
+        assert_eq!(sh.finish_read(&keys(&[2]), 1, secs(t0, 7)), vec![Ok(())]);
+        assert_eq!(locked(&sh, 7), (0, 1));
+        // A renewed write lock moves its deadline; an expired read lock is
+        // taken afresh.
+        assert_eq!(sh.renew_write(&keys(&[3]), T1, secs(t0, 9)), vec![true]);
+        sh.reserve_read(&keys(&[1]), 1, secs(t0, 9));
+        sh.validate();
+        assert_eq!(locked(&sh, 12), (1, 1));
+        sh.expire(secs(t0, 20));
+        sh.validate();
+        assert_eq!(locked(&sh, 20), (0, 0));
+        assert_eq!(sh.status(secs(t0, 20)).total_object_count, 2);
+    }
+
+    /// Random operations with time jumping past the TTLs; the kept counts
+    /// must match a walk after every step.
+    #[test]
+    fn status_counts_never_drift() {
+        let mut state = 0x5eed_u64;
+        let mut rand = |n: u64| {
+            // splitmix64
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)) % n
+        };
+        let t0 = Instant::now();
+        for policy in [PolicyKind::Lru, PolicyKind::Noop, PolicyKind::IsolatedLru] {
+            let mut sh = shard(12, policy);
+            if policy == PolicyKind::IsolatedLru {
+                sh.policy_mut().set_quota("a", 4 * A);
+                sh.policy_mut().set_quota("b", 8 * A);
+            }
+            let mut ms = 0u64;
+            for _ in 0..3000 {
+                ms += match rand(10) {
+                    0..=5 => 0,
+                    6..=8 => rand(2000),
+                    _ => rand(12_000),
+                };
+                let now = t0 + Duration::from_millis(ms);
+                let ks: Vec<ObjectKey> = (0..1 + rand(3))
+                    .map(|_| salted(rand(10) as u8, ["", "a", "b"][rand(3) as usize]))
+                    .collect();
+                let tag = WriterTag(1 + rand(2));
+                let n = rand(4) as u32;
+                match rand(14) {
+                    0..=2 => {
+                        let size = 1 + rand(2 * A);
+                        sh.reserve_write(&ks, size, tag, rand(4) == 0, now);
+                    }
+                    3 => {
+                        sh.finish_write(&ks, tag, now);
+                    }
+                    4 => {
+                        sh.finish_write_and_reserve_read(&ks, tag, n, now);
+                    }
+                    5 => {
+                        sh.abort_write(&ks, tag);
+                    }
+                    6 => {
+                        sh.reserve_read(&ks, n, now);
+                    }
+                    7 => {
+                        sh.finish_read(&ks, n, now);
+                    }
+                    8 => {
+                        sh.renew_read(&ks, now);
+                        sh.renew_write(&ks, tag, now);
+                    }
+                    9 => {
+                        sh.delete(&ks, rand(4) == 0, now);
+                    }
+                    10 => {
+                        if rand(10) == 0 {
+                            sh.clear(rand(2) == 0, now);
+                        }
+                    }
+                    11 => {
+                        sh.evict(now);
+                    }
+                    _ => {
+                        sh.expire(now);
+                    }
+                }
+                sh.validate();
+                assert_eq!(sh.status(now), walked_status(&sh, now), "{policy:?}");
+            }
+        }
     }
 
     #[test]

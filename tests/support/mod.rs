@@ -1187,6 +1187,27 @@ impl Server {
             .unwrap_or_else(|| panic!("l1_manager.{field} is not a count"))
     }
 
+    /// L1 eviction ticks run so far (`lmcache_mp_l1_eviction_loop_ticks_total`,
+    /// summed over shards).
+    pub fn l1_ticks(&self) -> f64 {
+        self.metric("lmcache_mp_l1_eviction_loop_ticks_total", &[])
+            .expect("lmcache_mp_l1_eviction_loop_ticks_total in /metrics")
+    }
+
+    /// Waits until the L1 tick (TTL expiry, then eviction; once a second on
+    /// each shard) has run two more times per shard than the `ticks` read
+    /// earlier with [`Server::l1_ticks`], so what a test sees afterwards has
+    /// been through whole ticks. A tick runs on its shard's thread between
+    /// messages, so a count read includes only finished ticks. The counter is
+    /// a sum over shards: with several, this holds for each shard as long as
+    /// the shards tick at the same pace.
+    pub fn wait_l1_ticks_after(&self, ticks: f64) {
+        let target = ticks + 2.0 * self.l1_count("num_shards") as f64;
+        wait_until("two L1 eviction ticks per shard", || {
+            self.l1_ticks() >= target
+        });
+    }
+
     /// `GET` of a JSON endpoint that must answer 200.
     pub fn get_json(&self, path: &str) -> serde_json::Value {
         let (st, body) = self.http("GET", path, None);
