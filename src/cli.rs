@@ -694,8 +694,10 @@ pub struct OutputArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "kvshard only (not lmcache flags)")]
 pub struct KvshardArgs {
-    /// [kvshard only] CPU cores to run shards on, one shard per core, e.g. 0-3,6
-    /// [default: every core in the process's allowed CPU set].
+    /// [kvshard only] CPU cores to run shards on, one shard per core, e.g. 0-3,6. The front (the
+    /// thread that serves ZeroMQ) is pinned to the last allowed core no shard uses, or runs
+    /// unpinned when the shards take them all [default: every core in the process's allowed CPU
+    /// set but the last, which the front gets; the only one on a one-core host].
     #[arg(long, value_name = "LIST")]
     pub cores: Option<String>,
     /// [kvshard only] Bound of each shard's request mailbox, in requests; also the bound of the
@@ -1624,7 +1626,11 @@ impl ServerArgs {
 
         // ---- kvshard only ----
         let cores = match kvshard.cores.as_deref() {
-            None => host.allowed_cores.clone(),
+            // The front gets the last allowed core to itself when there are two or more.
+            None => match host.allowed_cores.split_last() {
+                Some((_, shards)) if !shards.is_empty() => shards.to_vec(),
+                _ => host.allowed_cores.clone(),
+            },
             Some(list) => parse_core_list(list).map_err(|e| ConfigError::invalid("--cores", e))?,
         };
         if cores.is_empty() {
@@ -1643,6 +1649,13 @@ impl ServerArgs {
             ));
         }
 
+        // The front runs on an allowed core no shard uses, the last one free.
+        let front_core = host
+            .allowed_cores
+            .iter()
+            .rev()
+            .find(|c| !cores.contains(c))
+            .copied();
         let config = ServerConfig {
             instance_id,
             host: zmq_host,
@@ -1650,6 +1663,7 @@ impl ServerArgs {
             chunk_size,
             hash_algorithm,
             cores,
+            front_core,
             transfer_mode,
             shm_name,
             session_ttl,
@@ -1845,7 +1859,12 @@ mod tests {
         assert_eq!(c.http_bind_addr(), "127.0.0.1:8080");
         assert_eq!(c.chunk_size, 256);
         assert_eq!(c.hash_algorithm, "blake3");
-        assert_eq!(c.cores, (0..8).collect::<Vec<_>>());
+        assert_eq!(
+            c.cores,
+            (0..7).collect::<Vec<_>>(),
+            "one core left to the front"
+        );
+        assert_eq!(c.front_core, Some(7));
         assert_eq!(c.transfer_mode, TransferMode::Auto);
         assert!(c
             .shm_name
@@ -2561,6 +2580,13 @@ mod tests {
     #[test]
     fn cli_cores() {
         assert_eq!(config(&["--cores", "0-1,3"]).cores, [0, 1, 3]);
+        assert_eq!(config(&["--cores", "0-1,3"]).front_core, Some(7));
+        assert_eq!(
+            config(&["--cores", "0-7"]).front_core,
+            None,
+            "the shards take every core"
+        );
+        assert_eq!(config(&["--cores", "6-7"]).front_core, Some(5));
         assert_eq!(config(&["--cores", "5"]).cores, [5]);
         for bad in ["", "a", "3-1", "0-", "-1", "1,,2", "0-99"] {
             rejected(&[&format!("--cores={bad}")], "--cores", false);

@@ -114,6 +114,24 @@ fn memlock_error(limit: u64) -> io::Error {
     ))
 }
 
+/// Pins the calling thread to `core` (`sched_setaffinity` on this thread
+/// only; threads it starts later inherit the mask).
+pub fn pin_current_thread(core: usize) -> io::Result<()> {
+    if core >= libc::CPU_SETSIZE as usize {
+        return Err(io::Error::other(format!("core {core} is past CPU_SETSIZE")));
+    }
+    // SAFETY: an all-zero cpu_set_t is the empty set; CPU_SET writes inside it
+    // for a core below CPU_SETSIZE (checked above).
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::CPU_SET(core, &mut set) };
+    // SAFETY: pid 0 is the calling thread; `set` is a valid cpu_set_t.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Start shard `shard_id` on its own thread named `name`, running a glommio
 /// executor pinned to `core` (or unbound when None), and run `f()` on it.
 ///
@@ -231,6 +249,21 @@ mod tests {
         for bad in ["", "1,,2", "3-1", "a", "1-", "-1", "99999", "1-2-3"] {
             assert!(parse_core_list(bad).is_err(), "'{bad}' should be rejected");
         }
+    }
+
+    #[test]
+    fn pinning_binds_only_the_calling_thread() {
+        let all = allowed_cores();
+        let last = *all.last().unwrap();
+        let pinned = std::thread::spawn(move || {
+            pin_current_thread(last).unwrap();
+            allowed_cores()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(pinned, [last]);
+        assert_eq!(allowed_cores(), all, "the test thread keeps its mask");
+        assert!(pin_current_thread(libc::CPU_SETSIZE as usize).is_err());
     }
 
     #[test]

@@ -281,6 +281,9 @@ pub struct ServerConfig {
     pub hash_algorithm: String,
     /// One shard per listed CPU core, in this order (shard i runs on `cores[i]`).
     pub cores: Vec<usize>,
+    /// The core the front thread is pinned to: one no shard runs on; `None`
+    /// leaves it unpinned (the shards take every allowed core).
+    pub front_core: Option<usize>,
     pub transfer_mode: TransferMode,
     /// L1 pool segment name without the leading '/', e.g. `lmcache_l1_pool_bench`;
     /// None when SHM is disabled (`--shm-name ""`) or the engine_driven path is not loaded.
@@ -472,6 +475,7 @@ mod tests {
             chunk_size: 256,
             hash_algorithm: "blake3".into(),
             cores: vec![0, 1],
+            front_core: None,
             transfer_mode: TransferMode::Auto,
             shm_name: Some("lmcache_l1_pool_x".into()),
             session_ttl: Duration::from_secs(600),

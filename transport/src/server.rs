@@ -259,6 +259,16 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         cfg.transfer_mode
     );
     let mut front = Front::new(cfg.clone(), setup, socket, senders, events_rx);
+    // Pinned last: every thread started above keeps its own placement.
+    match cfg.front_core {
+        Some(core) => match kvshard_io::executor::pin_current_thread(core) {
+            Ok(()) => log::info!("front pinned to core {core}"),
+            Err(e) => log::warn!("cannot pin the front to core {core} ({e}); it runs unpinned"),
+        },
+        None => {
+            log::info!("the shards take every allowed core: the front runs unpinned beside them")
+        }
+    }
     front.run(&STOP);
     log::info!("shutting down");
     drop(front);
