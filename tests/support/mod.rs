@@ -649,14 +649,22 @@ impl Drop for Server {
         // SAFETY: plain kill(2) of our child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let t0 = Instant::now();
+        let mut stopped = false;
         while t0.elapsed() < Duration::from_secs(5) {
             if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+                stopped = true;
+                break;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if !stopped {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        // A server that was killed (a test's SIGKILL, or the one above) could
+        // not remove its SHM pool; the name is this test's own, so nobody else
+        // uses it. Left behind, each run would keep its whole L1 in /dev/shm.
+        let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm_name));
     }
 }
 
