@@ -17,7 +17,7 @@ use std::fmt;
 use cudarc::driver::sys;
 
 use super::exec::{query_outcome, Stream};
-use super::{driver_call, driver_call_in_drop, guarded_call, Device, DeviceError};
+use super::{driver_call, guarded_call, Device, DeviceError};
 
 /// Bytes of a `cudaIpcEventHandle_t` / `CUipcEventHandle`.
 pub const IPC_EVENT_HANDLE_BYTES: usize = 64;
@@ -122,20 +122,8 @@ impl ImportedEvent {
 
 impl Drop for ImportedEvent {
     fn drop(&mut self) {
-        let raw = self.raw;
-        self.device.bind_for_drop();
-        driver_call_in_drop(
-            "cuEventDestroy_v2",
-            || {
-                format!(
-                    "destroying an imported event on device {}",
-                    self.device.ordinal()
-                )
-            },
-            // SAFETY: `raw` came from cuIpcOpenEventHandle and is destroyed
-            // once, here.
-            || unsafe { sys::cuEventDestroy_v2(raw) },
-        );
+        // SAFETY: `raw` came from cuIpcOpenEventHandle and is destroyed once, here.
+        unsafe { self.device.destroy_event_in_drop(self.raw, "an imported") };
     }
 }
 
@@ -302,19 +290,8 @@ impl ServerEvent {
 
 impl Drop for ServerEvent {
     fn drop(&mut self) {
-        let raw = self.raw;
-        self.device.bind_for_drop();
-        driver_call_in_drop(
-            "cuEventDestroy_v2",
-            || {
-                format!(
-                    "destroying an exported event on device {}",
-                    self.device.ordinal()
-                )
-            },
-            // SAFETY: `raw` came from cuEventCreate and is destroyed once.
-            || unsafe { sys::cuEventDestroy_v2(raw) },
-        );
+        // SAFETY: `raw` came from cuEventCreate and is destroyed once, here.
+        unsafe { self.device.destroy_event_in_drop(self.raw, "an exported") };
     }
 }
 

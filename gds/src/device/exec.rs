@@ -558,19 +558,8 @@ impl CompletionEvent {
 
 impl Drop for CompletionEvent {
     fn drop(&mut self) {
-        let raw = self.raw;
-        self.device.bind_for_drop();
-        driver_call_in_drop(
-            "cuEventDestroy_v2",
-            || {
-                format!(
-                    "destroying a completion event on device {}",
-                    self.device.ordinal()
-                )
-            },
-            // SAFETY: `raw` came from cuEventCreate and is destroyed once.
-            || unsafe { sys::cuEventDestroy_v2(raw) },
-        );
+        // SAFETY: `raw` came from cuEventCreate and is destroyed once, here.
+        unsafe { self.device.destroy_event_in_drop(self.raw, "a completion") };
     }
 }
 

@@ -391,6 +391,22 @@ impl Device {
             log::warn!("{e}");
         }
     }
+
+    /// Destroys event `raw` of this device in a destructor (`kind` names it
+    /// in the log line of a failure).
+    ///
+    /// # Safety
+    /// `raw` is a live event of this device's context that nothing uses or
+    /// destroys afterwards.
+    pub(crate) unsafe fn destroy_event_in_drop(&self, raw: sys::CUevent, kind: &str) {
+        self.bind_for_drop();
+        driver_call_in_drop(
+            "cuEventDestroy_v2",
+            || format!("destroying {kind} event on device {}", self.ordinal()),
+            // SAFETY: forwarded to the caller: `raw` is live and destroyed once.
+            || unsafe { sys::cuEventDestroy_v2(raw) },
+        );
+    }
 }
 
 impl Drop for DeviceInner {
