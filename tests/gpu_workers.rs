@@ -12,7 +12,7 @@ use support::*;
 /// The golden frames for GPU workers: `[uid, op, payloads...]`, hex.
 fn golden() -> serde_json::Value {
     serde_json::from_str(include_str!(
-        "../transport/testdata/golden_cuda_register.json"
+        "../transport/wire/testdata/golden_cuda_register.json"
     ))
     .unwrap()
 }

@@ -20,10 +20,8 @@ use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
 use kvshard_io::executor::spawn_shard;
 use kvshard_io::mailbox::{mailbox, notify_queue, SendError};
 use kvshard_transport::config::L2Settings;
-use kvshard_transport::front::FrontEvent;
-use kvshard_transport::shard::{
-    run_shard, ShardBacking, ShardConfig, ShardMsg, ShardOp, ShardReplyBody,
-};
+use kvshard_transport::messages::{FrontEvent, ShardMsg, ShardOp, ShardReplyBody};
+use kvshard_transport::shard::{run_shard, ShardBacking, ShardConfig};
 
 use support::wait_until;
 

@@ -37,7 +37,7 @@ use crate::credential_cache::{CredentialsCache, CredentialsRefreshConfig};
 use crate::credential_http::FetchConfig;
 use crate::credentials::{Credentials, Env};
 use crate::error::{classify_status, Cause, ErrorKind, Failure, Op, S3Error};
-use crate::express::{ExpressConfig, SessionCache};
+use crate::express::{CreateSession, ExpressConfig, SessionCache};
 use crate::http::{
     ConnectionCounters, EndpointConfig, Head, HttpError, Lease, Outgoing, Pool, Protocol,
     SendError, Slot,
@@ -463,7 +463,7 @@ pub(crate) struct ClientInner {
     jitter: RefCell<Jitter>,
     counters: Counters,
     connections: Rc<ConnectionCounters>,
-    express: Option<SessionCache>,
+    express: Option<SessionCache<ClientInner>>,
     /// Uploads whose operation was dropped before it could abort them.
     pending_aborts: RefCell<Vec<(String, String)>>,
 }
@@ -1578,9 +1578,16 @@ impl ClientInner {
         )
         .await
     }
+}
+
+impl CreateSession for ClientInner {
+    /// Wall-clock time as the client sees it ([`S3ClientConfig::clock`]).
+    fn wall_now(&self) -> std::time::SystemTime {
+        self.cfg.clock.wall()
+    }
 
     /// CreateSession for the client's (directory) bucket.
-    pub(crate) async fn create_session(self: &Rc<Self>) -> Result<Credentials, S3Error> {
+    async fn create_session(self: &Rc<Self>) -> Result<Credentials, S3Error> {
         let request = self.cfg.address.create_session_request().map_err(|e| {
             S3Error::new(
                 Op::CreateSession,
@@ -1622,16 +1629,11 @@ impl ClientInner {
         Ok(creds)
     }
 
-    /// Wall-clock time as the client sees it ([`S3ClientConfig::clock`]).
-    pub(crate) fn wall_now(&self) -> std::time::SystemTime {
-        self.cfg.clock.wall()
-    }
-
-    pub(crate) fn express_cache(&self) -> Option<&SessionCache> {
+    fn session_cache(&self) -> Option<&SessionCache<ClientInner>> {
         self.express.as_ref()
     }
 
-    pub(crate) fn note_session_refresh(&self) {
+    fn note_session_refresh(&self) {
         add(&self.counters.session_refreshes, 1);
     }
 }

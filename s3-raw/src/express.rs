@@ -19,13 +19,13 @@
 
 use std::cell::{Cell, RefCell};
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 use glommio::sync::Semaphore;
 
-use crate::client::ClientInner;
 use crate::credentials::Credentials;
 use crate::error::{Cause, Failure, S3Error};
 
@@ -61,32 +61,51 @@ impl ExpressConfig {
     }
 }
 
+/// What the cache needs from the client that owns it.
+pub(crate) trait CreateSession: Sized + 'static {
+    /// Wall-clock time used for session expiry.
+    fn wall_now(&self) -> SystemTime;
+
+    /// CreateSession for the client's bucket, signed with the base
+    /// credentials under service `s3express`. The credentials it returns
+    /// carry their expiry.
+    async fn create_session(self: &Rc<Self>) -> Result<Credentials, S3Error>;
+
+    /// The client's session cache, the one a background refresh updates.
+    fn session_cache(&self) -> Option<&SessionCache<Self>>;
+
+    /// Called after a background refresh stored a new session.
+    fn note_session_refresh(&self);
+}
+
 struct Session {
     creds: Rc<Credentials>,
     expires_at: SystemTime,
 }
 
 /// The session of the client's bucket (the client serves one bucket).
-pub(crate) struct SessionCache {
+pub(crate) struct SessionCache<C> {
     cfg: ExpressConfig,
     session: RefCell<Option<Session>>,
     refreshing: Cell<bool>,
     create_lock: Rc<Semaphore>,
+    client: PhantomData<fn(&C)>,
 }
 
-impl SessionCache {
-    pub fn new(cfg: ExpressConfig) -> SessionCache {
+impl<C: CreateSession> SessionCache<C> {
+    pub fn new(cfg: ExpressConfig) -> SessionCache<C> {
         SessionCache {
             cfg,
             session: RefCell::new(None),
             refreshing: Cell::new(false),
             create_lock: Rc::new(Semaphore::new(1)),
+            client: PhantomData,
         }
     }
 
     /// A session usable now, if cached. Starts a background refresh when
     /// it is close to expiry.
-    fn usable(&self, client: &Rc<ClientInner>) -> Option<Rc<Credentials>> {
+    fn usable(&self, client: &Rc<C>) -> Option<Rc<Credentials>> {
         let now = client.wall_now();
         let (creds, expires_at) = {
             let session = self.session.borrow();
@@ -102,7 +121,7 @@ impl SessionCache {
             // glommio polls a spawned task at once, inline: no borrow of the
             // session may be held here (the refresh can finish in that poll).
             glommio::spawn_local(async move {
-                client.refresh_session_in_background().await;
+                refresh_session_in_background(client).await;
             })
             .detach();
         }
@@ -127,7 +146,7 @@ impl SessionCache {
     }
 
     /// Session credentials for a data-plane request.
-    pub async fn credentials(&self, client: &Rc<ClientInner>) -> Result<Rc<Credentials>, Failure> {
+    pub async fn credentials(&self, client: &Rc<C>) -> Result<Rc<Credentials>, Failure> {
         if let Some(c) = self.usable(client) {
             return Ok(c);
         }
@@ -163,26 +182,24 @@ impl SessionCache {
 /// CreateSession behind a box: it signs and sends through the same path as
 /// the data-plane request that asked for the session, so the future types
 /// would otherwise contain themselves.
-fn create_session_boxed(
-    client: &Rc<ClientInner>,
+fn create_session_boxed<C: CreateSession>(
+    client: &Rc<C>,
 ) -> Pin<Box<dyn Future<Output = Result<Credentials, S3Error>> + '_>> {
     Box::pin(client.create_session())
 }
 
-impl ClientInner {
-    async fn refresh_session_in_background(self: Rc<Self>) {
-        let Some(cache) = self.express_cache() else {
-            return;
-        };
-        match create_session_boxed(&self).await {
-            Ok(creds) => {
-                cache.refreshed(creds);
-                self.note_session_refresh();
-            }
-            Err(e) => {
-                log::warn!("s3 express: background session refresh failed: {e}");
-                cache.refresh_failed();
-            }
+async fn refresh_session_in_background<C: CreateSession>(client: Rc<C>) {
+    let Some(cache) = client.session_cache() else {
+        return;
+    };
+    match create_session_boxed(&client).await {
+        Ok(creds) => {
+            cache.refreshed(creds);
+            client.note_session_refresh();
+        }
+        Err(e) => {
+            log::warn!("s3 express: background session refresh failed: {e}");
+            cache.refresh_failed();
         }
     }
 }

@@ -1,22 +1,19 @@
-//! kvshard-transport: the ZeroMQ front end, lmcache 0.5.6's msgpack wire, RPC
-//! handlers, transfer paths, worker registry and the HTTP API.
+//! kvshard-transport: starts the server (`server::run`: the shards, the front
+//! end and the HTTP API) and re-exports its parts under one name:
+//!
+//! - `wire` (crate kvshard-wire): lmcache 0.5.6's msgpack and typed RPCs;
+//! - the data plane (kvshard-dataplane): shards, L2 controllers, transfer
+//!   paths, configuration, and the `messages` every part exchanges;
+//! - the control plane (kvshard-control): the front, registry, sessions,
+//!   metrics;
+//! - `http_api` (kvshard-http).
 
-pub mod config;
-pub mod control;
-pub mod cpu_shm;
-pub mod cuda_refusal;
-pub mod cuda_transfer;
-pub mod front;
-pub mod http_api;
-mod l1_slab;
-pub mod lookup_leases;
-pub mod lookup_log;
-pub mod metrics;
-pub mod msgpack;
-pub mod oneshot;
-pub mod registry;
 pub mod server;
-pub mod session;
-pub mod shard;
-pub mod shard_l2;
-pub mod wire;
+
+pub use kvshard_control::{control, front, lookup_leases, lookup_log, metrics, registry, session};
+pub use kvshard_dataplane::{
+    config, cpu_shm, cuda_refusal, cuda_transfer, layout, messages, oneshot, shard,
+};
+pub use kvshard_http as http_api;
+pub use kvshard_wire as wire;
+pub use kvshard_wire::msgpack;

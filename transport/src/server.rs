@@ -16,12 +16,13 @@ use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
 use kvshard_io::executor::{spawn_shard, ShardHandle};
 use kvshard_io::mailbox::{mailbox, notify_queue, MailboxSender};
 
-use crate::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
-use crate::control::ControlHandle;
-use crate::cuda_transfer::L1Memory;
-use crate::front::{Front, FrontSetup};
-use crate::http_api::{self, HttpInfo};
-use crate::shard::{run_shard, ShardBacking, ShardConfig, ShardMsg};
+use kvshard_control::control::ControlHandle;
+use kvshard_control::front::{Front, FrontSetup};
+use kvshard_dataplane::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
+use kvshard_dataplane::cuda_transfer::L1Memory;
+use kvshard_dataplane::messages::ShardMsg;
+use kvshard_dataplane::shard::{run_shard, ShardBacking, ShardConfig};
+use kvshard_http::HttpInfo;
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -440,7 +441,7 @@ fn start_http(cfg: &ServerConfig, control: ControlHandle) -> Result<(), String> 
     let info = HttpInfo {
         version: env!("CARGO_PKG_VERSION").to_owned(),
         commit_id: option_env!("KVSHARD_COMMIT_ID").unwrap_or("").to_owned(),
-        control_timeout: http_api::DEFAULT_CONTROL_TIMEOUT,
+        control_timeout: kvshard_http::DEFAULT_CONTROL_TIMEOUT,
         max_connections: cfg.http_max_connections,
     };
     spawn_shard(
@@ -452,7 +453,7 @@ fn start_http(cfg: &ServerConfig, control: ControlHandle) -> Result<(), String> 
             // SAFETY: the fd comes from a listener we own and give up here.
             let listener =
                 unsafe { glommio::net::TcpListener::from_raw_fd(std_listener.into_raw_fd()) };
-            if let Err(e) = http_api::serve(listener, control, Rc::new(info)).await {
+            if let Err(e) = kvshard_http::serve(listener, control, Rc::new(info)).await {
                 log::error!("HTTP server stopped: {e}");
             }
         },

@@ -32,8 +32,9 @@ use serde_json::{json, Map, Value};
 use kvshard_io::http::{Conn, HttpServeConfig, HttpStats};
 use kvshard_io::timeout::with_timeout;
 
-use crate::control::{ControlBody, ControlHandle, ControlRequest, ControlResponse};
-use crate::metrics::PromText;
+use kvshard_control::control::ControlHandle;
+use kvshard_control::metrics::PromText;
+use kvshard_dataplane::messages::{ControlBody, ControlRequest, ControlResponse};
 
 /// Request bodies larger than this are refused with 413. The largest legitimate body
 /// is a `/cache/checksums` block list: 1 MiB holds well over 100k block ids.
@@ -1040,7 +1041,7 @@ fn parse_checksums(body: &[u8]) -> Result<ControlRequest, Reject> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::front::FrontEvent;
+    use kvshard_dataplane::messages::FrontEvent;
     use std::io::{Read, Write};
     use std::net::{SocketAddr, TcpStream};
     use std::sync::OnceLock;

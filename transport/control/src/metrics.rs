@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use crate::shard::ShardReport;
+use kvshard_dataplane::messages::ShardReport;
 
 /// Sizes of front tables, shown as gauges.
 #[derive(Debug, Clone, Copy)]
@@ -400,7 +400,7 @@ impl PromText {
 /// The `lmcache_mp_l2_*` families, summed over shards; per-adapter series
 /// carry `l2_name` (`<type>#<flag position>`).
 fn render_l2(t: &mut PromText, shards: &[ShardReport]) {
-    let ctl = |f: &dyn Fn(&crate::shard_l2::L2CtlStats) -> u64| -> u64 {
+    let ctl = |f: &dyn Fn(&kvshard_dataplane::messages::L2CtlStats) -> u64| -> u64 {
         shards.iter().map(|r| f(&r.l2_ctl)).sum()
     };
     let tiers = shards.first().map_or(0, |r| r.l2.len());

@@ -24,7 +24,7 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::config::LookupHashLogSettings;
+use kvshard_dataplane::config::LookupHashLogSettings;
 
 const FILE_PREFIX: &str = "lookup_hashes_";
 const FILE_SUFFIX: &str = ".jsonl";

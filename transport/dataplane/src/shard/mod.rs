@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::ObjectKey;
-use kvshard_engine::l1::{Admission, L1Error, L1Shard, L1Stats, L1Status, WriterTag};
+use kvshard_engine::l1::{Admission, L1Error, L1Shard, WriterTag};
 use kvshard_engine::slab::Slab;
 use kvshard_gds::slab::{AlignedBuf, GdsSlab};
 use kvshard_io::arena::Arena;
@@ -19,137 +19,14 @@ use kvshard_io::mailbox::{MailboxReceiver, NotifySender};
 
 use crate::config::L2Settings;
 use crate::cpu_shm::CpuShmRegistration;
-use crate::front::FrontEvent;
 use crate::l1_slab::SlabL1;
-use crate::shard_l2::{self, L2CtlStats, L2Shard, TierReport, FOUND_L1, FOUND_MISS};
+use crate::messages::{
+    FrontEvent, L2CtlStats, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport,
+    StoreOutcome, FOUND_L1, FOUND_MISS,
+};
 
-/// Sequence number the front uses to match replies to requests; 0 = no reply wanted.
-pub type Seq = u64;
-
-pub struct ShardMsg {
-    pub seq: Seq,
-    pub op: ShardOp,
-}
-
-pub enum ShardOp {
-    /// Read-lock every present key `readers` times and touch the hits (LRU);
-    /// look the misses up in L2 (locking what is found there with `size`
-    /// bytes). Answers [`ShardReplyBody::Found`].
-    Lookup {
-        keys: Vec<ObjectKey>,
-        readers: u32,
-        size: u64,
-    },
-    /// Load keys found in L2 by a lookup into L1 with `readers` read locks
-    /// each; answers [`ShardReplyBody::Loaded`].
-    Load {
-        keys: Vec<(ObjectKey, u8)>,
-        size: u64,
-        readers: u32,
-        tag: u64,
-    },
-    /// Release L2 lookup locks (keys with their `Found` code).
-    UnlockL2 {
-        keys: Vec<(ObjectKey, u8)>,
-    },
-    /// Release `count` read locks on each key.
-    Release {
-        keys: Vec<ObjectKey>,
-        count: u32,
-    },
-    Touch {
-        keys: Vec<ObjectKey>,
-    },
-    /// Stage writes of `size` bytes per key under writer `tag`.
-    ReserveWrite {
-        keys: Vec<ObjectKey>,
-        size: u64,
-        tag: u64,
-    },
-    FinishWrite {
-        keys: Vec<ObjectKey>,
-        tag: u64,
-    },
-    AbortWrite {
-        keys: Vec<ObjectKey>,
-        tag: u64,
-    },
-    /// Slabs of keys that must already be read-locked (by a lookup).
-    ReadLocked {
-        keys: Vec<ObjectKey>,
-    },
-    /// lmcache_driven STORE: reserve, gather the worker's blocks, finish.
-    Store {
-        reg: Arc<CpuShmRegistration>,
-        items: Vec<(ObjectKey, Vec<i64>)>,
-        size: u64,
-        tag: u64,
-    },
-    /// lmcache_driven RETRIEVE: scatter each read-locked object, then release one lock.
-    Retrieve {
-        reg: Arc<CpuShmRegistration>,
-        items: Vec<(ObjectKey, Vec<i64>, usize)>,
-    },
-    Clear {
-        force: bool,
-    },
-    Status,
-    SetQuota {
-        cache_salt: String,
-        limit_bytes: u64,
-    },
-    RemoveQuota {
-        cache_salt: String,
-    },
-    ResetStats,
-}
-
-/// Outcome of storing one chunk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoreOutcome {
-    Stored,
-    /// Already resident (or being written by someone else): nothing to do.
-    AlreadyPresent,
-    OutOfMemory,
-    Failed,
-}
-
-pub enum ShardReplyBody {
-    /// Per key: `shard_l2::FOUND_*` codes.
-    Found(Vec<u8>),
-    Loaded(Vec<bool>),
-    Slabs(Vec<Option<Slab>>),
-    Stored(Vec<StoreOutcome>),
-    Retrieved(Vec<bool>),
-    Count(u64),
-    Status(Box<ShardReport>),
-    Done,
-}
-
-pub struct ShardReply {
-    pub seq: Seq,
-    pub shard: usize,
-    pub body: ShardReplyBody,
-}
-
-/// A shard's view for `/status` and `/metrics`.
-#[derive(Debug, Clone)]
-pub struct ShardReport {
-    pub status: L1Status,
-    pub stats: L1Stats,
-    pub capacity_max_bytes: u64,
-    pub bytes_by_salt: Vec<(String, u64)>,
-    pub mailbox_full: u64,
-    /// Chunks of client stores (engine_driven prepare_store and lmcache_driven
-    /// store) refused for lack of L1 memory. With the L2 loads that found no
-    /// room (`l2_ctl.prefetch_load_oom_objects`) these are every L1 allocation
-    /// failure (`stats.allocation_failure_chunks`).
-    pub store_oom_chunks: u64,
-    pub l2: Vec<TierReport>,
-    pub l2_ctl: L2CtlStats,
-    /// The shard's GDS slab (file, counters), when the L1 lives in one.
-    pub l1_slab: Option<serde_json::Value>,
-}
+pub mod l2;
+use l2::L2Shard;
 
 pub struct ShardConfig {
     pub id: usize,
@@ -717,8 +594,8 @@ pub async fn run_shard(
             loop {
                 glommio::timer::sleep(interval).await;
                 state.borrow_mut().tick();
-                shard_l2::drop_stored_from_l1(&state, &l2);
-                shard_l2::tick(&l2);
+                l2::drop_stored_from_l1(&state, &l2);
+                l2::tick(&l2);
             }
         })
     };
@@ -771,7 +648,7 @@ pub async fn run_shard(
                         .filter(|&i| found[i] == FOUND_MISS)
                         .collect();
                     let ask: Vec<ObjectKey> = misses.iter().map(|&i| keys[i].clone()).collect();
-                    let codes = shard_l2::lookup(&l2, &ask, size).await;
+                    let codes = l2::lookup(&l2, &ask, size).await;
                     let mut found = found;
                     for (i, c) in misses.into_iter().zip(codes) {
                         found[i] = c;
@@ -788,13 +665,13 @@ pub async fn run_shard(
             } => {
                 let (state, l2, replies) = (state.clone(), l2.clone(), replies.clone());
                 glommio::spawn_local(async move {
-                    let ok = shard_l2::load(&state, &l2, keys, size, readers, tag).await;
+                    let ok = l2::load(&state, &l2, keys, size, readers, tag).await;
                     to.send(&replies, ShardReplyBody::Loaded(ok));
                 })
                 .detach();
             }
             ShardOp::UnlockL2 { keys } => {
-                shard_l2::unlock(&l2, &keys);
+                l2::unlock(&l2, &keys);
                 to.send(&replies, ShardReplyBody::Done);
             }
             ShardOp::Store {
@@ -808,7 +685,7 @@ pub async fn run_shard(
                     let slab = state.borrow().slab_l1().expect("checked above");
                     let out = store_to_slab(&state, &slab, &reg, items, size, tag).await;
                     let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
-                    shard_l2::submit_store(&state, &l2, admitted);
+                    l2::submit_store(&state, &l2, admitted);
                     to.send(&replies, ShardReplyBody::Stored(out));
                 })
                 .detach();
@@ -842,12 +719,12 @@ pub async fn run_shard(
                     body
                 };
                 let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
-                shard_l2::submit_store(&state, &l2, admitted);
+                l2::submit_store(&state, &l2, admitted);
                 to.send(&replies, body);
             }
         }
     }
     drop(ticker.cancel());
-    shard_l2::drain(&l2, Duration::from_secs(10)).await;
+    l2::drain(&l2, Duration::from_secs(10)).await;
     log::debug!("shard {id} stopped");
 }

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::wire::{CudaIpc, IpcData, VmmKind};
+use kvshard_wire::{CudaIpc, IpcData, VmmKind};
 
 /// What kvshard found out about CUDA on this host (probed once, on the first
 /// CUDA registration).
@@ -317,7 +317,7 @@ impl RefusedTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::{CudaIpcHandle, RawCudaIpc, TensorMetadata, VmmCudaIpc};
+    use kvshard_wire::{CudaIpcHandle, RawCudaIpc, TensorMetadata, VmmCudaIpc};
 
     const UUID: &str = "8f6b2c1e-0000-1111-2222-333344445555";
 

@@ -14,6 +14,8 @@ use std::fmt;
 
 use kvshard_engine::keys::check_cache_salt;
 
+pub mod msgpack;
+
 use crate::msgpack::{DecodeError, Kind, Reader, Value, Writer};
 
 // ---------------------------------------------------------------------------
@@ -1646,24 +1648,25 @@ pub fn encode_prepare_retrieve_reply(success: bool, slots: &[ShmSlot]) -> Vec<u8
 }
 
 /// The frames lmcache 0.5.6 encoded for GPU workers
-/// (`testdata/golden_cuda_register.json`), for the tests of every module.
-#[cfg(test)]
-pub(crate) mod golden {
+/// (`testdata/golden_cuda_register.json`), for the tests of this crate and
+/// (feature `golden`) of the others.
+#[cfg(any(test, feature = "golden"))]
+pub mod golden {
     use super::{decode_op, Op};
 
-    pub(crate) fn unhex(s: &str) -> Vec<u8> {
+    pub fn unhex(s: &str) -> Vec<u8> {
         (0..s.len())
             .step_by(2)
             .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
             .collect()
     }
 
-    pub(crate) fn cuda_golden() -> serde_json::Value {
+    pub fn cuda_golden() -> serde_json::Value {
         serde_json::from_str(include_str!("../testdata/golden_cuda_register.json")).unwrap()
     }
 
     /// The op and payload frames of golden message `name`.
-    pub(crate) fn golden_frames(g: &serde_json::Value, name: &str) -> (Op, Vec<Vec<u8>>) {
+    pub fn golden_frames(g: &serde_json::Value, name: &str) -> (Op, Vec<Vec<u8>>) {
         let frames: Vec<Vec<u8>> = g[name]
             .as_array()
             .unwrap()
@@ -1971,10 +1974,6 @@ mod tests {
                         Some(&(100..164).collect::<Vec<u8>>()[..])
                     );
                     assert!(h.event_sync_required);
-                    assert_eq!(
-                        crate::cuda_refusal::parse_torch_handle(&shareable),
-                        Ok(crate::cuda_refusal::TorchHandle::Block(&shareable[2..]))
-                    );
                 }
                 IpcData::CudaRaw(r) => {
                     assert_eq!(r.ipc_handle.to_vec(), seq(64));

@@ -8,82 +8,11 @@ use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::ObjectKey;
 
-use crate::cpu_shm::{CpuShmRegistration, ShmTensorSpec};
-use crate::cuda_transfer::CudaInstance;
-use crate::msgpack::Value;
-use crate::wire::{self, IpcData, IpcKey};
-
-/// The shape of one chunk object: what a worker sees in an SHM slot.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Layout {
-    pub bytes: u64,
-    pub shape: Vec<u64>,
-    pub dtype: String,
-}
-
-/// Largest object kvshard accepts (a chunk of a very large model is well below this).
-const MAX_OBJECT_BYTES: u64 = 1 << 36;
-
-impl Layout {
-    /// 0.5.6's engine_driven layout: `[2, layers, slots, hidden]`, or
-    /// `[layers, slots, hidden]` for MLA.
-    pub fn engine_driven(
-        p: &wire::EngineDrivenPayload,
-        chunk_size: usize,
-    ) -> Result<Layout, String> {
-        let size = wire::dtype_itemsize(&p.dtype_str).ok_or_else(|| {
-            format!("invalid dtype_str '{}': must be a torch dtype name such as float16, bfloat16, float32", p.dtype_str)
-        })?;
-        let slots = match p.num_physical_slots {
-            None => chunk_size as i64,
-            Some(s) if s > 0 => s,
-            Some(s) => return Err(format!("num_physical_slots must be positive, got {s}")),
-        };
-        if p.num_layers <= 0 || p.hidden_dim_size <= 0 {
-            return Err(format!(
-                "num_layers {} and hidden_dim_size {} must be positive",
-                p.num_layers, p.hidden_dim_size
-            ));
-        }
-        if p.world_size < 1 || p.world_size > kvshard_engine::keys::MAX_WORLD_SIZE as i64 {
-            return Err(format!("world_size {} is invalid", p.world_size));
-        }
-        let mut shape = vec![p.num_layers as u64, slots as u64, p.hidden_dim_size as u64];
-        if !p.use_mla {
-            shape.insert(0, 2);
-        }
-        let elems = shape.iter().try_fold(1u64, |a, d| a.checked_mul(*d));
-        let bytes = elems
-            .and_then(|e| e.checked_mul(size))
-            .filter(|b| *b <= MAX_OBJECT_BYTES);
-        let bytes = bytes
-            .ok_or_else(|| format!("object shape {shape:?} of {} is too large", p.dtype_str))?;
-        Ok(Layout {
-            bytes,
-            shape,
-            dtype: p.dtype_str.clone(),
-        })
-    }
-
-    pub fn from_registration(reg: &CpuShmRegistration) -> Layout {
-        let l = reg.object_layout();
-        Layout {
-            bytes: l.bytes,
-            shape: l.shape.clone(),
-            dtype: l.dtype.clone(),
-        }
-    }
-
-    /// The SHM slot descriptor of an object at arena offset `offset`.
-    pub fn slot(&self, offset: u64) -> wire::ShmSlot {
-        wire::ShmSlot {
-            offset,
-            length: self.bytes,
-            shape: self.shape.clone(),
-            dtype: self.dtype.clone(),
-        }
-    }
-}
+use kvshard_dataplane::cpu_shm::{CpuShmRegistration, ShmTensorSpec};
+use kvshard_dataplane::cuda_transfer::CudaInstance;
+use kvshard_dataplane::layout::Layout;
+use kvshard_wire::msgpack::Value;
+use kvshard_wire::{self as wire, IpcData, IpcKey};
 
 /// Layout per (model, world_size), reference-counted by registrations.
 #[derive(Default)]
@@ -538,8 +467,8 @@ pub fn open_cpu_shm(
             IpcData::Unsupported { tag } => return Err(format!("layer {i} has unsupported device descriptor type {tag:?}")),
         }
     }
-    let groups = crate::cuda_transfer::group_specs(groups);
-    let hint = crate::cuda_transfer::kv_layout_hint(layout_hints);
+    let groups = kvshard_dataplane::cuda_transfer::group_specs(groups);
+    let hint = kvshard_dataplane::cuda_transfer::kv_layout_hint(layout_hints);
     if engine_type != "vllm" && engine_type != "mock" {
         kvshard_io::log_limited!(
             log::Level::Warn,

@@ -18,17 +18,23 @@ use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_io::mailbox::{MailboxSender, NotifyReceiver, NotifySender, SendError};
 
-use crate::config::ServerConfig;
-use crate::control::{ControlBody, ControlRequest, ControlResponse, Responder};
-use crate::cuda_refusal::{Alternatives, CudaGate, CudaHost, Refusal, RefusedEntry, RefusedTable};
-use crate::cuda_transfer::{CudaEvent, CudaExecutor, CudaOp, L1Memory, PendingRegistration};
+use kvshard_dataplane::config::ServerConfig;
+use kvshard_dataplane::cuda_refusal::{
+    Alternatives, CudaGate, CudaHost, Refusal, RefusedEntry, RefusedTable,
+};
+use kvshard_dataplane::cuda_transfer::{CudaExecutor, CudaOp, L1Memory, PendingRegistration};
+use kvshard_dataplane::layout::Layout;
+use kvshard_dataplane::messages::{
+    ControlBody, ControlRequest, ControlResponse, CudaEvent, FrontEvent, ReplyTo, Responder, Seq,
+    ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome, FOUND_L1, FOUND_L2,
+    FOUND_MISS,
+};
+
 use crate::lookup_leases::{Grant, LeaseBook};
 use crate::lookup_log::LookupHashLog;
 use crate::metrics::{FrontGauges, Metrics, PromText};
-use crate::registry::{EngineEntry, Layout, Layouts, LmcEntry, LmcTransfer, Registry, TransferKey};
+use crate::registry::{EngineEntry, Layouts, LmcEntry, LmcTransfer, Registry, TransferKey};
 use crate::session::{LookupScope, Sessions};
-use crate::shard::{Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome};
-use crate::shard_l2::{FOUND_L1, FOUND_L2, FOUND_MISS};
 
 /// Writer tags of L2 loads (staged objects of a prefetch): `LOAD_TAG_BIT | n`.
 /// Worker instance ids are writer tags too (`iid as u64`), so the ids whose
@@ -46,23 +52,7 @@ const MAX_CHECKSUM_THREADS: usize = 2;
 /// thread ends as it does at shutdown and that message finds the mailbox
 /// closed: the path of a shard thread that died. Never set in production.
 const TEST_STOP_SHARD_ENV: &str = "KVSHARD_TEST_STOP_SHARD";
-use crate::wire::{self, IpcKey, Op, Request, RequestError};
-
-/// Everything that wakes the front besides the ROUTER socket.
-pub enum FrontEvent {
-    Shard(ShardReply),
-    Control(ControlRequest, Responder),
-    Cuda(CudaEvent),
-}
-
-/// Where a reply goes: the peer identity and the request's uid and op frames, echoed
-/// verbatim.
-#[derive(Clone)]
-pub struct ReplyTo {
-    identity: Vec<u8>,
-    uid: Vec<u8>,
-    op: Vec<u8>,
-}
+use kvshard_wire::{self as wire, IpcKey, Op, Request, RequestError};
 
 /// A RETRIEVE's blocks and the worker's event.
 struct Transfer {
@@ -2146,7 +2136,7 @@ impl Front {
         world_size: i64,
         now: Instant,
     ) -> bool {
-        if crate::cuda_refusal::cuda_descriptor(kv_cache).is_none() {
+        if kvshard_dataplane::cuda_refusal::cuda_descriptor(kv_cache).is_none() {
             return false;
         }
         if self.refused.touch(iid, now) {
@@ -2162,7 +2152,8 @@ impl Front {
             (true, None) => CudaGate::SlabL1,
             (true, Some(_)) => CudaGate::On,
         };
-        let Some(refusal) = crate::cuda_refusal::check(kv_cache, host, alt, gate) else {
+        let Some(refusal) = kvshard_dataplane::cuda_refusal::check(kv_cache, host, alt, gate)
+        else {
             return false;
         };
         self.refuse_with(iid, refusal, model_name, world_size, now);
@@ -2207,11 +2198,12 @@ impl Front {
         kv_cache: &[wire::IpcData],
         model_name: String,
         ws: u32,
-        layout_hints: &crate::msgpack::Value,
+        layout_hints: &kvshard_wire::msgpack::Value,
         groups: &[wire::EngineGroupInfo],
         now: Instant,
     ) {
-        let descriptor = crate::cuda_refusal::cuda_descriptor(kv_cache).unwrap_or("cuda");
+        let descriptor =
+            kvshard_dataplane::cuda_refusal::cuda_descriptor(kv_cache).unwrap_or("cuda");
         let (Some(CudaHost::Present(env)), Some(mem)) = (&self.cuda_host, &self.setup.l1_memory)
         else {
             // refuse_cuda took every other case.
@@ -2219,7 +2211,7 @@ impl Front {
         };
         let (env, mem) = (env.clone(), mem.clone());
         let refuse = |reason: String| Refusal { descriptor, reason };
-        let built = crate::cuda_transfer::build(
+        let built = kvshard_dataplane::cuda_transfer::build(
             kv_cache,
             groups,
             layout_hints,
@@ -2579,7 +2571,7 @@ impl Front {
         model_name: String,
         world_size: i64,
         engine_type: &str,
-        layout_hints: &crate::msgpack::Value,
+        layout_hints: &kvshard_wire::msgpack::Value,
         groups: &[wire::EngineGroupInfo],
         now: Instant,
     ) {
@@ -2620,7 +2612,7 @@ impl Front {
         if self.refuse_cuda(iid, kv_cache, &model_name, world_size, now) {
             return;
         }
-        if crate::cuda_refusal::cuda_descriptor(kv_cache).is_some() {
+        if kvshard_dataplane::cuda_refusal::cuda_descriptor(kv_cache).is_some() {
             return self.register_cuda(iid, kv_cache, model_name, ws, layout_hints, groups, now);
         }
         let reg = match crate::registry::open_cpu_shm(
@@ -2752,7 +2744,7 @@ impl Front {
         let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = objs
             .into_iter()
             .zip(blocks)
-            .filter(|(_, b)| !crate::cpu_shm::all_null(b, null))
+            .filter(|(_, b)| !kvshard_dataplane::cpu_shm::all_null(b, null))
             .unzip();
         let parts = self.split(&objs);
         if self.refused(&to, involved(&parts)) {
@@ -2824,8 +2816,8 @@ impl Front {
                 let bs = c.geometry.block_size;
                 let skips = (0..n)
                     .map(|i| {
-                        let tokens = crate::cpu_shm::chunk_skip_tokens(skip, i, cs);
-                        crate::cuda_transfer::skip_blocks(tokens, bs)
+                        let tokens = kvshard_dataplane::cpu_shm::chunk_skip_tokens(skip, i, cs);
+                        kvshard_dataplane::cuda_transfer::skip_blocks(tokens, bs)
                     })
                     .collect();
                 // The lookup's read locks are released once the copies end.
@@ -2864,7 +2856,7 @@ impl Front {
                     (
                         objs[*i].clone(),
                         blocks[*i].clone(),
-                        crate::cpu_shm::chunk_skip_tokens(skip, *i, cs),
+                        kvshard_dataplane::cpu_shm::chunk_skip_tokens(skip, *i, cs),
                     )
                 })
                 .collect(),
@@ -3053,7 +3045,7 @@ impl Front {
                     .map(|(i, spec)| {
                         serde_json::json!({
                             "index": i,
-                            "name": crate::shard_l2::tier_name(spec, i),
+                            "name": kvshard_dataplane::shard::l2::tier_name(spec, i),
                             "type_name": spec.type_name(),
                             "tier": "l2",
                             "primary": i == 0,
@@ -3149,7 +3141,7 @@ impl Front {
                 .iter()
                 .all(|t| t.status["adapter"]["is_healthy"].as_bool().unwrap_or(true));
             let mut v = serde_json::json!({
-                "name": crate::shard_l2::tier_name(spec, i),
+                "name": kvshard_dataplane::shard::l2::tier_name(spec, i),
                 "type": spec.type_name(),
                 "is_healthy": healthy,
                 "stored_object_count": keys,

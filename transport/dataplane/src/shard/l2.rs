@@ -27,54 +27,13 @@ use kvshard_engine::l1::{L1Error, WriterTag};
 use kvshard_engine::l2::config::{AdapterKind, AdapterSpec};
 use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::mock::MockAdapter;
-use kvshard_engine::l2::tier::{L2Tier, TierStats, TierUsage};
+use kvshard_engine::l2::tier::L2Tier;
 use kvshard_engine::l2::{kv_rank_world_size, L2Adapter, ObjectBytes, StoreResult};
 use kvshard_gds::slab::AlignedBuf;
 
 use crate::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
+use crate::messages::{L2CtlStats, TierReport, FOUND_L2, FOUND_MISS};
 use crate::shard::State;
-
-/// Where a lookup found a key: [`FOUND_MISS`], [`FOUND_L1`], or
-/// `FOUND_L2 + tier index` (locked in that tier).
-pub const FOUND_MISS: u8 = 0;
-pub const FOUND_L1: u8 = 1;
-pub const FOUND_L2: u8 = 2;
-
-/// Controller counters of one shard (0.5.6's `lmcache_mp_l2_*` families).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct L2CtlStats {
-    pub store_submitted_requests: u64,
-    pub store_submitted_objects: u64,
-    pub store_completed_requests: u64,
-    pub store_completed_objects: u64,
-    /// Objects not stored because their L1 read lock had expired while they
-    /// waited for the byte budget.
-    pub store_lock_expired_objects: u64,
-    pub skip_l1_deleted_objects: u64,
-    pub prefetch_lookup_requests: u64,
-    pub prefetch_lookup_objects: u64,
-    pub prefetch_load_submitted_requests: u64,
-    pub prefetch_load_submitted_objects: u64,
-    pub prefetch_load_completed_objects: u64,
-    pub prefetch_failure_objects: u64,
-    /// L2 hits that could not be loaded because L1 had no room for them.
-    pub prefetch_load_oom_objects: u64,
-    /// L2 hits whose size is not the registered object size (treated as misses).
-    pub size_mismatch_objects: u64,
-    pub inflight_stores: u64,
-    pub inflight_store_bytes: u64,
-    pub inflight_loads: u64,
-    pub inflight_load_bytes: u64,
-}
-
-/// One tier's figures for `/status` and `/metrics`.
-#[derive(Debug, Clone)]
-pub struct TierReport {
-    pub name: String,
-    pub usage: TierUsage,
-    pub stats: TierStats,
-    pub status: serde_json::Value,
-}
 
 pub struct L2Shard {
     pub tiers: Vec<L2Tier>,

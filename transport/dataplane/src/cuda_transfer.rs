@@ -29,9 +29,9 @@ use kvshard_gds::layout::{EngineKvFormat, PageBufferShape, StrideTable};
 
 use crate::cpu_shm::{DeviceGeometry, KvFormat, KvGroupSpec, ShmTensorSpec, TransferError};
 use crate::cuda_refusal::{parse_torch_handle, TorchHandle};
-use crate::msgpack::Value;
-use crate::registry::Layout;
-use crate::wire::{EngineGroupInfo, IpcData, TensorMetadata, VmmKind};
+use crate::layout::Layout;
+use kvshard_wire::msgpack::Value;
+use kvshard_wire::{EngineGroupInfo, IpcData, TensorMetadata, VmmKind};
 
 /// A registered GPU worker, as the front sees it.
 #[derive(Debug, Clone)]
@@ -320,20 +320,6 @@ pub fn build(
     Ok((instance, spec))
 }
 
-/// What a device thread reports to the front (on its event queue).
-pub enum CudaEvent {
-    /// A registration was set up on its GPU, or why not.
-    Registered {
-        iid: i64,
-        result: Result<(), String>,
-    },
-    /// A transfer's copies completed (with the exported event), or why not.
-    Transferred {
-        seq: crate::shard::Seq,
-        result: Result<Vec<u8>, String>,
-    },
-}
-
 /// The L1 arena's host memory, when the L1 lives in memory: what CUDA
 /// copies go to and from. `keep` holds the mapping while device threads run.
 #[derive(Clone)]
@@ -354,13 +340,13 @@ pub struct PendingRegistration {
 /// A CUDA transfer the front waits on (keyed by its sequence number).
 pub enum CudaOp {
     Store {
-        to: crate::front::ReplyTo,
+        to: crate::messages::ReplyTo,
         iid: i64,
         /// The reserved objects, to finish (or abort) once the copies ended.
         keys: Vec<kvshard_engine::keys::ObjectKey>,
     },
     Retrieve {
-        to: crate::front::ReplyTo,
+        to: crate::messages::ReplyTo,
         iid: i64,
         request_id: String,
         /// (chunk index, key) of every read-locked object, to release.
@@ -412,8 +398,8 @@ pub fn skip_blocks(skip_tokens: usize, block_size: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::golden::{cuda_golden, golden_frames};
-    use crate::wire::{decode_request, Request};
+    use kvshard_wire::golden::{cuda_golden, golden_frames};
+    use kvshard_wire::{decode_request, Request};
 
     const UUID: &str = "8f6b2c1e-0000-1111-2222-333344445555";
 
@@ -544,7 +530,7 @@ mod tests {
         let e = build(&kv, &groups, &hints, 24, 0, &gpus(UUID)).unwrap_err();
         assert!(e.contains("multiple of the block size"), "{e}");
 
-        let with_raw = |f: &dyn Fn(&mut crate::wire::RawCudaIpc)| -> Vec<IpcData> {
+        let with_raw = |f: &dyn Fn(&mut kvshard_wire::RawCudaIpc)| -> Vec<IpcData> {
             let mut kv = kv.clone();
             if let IpcData::CudaRaw(r) = &mut kv[0] {
                 f(r);

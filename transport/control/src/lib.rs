@@ -1,0 +1,11 @@
+//! kvshard-control: the control plane. The front thread (the ZeroMQ ROUTER,
+//! RPC handlers, sessions, lookup leases, the worker registry), the metrics it
+//! renders, the lookup-hash log, and the handle the HTTP API calls it through.
+
+pub mod control;
+pub mod front;
+pub mod lookup_leases;
+pub mod lookup_log;
+pub mod metrics;
+pub mod registry;
+pub mod session;

@@ -1,0 +1,281 @@
+//! The messages the front, the shards, the device threads and the HTTP API
+//! exchange. This module names no other module of the server but the leaf
+//! `cpu_shm` (a lmcache_driven STORE carries its registration), so every part
+//! can depend on it without a cycle.
+
+use std::sync::Arc;
+
+use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::l1::{L1Stats, L1Status};
+use kvshard_engine::l2::tier::{TierStats, TierUsage};
+use kvshard_engine::slab::Slab;
+
+use crate::cpu_shm::CpuShmRegistration;
+use crate::oneshot;
+
+/// Sequence number the front uses to match replies to requests; 0 = no reply wanted.
+pub type Seq = u64;
+
+pub struct ShardMsg {
+    pub seq: Seq,
+    pub op: ShardOp,
+}
+
+pub enum ShardOp {
+    /// Read-lock every present key `readers` times and touch the hits (LRU);
+    /// look the misses up in L2 (locking what is found there with `size`
+    /// bytes). Answers [`ShardReplyBody::Found`].
+    Lookup {
+        keys: Vec<ObjectKey>,
+        readers: u32,
+        size: u64,
+    },
+    /// Load keys found in L2 by a lookup into L1 with `readers` read locks
+    /// each; answers [`ShardReplyBody::Loaded`].
+    Load {
+        keys: Vec<(ObjectKey, u8)>,
+        size: u64,
+        readers: u32,
+        tag: u64,
+    },
+    /// Release L2 lookup locks (keys with their `Found` code).
+    UnlockL2 {
+        keys: Vec<(ObjectKey, u8)>,
+    },
+    /// Release `count` read locks on each key.
+    Release {
+        keys: Vec<ObjectKey>,
+        count: u32,
+    },
+    Touch {
+        keys: Vec<ObjectKey>,
+    },
+    /// Stage writes of `size` bytes per key under writer `tag`.
+    ReserveWrite {
+        keys: Vec<ObjectKey>,
+        size: u64,
+        tag: u64,
+    },
+    FinishWrite {
+        keys: Vec<ObjectKey>,
+        tag: u64,
+    },
+    AbortWrite {
+        keys: Vec<ObjectKey>,
+        tag: u64,
+    },
+    /// Slabs of keys that must already be read-locked (by a lookup).
+    ReadLocked {
+        keys: Vec<ObjectKey>,
+    },
+    /// lmcache_driven STORE: reserve, gather the worker's blocks, finish.
+    Store {
+        reg: Arc<CpuShmRegistration>,
+        items: Vec<(ObjectKey, Vec<i64>)>,
+        size: u64,
+        tag: u64,
+    },
+    /// lmcache_driven RETRIEVE: scatter each read-locked object, then release one lock.
+    Retrieve {
+        reg: Arc<CpuShmRegistration>,
+        items: Vec<(ObjectKey, Vec<i64>, usize)>,
+    },
+    Clear {
+        force: bool,
+    },
+    Status,
+    SetQuota {
+        cache_salt: String,
+        limit_bytes: u64,
+    },
+    RemoveQuota {
+        cache_salt: String,
+    },
+    ResetStats,
+}
+
+/// Outcome of storing one chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreOutcome {
+    Stored,
+    /// Already resident (or being written by someone else): nothing to do.
+    AlreadyPresent,
+    OutOfMemory,
+    Failed,
+}
+
+pub enum ShardReplyBody {
+    /// Per key: `shard_l2::FOUND_*` codes.
+    Found(Vec<u8>),
+    Loaded(Vec<bool>),
+    Slabs(Vec<Option<Slab>>),
+    Stored(Vec<StoreOutcome>),
+    Retrieved(Vec<bool>),
+    Count(u64),
+    Status(Box<ShardReport>),
+    Done,
+}
+
+pub struct ShardReply {
+    pub seq: Seq,
+    pub shard: usize,
+    pub body: ShardReplyBody,
+}
+
+/// A shard's view for `/status` and `/metrics`.
+#[derive(Debug, Clone)]
+pub struct ShardReport {
+    pub status: L1Status,
+    pub stats: L1Stats,
+    pub capacity_max_bytes: u64,
+    pub bytes_by_salt: Vec<(String, u64)>,
+    pub mailbox_full: u64,
+    /// Chunks of client stores (engine_driven prepare_store and lmcache_driven
+    /// store) refused for lack of L1 memory. With the L2 loads that found no
+    /// room (`l2_ctl.prefetch_load_oom_objects`) these are every L1 allocation
+    /// failure (`stats.allocation_failure_chunks`).
+    pub store_oom_chunks: u64,
+    pub l2: Vec<TierReport>,
+    pub l2_ctl: L2CtlStats,
+    /// The shard's GDS slab (file, counters), when the L1 lives in one.
+    pub l1_slab: Option<serde_json::Value>,
+}
+
+/// Where a lookup found a key: [`FOUND_MISS`], [`FOUND_L1`], or
+/// `FOUND_L2 + tier index` (locked in that tier).
+pub const FOUND_MISS: u8 = 0;
+pub const FOUND_L1: u8 = 1;
+pub const FOUND_L2: u8 = 2;
+
+/// Controller counters of one shard (0.5.6's `lmcache_mp_l2_*` families).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct L2CtlStats {
+    pub store_submitted_requests: u64,
+    pub store_submitted_objects: u64,
+    pub store_completed_requests: u64,
+    pub store_completed_objects: u64,
+    /// Objects not stored because their L1 read lock had expired while they
+    /// waited for the byte budget.
+    pub store_lock_expired_objects: u64,
+    pub skip_l1_deleted_objects: u64,
+    pub prefetch_lookup_requests: u64,
+    pub prefetch_lookup_objects: u64,
+    pub prefetch_load_submitted_requests: u64,
+    pub prefetch_load_submitted_objects: u64,
+    pub prefetch_load_completed_objects: u64,
+    pub prefetch_failure_objects: u64,
+    /// L2 hits that could not be loaded because L1 had no room for them.
+    pub prefetch_load_oom_objects: u64,
+    /// L2 hits whose size is not the registered object size (treated as misses).
+    pub size_mismatch_objects: u64,
+    pub inflight_stores: u64,
+    pub inflight_store_bytes: u64,
+    pub inflight_loads: u64,
+    pub inflight_load_bytes: u64,
+}
+
+/// One tier's figures for `/status` and `/metrics`.
+#[derive(Debug, Clone)]
+pub struct TierReport {
+    pub name: String,
+    pub usage: TierUsage,
+    pub stats: TierStats,
+    pub status: serde_json::Value,
+}
+
+/// Everything that wakes the front besides the ROUTER socket.
+pub enum FrontEvent {
+    Shard(ShardReply),
+    Control(ControlRequest, Responder),
+    Cuda(CudaEvent),
+}
+
+/// Where a reply goes: the peer identity and the request's uid and op frames, echoed
+/// verbatim.
+#[derive(Clone)]
+pub struct ReplyTo {
+    pub identity: Vec<u8>,
+    pub uid: Vec<u8>,
+    pub op: Vec<u8>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ControlRequest {
+    /// `GET /status`: the JSON `lmcache describe kvcache` reads.
+    Status,
+    /// `GET /metrics`: Prometheus text exposition.
+    Metrics,
+    /// `POST /metrics/reset`.
+    ResetMetrics,
+    /// `POST /cache/clear` (tier l1 only).
+    Clear {
+        force: bool,
+    },
+    /// `PUT /quota/{salt}`; the salt is already mapped from the `_default` sentinel.
+    QuotaSet {
+        cache_salt: String,
+        limit_gb: f64,
+    },
+    QuotaGet {
+        cache_salt: String,
+    },
+    QuotaDelete {
+        cache_salt: String,
+    },
+    QuotaList,
+    /// `POST /cache/checksums` (lmcache_driven registrations only).
+    Checksums {
+        instance_id: i64,
+        block_ids: Vec<i64>,
+        chunk_size_blocks: usize,
+        layerwise: bool,
+    },
+    /// `GET /config/adapters`: the L2 adapters in cascade order.
+    ConfigAdapters,
+    /// `GET /config`.
+    Config,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ControlBody {
+    Json(serde_json::Value),
+    Text(String),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ControlResponse {
+    pub status: u16,
+    pub body: ControlBody,
+}
+
+impl ControlResponse {
+    pub fn json(value: serde_json::Value) -> Self {
+        ControlResponse {
+            status: 200,
+            body: ControlBody::Json(value),
+        }
+    }
+
+    pub fn error(status: u16, message: impl Into<String>) -> Self {
+        ControlResponse {
+            status,
+            body: ControlBody::Json(serde_json::json!({ "detail": message.into() })),
+        }
+    }
+}
+
+pub type Responder = oneshot::Sender<ControlResponse>;
+
+/// What a device thread reports to the front (on its event queue).
+pub enum CudaEvent {
+    /// A registration was set up on its GPU, or why not.
+    Registered {
+        iid: i64,
+        result: Result<(), String>,
+    },
+    /// A transfer's copies completed (with the exported event), or why not.
+    Transferred {
+        seq: Seq,
+        result: Result<Vec<u8>, String>,
+    },
+}
