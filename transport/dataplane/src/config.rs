@@ -9,6 +9,7 @@ use std::io::Read;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use kvshard_engine::keys::hex;
 use kvshard_engine::l2::config::AdapterSpec;
 use serde::{Serialize, Serializer};
 
@@ -425,16 +426,6 @@ pub fn new_uuid_v4() -> String {
         &h[16..20],
         &h[20..32]
     )
-}
-
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for &b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 0x0f) as usize] as char);
-    }
-    s
 }
 
 /// Fills `buf` from /dev/urandom. If that device cannot be read (a stripped-down

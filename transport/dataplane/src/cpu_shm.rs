@@ -23,6 +23,7 @@ use std::io;
 use std::os::fd::FromRawFd;
 use std::ptr;
 
+use kvshard_engine::keys::hex;
 use md5::{Digest, Md5};
 use memmap2::{MmapOptions, MmapRaw};
 use serde::ser::{SerializeMap, SerializeSeq};
@@ -243,18 +244,9 @@ impl KvDtype {
         }
     }
 
+    /// Bytes per element, from the torch dtype table of the wire crate.
     pub fn size_bytes(self) -> usize {
-        match self {
-            KvDtype::Float8E4m3fn
-            | KvDtype::Float8E4m3fnuz
-            | KvDtype::Float8E5m2
-            | KvDtype::Float8E5m2fnuz
-            | KvDtype::Uint8
-            | KvDtype::Int8 => 1,
-            KvDtype::Float16 | KvDtype::BFloat16 | KvDtype::Int16 => 2,
-            KvDtype::Float32 | KvDtype::Int32 => 4,
-            KvDtype::Float64 | KvDtype::Int64 => 8,
-        }
+        kvshard_wire::dtype_itemsize(self.name()).expect("every KV dtype is a torch dtype") as usize
     }
 }
 
@@ -1489,16 +1481,6 @@ unsafe fn copy_run_vector(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for &b in bytes {
-        out.push(DIGITS[(b >> 4) as usize] as char);
-        out.push(DIGITS[(b & 15) as usize] as char);
-    }
-    out
-}
-
 /// Body of `POST /cache/checksums` (0.5.6 `ChecksumRequest`; absent fields
 /// take these defaults).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -1592,6 +1574,30 @@ pub fn compress_block_ids(ids: &[i64]) -> Vec<BlockIdRange> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kv_dtype_has_a_torch_itemsize() {
+        for name in [
+            "float16",
+            "bfloat16",
+            "float32",
+            "float64",
+            "float8_e4m3fn",
+            "float8_e4m3fnuz",
+            "float8_e5m2",
+            "float8_e5m2fnuz",
+            "uint8",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+        ] {
+            let d = KvDtype::parse(name).unwrap();
+            assert_eq!(d.name(), name);
+            assert!(matches!(d.size_bytes(), 1 | 2 | 4 | 8), "{name}");
+        }
+        assert_eq!(KvDtype::parse("torch.bfloat16").unwrap().size_bytes(), 2);
+    }
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     static NEXT_SEGMENT: AtomicUsize = AtomicUsize::new(0);

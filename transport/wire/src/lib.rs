@@ -1682,9 +1682,7 @@ mod tests {
     use super::*;
     use crate::msgpack::{decode_value, encode_value};
 
-    fn hex(b: &[u8]) -> String {
-        b.iter().map(|x| format!("{x:02x}")).collect()
-    }
+    use kvshard_engine::keys::hex;
 
     use super::golden::unhex;
 

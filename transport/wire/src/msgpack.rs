@@ -966,9 +966,7 @@ fn kind_of(b: u8) -> Option<Kind> {
 mod tests {
     use super::*;
 
-    fn hex(b: &[u8]) -> String {
-        b.iter().map(|x| format!("{x:02x}")).collect()
-    }
+    use kvshard_engine::keys::hex;
 
     fn unhex(s: &str) -> Vec<u8> {
         (0..s.len())
