@@ -8,6 +8,8 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
+
+use glommio::{Latency, Shares};
 use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::ObjectKey;
@@ -168,14 +170,8 @@ impl ShardState {
                     .map(|k| self.l1.read_locked(k, now).ok())
                     .collect(),
             ),
-            ShardOp::Store {
-                reg,
-                items,
-                size,
-                tag,
-            } => ShardReplyBody::Stored(self.store(&reg, items, size, tag, now)),
-            ShardOp::Retrieve { reg, items } => {
-                ShardReplyBody::Retrieved(self.retrieve(&reg, items, now))
+            ShardOp::Store { .. } | ShardOp::Retrieve { .. } => {
+                unreachable!("copies are dispatched by run_shard")
             }
             ShardOp::Clear { force } => ShardReplyBody::Count(self.l1.clear(force, now) as u64),
             ShardOp::Status => ShardReplyBody::Status(Box::new(self.report(now))),
@@ -287,58 +283,6 @@ impl ShardState {
         }
     }
 
-    fn store(
-        &mut self,
-        reg: &CpuShmRegistration,
-        items: Vec<(ObjectKey, Vec<i64>)>,
-        size: u64,
-        tag: u64,
-        now: Instant,
-    ) -> Vec<StoreOutcome> {
-        let tag = WriterTag(tag);
-        let (mut out, staged) = self.reserve_store(items, size, tag, now);
-        let (mut written, mut failed) = (Vec::new(), Vec::new());
-        for st in staged {
-            // SAFETY: the slab is staged for this writer only; nobody reads it.
-            let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr(&st.slab), size as usize) };
-            if gather_logged(reg, &st.key, &st.blocks, dst) {
-                written.push(st.key);
-            } else {
-                out[st.index] = StoreOutcome::Failed;
-                failed.push(st.key);
-            }
-        }
-        self.end_store(written, failed, tag, now);
-        out
-    }
-
-    fn retrieve(
-        &mut self,
-        reg: &CpuShmRegistration,
-        items: Vec<(ObjectKey, Vec<i64>, usize)>,
-        now: Instant,
-    ) -> Vec<bool> {
-        let mut out = Vec::with_capacity(items.len());
-        let mut done = Vec::with_capacity(items.len());
-        for (key, blocks, skip) in items {
-            match self.l1.read_locked(&key, now) {
-                Ok(slab) => {
-                    // SAFETY: the object is read-locked, so it is neither freed nor rewritten.
-                    let src =
-                        unsafe { std::slice::from_raw_parts(self.ptr(&slab), slab.len as usize) };
-                    out.push(scatter_logged(reg, &key, src, &blocks, skip));
-                    done.push(key);
-                }
-                Err(_) => out.push(false),
-            }
-        }
-        // One read lock per retrieved key, as the lookup reserved one per reader.
-        if !done.is_empty() {
-            self.l1.finish_read(&done, 1, now);
-        }
-        out
-    }
-
     fn report(&self, now: Instant) -> ShardReport {
         ShardReport {
             status: self.l1.status(now),
@@ -428,6 +372,87 @@ fn scatter_logged(
             false
         }
     }
+}
+
+/// lmcache_driven STORE into a memory-backed L1, run on the shard's copy
+/// task queue: the objects are reserved at once, then each is gathered from
+/// the worker's blocks in one synchronous copy, yielding between objects so
+/// the shard's message loop and tickers keep their share. Before each copy
+/// the reservation is renewed: a stage that expired meanwhile may belong to
+/// another writer already, so it is never written.
+async fn store_in_memory(
+    state: &State,
+    reg: &CpuShmRegistration,
+    items: Vec<(ObjectKey, Vec<i64>)>,
+    size: u64,
+    tag: u64,
+) -> Vec<StoreOutcome> {
+    let tag = WriterTag(tag);
+    let (mut out, staged) = state
+        .borrow_mut()
+        .reserve_store(items, size, tag, Instant::now());
+    let (mut written, mut failed) = (Vec::new(), Vec::new());
+    for st in staged {
+        glommio::yield_if_needed().await;
+        let mut shard = state.borrow_mut();
+        let live = shard
+            .l1
+            .renew_write(std::slice::from_ref(&st.key), tag, Instant::now());
+        if live != [true] {
+            out[st.index] = StoreOutcome::Failed;
+            failed.push(st.key);
+            continue;
+        }
+        // SAFETY: the stage is live for this writer only (just renewed, and
+        // nothing else runs on this thread until the copy returns); nobody
+        // reads it before finish_write.
+        let dst = unsafe { std::slice::from_raw_parts_mut(shard.ptr(&st.slab), size as usize) };
+        drop(shard);
+        if gather_logged(reg, &st.key, &st.blocks, dst) {
+            written.push(st.key);
+        } else {
+            out[st.index] = StoreOutcome::Failed;
+            failed.push(st.key);
+        }
+    }
+    state
+        .borrow_mut()
+        .end_store(written, failed, tag, Instant::now());
+    out
+}
+
+/// lmcache_driven RETRIEVE from a memory-backed L1, on the copy task queue:
+/// each object is looked up read-locked right before its synchronous
+/// scatter (a lock that expired during an earlier yield is a miss), and one
+/// lock per retrieved object is released at the end.
+async fn retrieve_in_memory(
+    state: &State,
+    reg: &CpuShmRegistration,
+    items: Vec<(ObjectKey, Vec<i64>, usize)>,
+) -> Vec<bool> {
+    let mut out = Vec::with_capacity(items.len());
+    let mut done = Vec::with_capacity(items.len());
+    for (key, blocks, skip) in items {
+        glommio::yield_if_needed().await;
+        let shard = state.borrow();
+        match shard.l1.read_locked(&key, Instant::now()) {
+            Ok(slab) => {
+                // SAFETY: the object is read-locked, so it is neither freed
+                // nor rewritten while this synchronous copy runs.
+                let src =
+                    unsafe { std::slice::from_raw_parts(shard.ptr(&slab), slab.len as usize) };
+                drop(shard);
+                out.push(scatter_logged(reg, &key, src, &blocks, skip));
+                done.push(key);
+            }
+            Err(_) => out.push(false),
+        }
+    }
+    // One read lock per retrieved key, as the lookup reserved one per reader.
+    if !done.is_empty() {
+        state.borrow_mut().l1.finish_read(&done, 1, Instant::now());
+    }
+    out
 }
 
 /// lmcache_driven STORE into a slab-backed L1: gather into aligned buffers,
@@ -600,6 +625,16 @@ pub async fn run_shard(
         })
     };
 
+    // Object copies (lmcache_driven STORE and RETRIEVE, megabytes each) run
+    // as tasks of their own queue, beside this message loop, so lookups and
+    // small messages are not queued behind them.
+    let copies = glommio::executor().create_task_queue(
+        Shares::Static(1000),
+        Latency::NotImportant,
+        "copies",
+    );
+    let replies_main = replies.clone();
+
     let mut parker = rx.parker();
     if let Err(e) = &parker {
         log::warn!("shard {id}: no persistent wake stream ({e}); parking per message");
@@ -679,25 +714,51 @@ pub async fn run_shard(
                 items,
                 size,
                 tag,
-            } if state.borrow().slab_l1().is_some() => {
+            } => {
+                let n = items.len();
                 let (state, l2, replies) = (state.clone(), l2.clone(), replies.clone());
-                glommio::spawn_local(async move {
-                    let slab = state.borrow().slab_l1().expect("checked above");
-                    let out = store_to_slab(&state, &slab, &reg, items, size, tag).await;
-                    let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
-                    l2::submit_store(&state, &l2, admitted);
-                    to.send(&replies, ShardReplyBody::Stored(out));
-                })
-                .detach();
+                let spawned = glommio::spawn_local_into(
+                    async move {
+                        let slab = state.borrow().slab_l1();
+                        let out = match slab {
+                            Some(slab) => {
+                                store_to_slab(&state, &slab, &reg, items, size, tag).await
+                            }
+                            None => store_in_memory(&state, &reg, items, size, tag).await,
+                        };
+                        let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
+                        l2::submit_store(&state, &l2, admitted);
+                        to.send(&replies, ShardReplyBody::Stored(out));
+                    },
+                    copies,
+                );
+                if let Err(e) = spawned.map(|t| t.detach()) {
+                    log::error!("shard {id}: cannot start a store's copy task: {e}");
+                    to.send(
+                        &replies_main,
+                        ShardReplyBody::Stored(vec![StoreOutcome::Failed; n]),
+                    );
+                }
             }
-            ShardOp::Retrieve { reg, items } if state.borrow().slab_l1().is_some() => {
+            ShardOp::Retrieve { reg, items } => {
+                let n = items.len();
                 let (state, replies) = (state.clone(), replies.clone());
-                glommio::spawn_local(async move {
-                    let slab = state.borrow().slab_l1().expect("checked above");
-                    let out = retrieve_from_slab(&state, &slab, &reg, items).await;
-                    to.send(&replies, ShardReplyBody::Retrieved(out));
-                })
-                .detach();
+                let spawned = glommio::spawn_local_into(
+                    async move {
+                        let slab = state.borrow().slab_l1();
+                        let out = match slab {
+                            Some(slab) => retrieve_from_slab(&state, &slab, &reg, items).await,
+                            None => retrieve_in_memory(&state, &reg, items).await,
+                        };
+                        to.send(&replies, ShardReplyBody::Retrieved(out));
+                    },
+                    copies,
+                );
+                if let Err(e) = spawned.map(|t| t.detach()) {
+                    // The lookup's read locks expire by TTL.
+                    log::error!("shard {id}: cannot start a retrieve's copy task: {e}");
+                    to.send(&replies_main, ShardReplyBody::Retrieved(vec![false; n]));
+                }
             }
             op => {
                 match &op {
