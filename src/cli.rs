@@ -7,6 +7,7 @@
 //! only tunes Python machinery is accepted and produces a start-up note instead.
 
 use clap::{ArgAction, Args, Parser, Subcommand};
+use kvshard_engine::l2::config::{parse_adapter_spec, AdapterSpec};
 use kvshard_io::executor::{allowed_cores, parse_core_list};
 use kvshard_transport::config::{
     auto_shm_name, gb_to_bytes, new_uuid_v4, normalize_shm_name, ConfigError, EvictionPolicyName,
@@ -790,69 +791,6 @@ fn refuse(flag: &'static str, reason: &str) -> Result<(), ConfigError> {
     Err(ConfigError::unsupported(flag, reason))
 }
 
-/// `--gds-l1-*`: the GDS L1 tier, or `None` without `--gds-l1-path`.
-fn gds_l1_settings(
-    gds: &GdsL1Args,
-    use_hugepages: bool,
-    notes: &mut Notes,
-) -> Result<Option<GdsL1Settings>, ConfigError> {
-    let path = match gds.gds_l1_path.as_deref() {
-        None => {
-            if gds.gds_l1_backend != "auto" {
-                no_effect(
-                    notes,
-                    "--gds-l1-backend",
-                    "it only applies with --gds-l1-path",
-                );
-            }
-            return Ok(None);
-        }
-        Some("") => {
-            return Err(ConfigError::invalid(
-                "--gds-l1-path",
-                "is empty; give a directory on a block-device filesystem (ext4, xfs, ...)",
-            ))
-        }
-        Some(p) => PathBuf::from(p),
-    };
-    let backend =
-        match gds.gds_l1_backend.as_str() {
-            "auto" => GdsBackend::IoUring,
-            "cufile" => return Err(ConfigError::unsupported(
-                "--gds-l1-backend",
-                "cufile moves objects between GPU memory and the slab without host staging, and \
-                 kvshard has no cuFile slab backend (GPU workers need the L1 in memory): use \
-                 auto, which reads and writes the slab with O_DIRECT through io_uring",
-            )),
-            "ugds" => return Err(ConfigError::unsupported(
-                "--gds-l1-backend",
-                "ugds (a raw /dev/ugds_drvX device) is not supported; use auto with a directory",
-            )),
-            other => {
-                return Err(ConfigError::unsupported(
-                    "--gds-l1-backend",
-                    format!(
-                        "{other} drives a non-NVIDIA GPU's storage path, which kvshard does not \
-                     support; use auto, which reads and writes the slab with O_DIRECT through \
-                     io_uring"
-                    ),
-                ))
-            }
-        };
-    if use_hugepages {
-        return Err(ConfigError::invalid(
-            "--gds-l1-path",
-            "conflicts with --l1-use-hugepages: the L1 objects live in slab files, not in \
-             memory; drop one of them",
-        ));
-    }
-    Ok(Some(GdsL1Settings {
-        path,
-        direct_io: !gds.no_gds_l1_use_direct_io,
-        backend,
-    }))
-}
-
 fn no_effect(notes: &mut Notes, flag: &str, why: &str) {
     notes.push(format!("{flag} has no effect in kvshard: {why}"));
 }
@@ -948,7 +886,9 @@ impl ServerArgs {
         self.resolve(&Host::probe())
     }
 
-    /// [`ServerArgs::into_config`] with the host facts given.
+    /// [`ServerArgs::into_config`] with the host facts given: each flag group is
+    /// resolved on its own, then [`check_cross_group`] checks the flags whose
+    /// validity depends on another group. The first error found is returned.
     pub fn resolve(self, host: &Host) -> Result<(ServerConfig, Notes), ConfigError> {
         let mut notes = Notes::new();
         let ServerArgs {
@@ -971,16 +911,110 @@ impl ServerArgs {
             kvshard,
         } = self;
 
-        // ---- MP server ----
-        if mp.transport != "zmq" {
+        let shm_name_flag = mp.shm_name.clone();
+        let mp = mp.resolve(&mut notes)?;
+        p2p.check()?;
+        // The GDS group goes first: its note precedes the L1 memory notes.
+        let gds_l1 = gds.resolve(&mut notes)?;
+        let memory = l1.resolve(&mut notes)?;
+        let (write_ttl, read_ttl) = ttl.resolve()?;
+        let eviction = eviction.resolve()?;
+        // `--shm-name` (an MP flag) is resolved after the L1 groups: its note follows
+        // theirs.
+        let shm_name = shm_pool(mp.transfer_mode, shm_name_flag.as_deref(), &mut notes)?;
+        let adapters = l2.resolve()?;
+        let l2_policy = l2_policy.resolve(&mut notes)?;
+        let (http_host, http_port) = http.resolve()?;
+        obs.check(&mut notes)?;
+        let lookup_hash_log = lookup_log.resolve()?;
+        gc.check(&mut notes);
+        extra_log.check(&mut notes)?;
+        trace.check()?;
+        coordinator.check(host)?;
+        output.check(&mut notes);
+        let kvshard = kvshard.resolve(host)?;
+
+        let mut config = ServerConfig {
+            instance_id: mp.instance_id,
+            host: mp.host,
+            port: mp.port,
+            chunk_size: mp.chunk_size,
+            hash_algorithm: mp.hash_algorithm,
+            cores: kvshard.cores,
+            front_core: kvshard.front_core,
+            transfer_mode: mp.transfer_mode,
+            shm_name,
+            session_ttl: mp.session_ttl,
+            worker_reap_timeout: mp.worker_reap_timeout,
+            worker_registration_grace: mp.worker_registration_grace,
+            null_block_id: mp.null_block_id,
+            kv_event_log_size: mp.kv_event_log_size,
+            l1: L1Settings {
+                size_bytes: memory.size_bytes,
+                use_lazy: memory.use_lazy,
+                use_hugepages: memory.use_hugepages,
+                init_size_bytes: memory.init_size_bytes,
+                align_bytes: memory.align_bytes,
+                devdax_path: memory.devdax_path,
+                gds: gds_l1,
+                write_ttl,
+                read_ttl,
+                eviction_policy: eviction.policy,
+                trigger_watermark: eviction.trigger_watermark,
+                eviction_ratio: eviction.ratio,
+            },
+            l2: L2Settings {
+                adapters,
+                store_policy: l2_policy.store_policy,
+                prefetch_policy: l2_policy.prefetch_policy,
+                prefetch_max_in_flight: l2_policy.prefetch_max_in_flight,
+                store_inflight_bytes: kvshard.l2_store_inflight_bytes,
+            },
+            http_host,
+            http_port,
+            lookup_hash_log,
+            disable_observability: obs.disable_observability,
+            disable_metrics: obs.disable_metrics,
+            disable_logging: obs.disable_logging,
+            shard_queue_depth: kvshard.shard_queue_depth,
+            max_sessions: kvshard.max_sessions,
+            max_registrations: kvshard.max_registrations,
+            max_frame_bytes: kvshard.max_frame_bytes,
+            cuda_transfer: kvshard.cuda_transfer,
+            http_max_connections: kvshard.http_max_connections,
+        };
+        check_cross_group(&mut config, &mut notes)?;
+        Ok((config, notes))
+    }
+}
+
+/// The MP server group, resolved.
+struct MpServer {
+    instance_id: String,
+    host: String,
+    port: u16,
+    chunk_size: usize,
+    hash_algorithm: String,
+    transfer_mode: TransferMode,
+    session_ttl: Duration,
+    worker_reap_timeout: Duration,
+    worker_registration_grace: Duration,
+    null_block_id: i64,
+    kv_event_log_size: usize,
+}
+
+impl MpServerArgs {
+    /// MP server flags but `--shm-name` (see [`shm_pool`]).
+    fn resolve(self, notes: &mut Notes) -> Result<MpServer, ConfigError> {
+        if self.transport != "zmq" {
             refuse(
                 "--transport",
                 "only the zmq transport is implemented (gRPC is not); drop --transport grpc",
             )?;
         }
         let hash_algorithm =
-            match mp.hash_algorithm.as_str() {
-                "blake3" => mp.hash_algorithm,
+            match self.hash_algorithm.as_str() {
+                "blake3" => self.hash_algorithm,
                 "builtin" => return Err(ConfigError::unsupported(
                     "--hash-algorithm",
                     "builtin is Python's per-process salted hash(), which cannot be reproduced \
@@ -999,28 +1033,28 @@ impl ServerArgs {
                     ))
                 }
             };
-        if mp.engine_type != "default" {
+        if self.engine_type != "default" {
             refuse(
                 "--engine-type",
                 "CacheBlend engines (blend, blend_legacy) are not implemented; use default",
             )?;
         }
-        if mp.isolated_ipc && !mp.no_isolated_ipc {
+        if self.isolated_ipc && !self.no_isolated_ipc {
             refuse(
                 "--isolated-ipc",
                 "IPC across isolated containers (timeline-semaphore events) is not implemented",
             )?;
         }
-        if !mp.runtime_plugin_locations.is_empty() {
+        if !self.runtime_plugin_locations.is_empty() {
             refuse(
                 "--runtime-plugin-locations",
                 "runtime plugins (Python scripts launched by the server) are not supported",
             )?;
         }
-        let plugin_config = if mp.runtime_plugin_config.is_empty() {
+        let plugin_config = if self.runtime_plugin_config.is_empty() {
             "{}"
         } else {
-            mp.runtime_plugin_config.as_str()
+            self.runtime_plugin_config.as_str()
         };
         match serde_json::from_str::<serde_json::Value>(plugin_config) {
             Err(e) => {
@@ -1035,109 +1069,106 @@ impl ServerArgs {
                 "runtime plugins are not supported, so their config has no consumer",
             )?,
         }
-        if !mp.script_allowed_imports.is_empty() {
+        if !self.script_allowed_imports.is_empty() {
             refuse(
                 "--script-allowed-imports",
                 "kvshard has no /run_script endpoint (it would run Python)",
             )?;
         }
-        if mp.run_script_api_enabled && !mp.no_run_script_api_enabled {
+        if self.run_script_api_enabled && !self.no_run_script_api_enabled {
             refuse(
                 "--run-script-api-enabled",
                 "kvshard has no /run_script endpoint (it would run Python)",
             )?;
         }
-        if mp.separate_object_groups && !mp.no_separate_object_groups {
+        if self.separate_object_groups && !self.no_separate_object_groups {
             refuse(
                 "--separate-object-groups",
                 "splitting kernel groups into one object group per sliding-window size is not \
                  implemented; all kernel groups share one object group",
             )?;
         }
-        if mp.enable_segmented_prefix {
+        if self.enable_segmented_prefix {
             refuse(
                 "--enable-segmented-prefix",
                 "it is a CacheBlend option and CacheBlend is not implemented",
             )?;
         }
-        if mp.enable_dedup_content {
+        if self.enable_dedup_content {
             refuse(
                 "--enable-dedup-content",
                 "it is a CacheBlend option and CacheBlend is not implemented",
             )?;
         }
-        if mp.enable_blend_reorder {
+        if self.enable_blend_reorder {
             refuse(
                 "--enable-blend-reorder",
                 "it is a CacheBlend option and CacheBlend is not implemented",
             )?;
         }
-        if !mp.enable.is_empty() {
+        if !self.enable.is_empty() {
             refuse(
                 "--enable",
                 "experimental transfer modules (e.g. transfer_query) are not implemented",
             )?;
         }
-        if !mp.server_module.is_empty() {
+        if !self.server_module.is_empty() {
             refuse(
                 "--server-module",
                 "out-of-tree Python server modules cannot be loaded",
             )?;
         }
         let transfer_mode =
-            TransferMode::from_flag(&mp.supported_transfer_mode).ok_or_else(|| {
+            TransferMode::from_flag(&self.supported_transfer_mode).ok_or_else(|| {
                 ConfigError::invalid(
                     "--supported-transfer-mode",
                     format!(
                         "{:?} is not one of lmcache_driven, engine_driven, auto",
-                        mp.supported_transfer_mode
+                        self.supported_transfer_mode
                     ),
                 )
             })?;
-        if mp.max_workers != 1 || mp.max_gpu_workers.is_some() || mp.max_cpu_workers.is_some() {
+        if self.max_workers != 1 || self.max_gpu_workers.is_some() || self.max_cpu_workers.is_some()
+        {
             no_effect(
-                &mut notes,
+                notes,
                 "--max-workers/--max-gpu-workers/--max-cpu-workers",
                 "there are no Python worker pools; one shard per --cores core serves requests",
             );
         }
-        if mp.grpc_server_workers < 1 {
+        if self.grpc_server_workers < 1 {
             return Err(ConfigError::invalid(
                 "--grpc-server-workers",
-                format!("{} must be >= 1", mp.grpc_server_workers),
+                format!("{} must be >= 1", self.grpc_server_workers),
             ));
         }
-        if mp.grpc_server_workers != 32 {
-            no_effect(
-                &mut notes,
-                "--grpc-server-workers",
-                "there is no gRPC transport",
-            );
+        if self.grpc_server_workers != 32 {
+            no_effect(notes, "--grpc-server-workers", "there is no gRPC transport");
         }
-        let instance_id = match mp.instance_id {
+        let instance_id = match self.instance_id {
             Some(id) if !id.is_empty() => id,
             // 0.5.6: `args.instance_id or uuid4()`, so an empty id also gets a random one.
             _ => new_uuid_v4(),
         };
-        let zmq_host = host_name("--host", mp.host)?;
-        let zmq_port = port("--port", mp.port)?;
-        let chunk_size = usize::try_from(mp.chunk_size)
+        let host = host_name("--host", self.host)?;
+        let port = port("--port", self.port)?;
+        let chunk_size = usize::try_from(self.chunk_size)
             .ok()
             .filter(|&c| c > 0)
             .ok_or_else(|| {
-                ConfigError::invalid("--chunk-size", format!("{} must be > 0", mp.chunk_size))
+                ConfigError::invalid("--chunk-size", format!("{} must be > 0", self.chunk_size))
             })?;
-        let kv_event_log_size = usize::try_from(mp.kv_event_log_size).map_err(|_| {
+        let kv_event_log_size = usize::try_from(self.kv_event_log_size).map_err(|_| {
             ConfigError::invalid(
                 "--kv-event-log-size",
-                format!("{} must be >= 0", mp.kv_event_log_size),
+                format!("{} must be >= 0", self.kv_event_log_size),
             )
         })?;
 
         // 0.5.6 floors a non-zero reap timeout at 30 s so missed pings never reap a live worker.
         let reap = seconds(
             "--worker-reap-timeout-seconds",
-            mp.worker_reap_timeout_seconds,
+            self.worker_reap_timeout_seconds,
             true,
         )?;
         if !reap.is_zero() && reap < Duration::from_secs(30) {
@@ -1145,13 +1176,13 @@ impl ServerArgs {
                 "--worker-reap-timeout-seconds",
                 format!(
                     "{} must be 0 (disabled) or >= 30; keep it >= 3x the client heartbeat interval",
-                    mp.worker_reap_timeout_seconds
+                    self.worker_reap_timeout_seconds
                 ),
             ));
         }
         let grace = seconds(
             "--worker-registration-grace-seconds",
-            mp.worker_registration_grace_seconds,
+            self.worker_registration_grace_seconds,
             true,
         )?;
         if grace < reap {
@@ -1159,54 +1190,121 @@ impl ServerArgs {
                 "--worker-registration-grace-seconds",
                 format!(
                     "{} must be >= --worker-reap-timeout-seconds ({})",
-                    mp.worker_registration_grace_seconds, mp.worker_reap_timeout_seconds
+                    self.worker_registration_grace_seconds, self.worker_reap_timeout_seconds
                 ),
             ));
         }
-        let session_ttl = seconds("--session-ttl-seconds", mp.session_ttl_seconds, false)?;
+        let session_ttl = seconds("--session-ttl-seconds", self.session_ttl_seconds, false)?;
 
-        // ---- P2P ----
-        if !p2p.p2p_advertise_url.is_empty() {
+        Ok(MpServer {
+            instance_id,
+            host,
+            port,
+            chunk_size,
+            hash_algorithm,
+            transfer_mode,
+            session_ttl,
+            worker_reap_timeout: reap,
+            worker_registration_grace: grace,
+            null_block_id: self.null_block_id,
+            kv_event_log_size,
+        })
+    }
+}
+
+/// `--shm-name`: the SHM pool of the engine_driven path, `None` when that path is
+/// not loaded (`--supported-transfer-mode lmcache_driven`) or the pool is disabled.
+fn shm_pool(
+    transfer_mode: TransferMode,
+    shm_name: Option<&str>,
+    notes: &mut Notes,
+) -> Result<Option<String>, ConfigError> {
+    Ok(if transfer_mode.engine_driven_enabled() {
+        match shm_name {
+            None => Some(auto_shm_name()),
+            Some("") => {
+                notes.push(
+                    "--shm-name \"\" disables the SHM pool: engine_driven (CPU) workers will \
+                     be offered no SHM and must use the pickle path, which kvshard does not \
+                     support"
+                        .to_string(),
+                );
+                None
+            }
+            Some(name) => Some(normalize_shm_name(name)?),
+        }
+    } else {
+        if shm_name.is_some() {
+            no_effect(
+                notes,
+                "--shm-name",
+                "--supported-transfer-mode lmcache_driven does not load the engine_driven \
+                 path that uses the SHM pool",
+            );
+        }
+        None
+    })
+}
+
+impl P2pArgs {
+    /// Peer-to-peer transfer is not implemented: every flag must keep its default.
+    fn check(&self) -> Result<(), ConfigError> {
+        if !self.p2p_advertise_url.is_empty() {
             refuse(
                 "--p2p-advertise-url",
                 "peer-to-peer KV transfer is not implemented",
             )?;
         }
-        if !p2p.p2p_listen_url.is_empty() {
+        if !self.p2p_listen_url.is_empty() {
             refuse(
                 "--p2p-listen-url",
                 "peer-to-peer KV transfer is not implemented",
             )?;
         }
-        if p2p.p2p_lookup_timeout != 30.0 {
+        if self.p2p_lookup_timeout != 30.0 {
             refuse(
                 "--p2p-lookup-timeout",
                 "peer-to-peer KV transfer is not implemented",
             )?;
         }
-        if p2p.p2p_load_timeout != 30.0 {
+        if self.p2p_load_timeout != 30.0 {
             refuse(
                 "--p2p-load-timeout",
                 "peer-to-peer KV transfer is not implemented",
             )?;
         }
-        if p2p.p2p_transfer_engine != "nixl" {
+        if self.p2p_transfer_engine != "nixl" {
             refuse(
                 "--p2p-transfer-engine",
                 "peer-to-peer KV transfer is not implemented",
             )?;
         }
+        Ok(())
+    }
+}
 
-        // ---- L1 ----
-        if !l1.l1_manager.is_empty() {
+/// The L1 memory group, resolved; `use_lazy` does not yet account for the GDS tier.
+struct L1Memory {
+    size_bytes: u64,
+    use_lazy: bool,
+    use_hugepages: bool,
+    init_size_bytes: u64,
+    align_bytes: u64,
+    devdax_path: Option<PathBuf>,
+}
+
+impl L1MemoryArgs {
+    /// `--l1-*`: size, alignment, lazy allocation, hugetlb and device-DAX backing.
+    fn resolve(self, notes: &mut Notes) -> Result<L1Memory, ConfigError> {
+        if !self.l1_manager.is_empty() {
             refuse(
                 "--l1-manager",
                 "tagged multi-L1 configurations are not implemented; use --l1-size-gb and the \
                  other --l1-* flags",
             )?;
         }
-        let use_hugepages = l1.l1_use_hugepages && !l1.no_l1_use_hugepages;
-        let devdax_path = match l1.l1_devdax_path.as_deref() {
+        let use_hugepages = self.l1_use_hugepages && !self.no_l1_use_hugepages;
+        let devdax_path = match self.l1_devdax_path.as_deref() {
             None => None,
             Some("") => {
                 return Err(ConfigError::invalid(
@@ -1223,21 +1321,13 @@ impl ServerArgs {
                  of them",
             ));
         }
-        if devdax_path.is_some() && gds.gds_l1_path.is_some() {
-            return Err(ConfigError::invalid(
-                "--l1-devdax-path",
-                "conflicts with --gds-l1-path (as in lmcache 0.5.6): only one can hold the L1; drop \
-                 one of them",
-            ));
-        }
-        let gds_l1 = gds_l1_settings(&gds, use_hugepages, &mut notes)?;
-        let size_gb = l1
+        let size_gb = self
             .l1_size_gb
             .ok_or_else(|| ConfigError::invalid("--l1-size-gb", "is required"))?;
         let size_bytes = gb_to_bytes(size_gb).filter(|&b| b > 0).ok_or_else(|| {
             ConfigError::invalid("--l1-size-gb", format!("{size_gb} is not a size > 0 GB"))
         })?;
-        let align_bytes = l1.l1_align_bytes;
+        let align_bytes = self.l1_align_bytes;
         if align_bytes < 64 || !align_bytes.is_power_of_two() {
             return Err(ConfigError::invalid(
                 "--l1-align-bytes",
@@ -1250,26 +1340,9 @@ impl ServerArgs {
                 format!("{size_gb} GB ({size_bytes} bytes) is smaller than --l1-align-bytes {align_bytes}"),
             ));
         }
-        if gds_l1.is_some() && align_bytes % GDS_SLAB_ALIGN as u64 != 0 {
-            return Err(ConfigError::invalid(
-                "--l1-align-bytes",
-                format!(
-                    "{align_bytes} is not a multiple of {GDS_SLAB_ALIGN}: GDS slab objects are read and \
-                     written with direct I/O, which needs {GDS_SLAB_ALIGN}-byte aligned offsets"
-                ),
-            ));
-        }
-        if gds_l1.is_some() && !l1.no_l1_use_lazy {
-            notes.push(
-                "--gds-l1-path turns lazy allocation off: each shard's slab file is preallocated \
-                 at start (as lmcache 0.5.6 does)"
-                    .to_string(),
-            );
-        }
         // BooleanOptionalAction: the last of --l1-use-lazy / --no-l1-use-lazy wins.
-        let use_lazy =
-            !l1.no_l1_use_lazy && !use_hugepages && devdax_path.is_none() && gds_l1.is_none();
-        if devdax_path.is_some() && !l1.no_l1_use_lazy {
+        let use_lazy = !self.no_l1_use_lazy && !use_hugepages && devdax_path.is_none();
+        if devdax_path.is_some() && !self.no_l1_use_lazy {
             // 0.5.6 refuses devdax without --no-l1-use-lazy; growing shard slices
             // lazily buys nothing on memory that is all there from the start.
             notes.push(
@@ -1278,14 +1351,14 @@ impl ServerArgs {
                     .to_string(),
             );
         }
-        if use_hugepages && !l1.no_l1_use_lazy {
+        if use_hugepages && !self.no_l1_use_lazy {
             notes.push(
                 "--l1-use-hugepages turns lazy allocation off: the hugetlb pool is reserved at start \
                  (as lmcache 0.5.6 does)"
                     .to_string(),
             );
         }
-        let init_size_bytes = match l1.l1_init_size_gb {
+        let init_size_bytes = match self.l1_init_size_gb {
             None => (20u64 << 30).min(size_bytes),
             Some(gb) => {
                 let bytes = gb.checked_mul(1 << 30).ok_or_else(|| {
@@ -1300,19 +1373,102 @@ impl ServerArgs {
                 bytes.min(size_bytes)
             }
         };
-        if ttl.l1_write_ttl_seconds == 0 {
+        Ok(L1Memory {
+            size_bytes,
+            use_lazy,
+            use_hugepages,
+            init_size_bytes,
+            align_bytes,
+            devdax_path,
+        })
+    }
+}
+
+impl GdsL1Args {
+    /// `--gds-l1-*`: the GDS L1 tier, or `None` without `--gds-l1-path`.
+    fn resolve(self, notes: &mut Notes) -> Result<Option<GdsL1Settings>, ConfigError> {
+        let path = match self.gds_l1_path.as_deref() {
+            None => {
+                if self.gds_l1_backend != "auto" {
+                    no_effect(
+                        notes,
+                        "--gds-l1-backend",
+                        "it only applies with --gds-l1-path",
+                    );
+                }
+                return Ok(None);
+            }
+            Some("") => {
+                return Err(ConfigError::invalid(
+                    "--gds-l1-path",
+                    "is empty; give a directory on a block-device filesystem (ext4, xfs, ...)",
+                ))
+            }
+            Some(p) => PathBuf::from(p),
+        };
+        let backend = match self.gds_l1_backend.as_str() {
+            "auto" => GdsBackend::IoUring,
+            "cufile" => return Err(ConfigError::unsupported(
+                "--gds-l1-backend",
+                "cufile moves objects between GPU memory and the slab without host staging, and \
+                     kvshard has no cuFile slab backend (GPU workers need the L1 in memory): use \
+                     auto, which reads and writes the slab with O_DIRECT through io_uring",
+            )),
+            "ugds" => return Err(ConfigError::unsupported(
+                "--gds-l1-backend",
+                "ugds (a raw /dev/ugds_drvX device) is not supported; use auto with a directory",
+            )),
+            other => {
+                return Err(ConfigError::unsupported(
+                    "--gds-l1-backend",
+                    format!(
+                        "{other} drives a non-NVIDIA GPU's storage path, which kvshard does not \
+                         support; use auto, which reads and writes the slab with O_DIRECT through \
+                         io_uring"
+                    ),
+                ))
+            }
+        };
+        Ok(Some(GdsL1Settings {
+            path,
+            direct_io: !self.no_gds_l1_use_direct_io,
+            backend,
+        }))
+    }
+}
+
+impl L1TtlArgs {
+    /// `--l1-write-ttl-seconds` and `--l1-read-ttl-seconds`, in that order.
+    fn resolve(&self) -> Result<(Duration, Duration), ConfigError> {
+        if self.l1_write_ttl_seconds == 0 {
             return Err(ConfigError::invalid(
                 "--l1-write-ttl-seconds",
                 "must be > 0",
             ));
         }
-        if ttl.l1_read_ttl_seconds == 0 {
+        if self.l1_read_ttl_seconds == 0 {
             return Err(ConfigError::invalid("--l1-read-ttl-seconds", "must be > 0"));
         }
-        let policy_flag = eviction
+        Ok((
+            Duration::from_secs(self.l1_write_ttl_seconds),
+            Duration::from_secs(self.l1_read_ttl_seconds),
+        ))
+    }
+}
+
+/// The eviction group, resolved.
+struct Eviction {
+    policy: EvictionPolicyName,
+    trigger_watermark: f64,
+    ratio: f64,
+}
+
+impl EvictionArgs {
+    fn resolve(self) -> Result<Eviction, ConfigError> {
+        let policy_flag = self
             .eviction_policy
             .ok_or_else(|| ConfigError::invalid("--eviction-policy", "is required"))?;
-        let eviction_policy = match EvictionPolicyName::from_flag(&policy_flag) {
+        let policy = match EvictionPolicyName::from_flag(&policy_flag) {
             Some(p) => p,
             None if policy_flag == "ARC" => {
                 return Err(ConfigError::unsupported(
@@ -1327,244 +1483,225 @@ impl ServerArgs {
                 ))
             }
         };
-        let l1_settings = L1Settings {
-            size_bytes,
-            use_lazy,
-            use_hugepages,
-            init_size_bytes,
-            align_bytes,
-            devdax_path,
-            gds: gds_l1,
-            write_ttl: Duration::from_secs(ttl.l1_write_ttl_seconds),
-            read_ttl: Duration::from_secs(ttl.l1_read_ttl_seconds),
-            eviction_policy,
+        Ok(Eviction {
+            policy,
             trigger_watermark: fraction(
                 "--eviction-trigger-watermark",
-                eviction.eviction_trigger_watermark,
+                self.eviction_trigger_watermark,
             )?,
-            eviction_ratio: fraction("--eviction-ratio", eviction.eviction_ratio)?,
-        };
+            ratio: fraction("--eviction-ratio", self.eviction_ratio)?,
+        })
+    }
+}
 
-        // ---- SHM pool (engine_driven path only) ----
-        let shm_name = if transfer_mode.engine_driven_enabled() {
-            match mp.shm_name.as_deref() {
-                None => Some(auto_shm_name()),
-                Some("") => {
-                    notes.push(
-                        "--shm-name \"\" disables the SHM pool: engine_driven (CPU) workers will \
-                         be offered no SHM and must use the pickle path, which kvshard does not \
-                         support"
-                            .to_string(),
-                    );
-                    None
-                }
-                Some(name) => Some(normalize_shm_name(name)?),
-            }
-        } else {
-            if mp.shm_name.is_some() {
-                no_effect(
-                    &mut notes,
-                    "--shm-name",
-                    "--supported-transfer-mode lmcache_driven does not load the engine_driven \
-                     path that uses the SHM pool",
-                );
-            }
-            None
-        };
+/// The L2 policy group, resolved.
+struct L2Policy {
+    store_policy: L2StorePolicy,
+    prefetch_policy: L2PrefetchPolicy,
+    prefetch_max_in_flight: usize,
+}
 
-        if l1_settings.devdax_path.is_some() && shm_name.is_some() {
-            return Err(ConfigError::invalid(
-                "--l1-devdax-path",
-                "conflicts with the engine_driven SHM pool, which lives in /dev/shm, not on the \
-                 device: add --shm-name \"\" (or --supported-transfer-mode lmcache_driven) to \
-                 disable it, as lmcache 0.5.6 requires",
-            ));
-        }
-        if l1_settings.gds.is_some() && shm_name.is_some() {
-            return Err(ConfigError::invalid(
-                "--gds-l1-path",
-                "conflicts with the engine_driven SHM pool: the L1 objects live in slab files that \
-                 engine_driven workers cannot map, so the pool would hold none of them: add \
-                 --shm-name \"\" (or --supported-transfer-mode lmcache_driven) to disable it",
-            ));
-        }
-        if use_hugepages && shm_name.is_some() {
-            return Err(ConfigError::invalid(
-                "--l1-use-hugepages",
-                "is incompatible with the SHM pool: set --shm-name \"\" (or --supported-transfer-mode \
-                 lmcache_driven) to disable it, as lmcache 0.5.6 requires; a pre-faulted SHM pool \
-                 (--no-l1-use-lazy) gets transparent huge pages where /dev/shm is mounted with huge=advise",
-            ));
-        }
-
-        // ---- L2 ----
-        let mut adapters = Vec::with_capacity(l2.l2_adapter.len());
-        for (i, raw) in l2.l2_adapter.iter().enumerate() {
-            let spec = kvshard_engine::l2::config::parse_adapter_spec(i + 1, raw)
-                .map_err(|e| ConfigError::invalid("--l2-adapter", e))?;
-
-            adapters.push(spec);
-        }
-        let store_policy = match l2_policy.l2_store_policy.as_str() {
+impl L2PolicyArgs {
+    fn resolve(&self, notes: &mut Notes) -> Result<L2Policy, ConfigError> {
+        let store_policy = match self.l2_store_policy.as_str() {
             "skip_l1" => L2StorePolicy::SkipL1,
             _ => L2StorePolicy::Default,
         };
-        let prefetch_policy = match l2_policy.l2_prefetch_policy.as_str() {
+        let prefetch_policy = match self.l2_prefetch_policy.as_str() {
             "retain" => L2PrefetchPolicy::Retain,
             _ => L2PrefetchPolicy::Default,
         };
-        if store_policy == L2StorePolicy::SkipL1 && adapters.is_empty() {
-            return Err(ConfigError::invalid(
-                "--l2-store-policy",
-                "skip_l1 drops chunks from L1 once stored to L2, but no --l2-adapter is configured",
-            ));
-        }
-        let prefetch_max_in_flight = usize::try_from(l2_policy.l2_prefetch_max_in_flight)
+        let prefetch_max_in_flight = usize::try_from(self.l2_prefetch_max_in_flight)
             .ok()
             .filter(|n| *n >= 1)
             .ok_or_else(|| {
                 ConfigError::invalid("--l2-prefetch-max-in-flight", "must be at least 1")
             })?;
-        let store_inflight_bytes = gb_to_bytes(kvshard.l2_store_inflight_gb)
-            .filter(|b| *b > 0)
-            .ok_or_else(|| {
-                ConfigError::invalid("--l2-store-inflight-gb", "must be a positive number of GiB")
-            })?;
-        let l2_settings = L2Settings {
-            adapters,
-            store_policy,
-            prefetch_policy,
-            prefetch_max_in_flight,
-            store_inflight_bytes,
-        };
-        if l2_policy.periodic_notifier_interval_ms != 5 {
+        if self.periodic_notifier_interval_ms != 5 {
             no_effect(
-                &mut notes,
+                notes,
                 "--periodic-notifier-interval-ms",
                 "shards are woken by completions; there is no notifier thread",
             );
         }
+        Ok(L2Policy {
+            store_policy,
+            prefetch_policy,
+            prefetch_max_in_flight,
+        })
+    }
+}
 
-        // ---- HTTP ----
-        let http_host = host_name("--http-host", http.http_host)?;
-        let http_port = port("--http-port", http.http_port)?;
+impl L2AdapterArgs {
+    /// One parsed adapter per `--l2-adapter`, in flag order.
+    fn resolve(&self) -> Result<Vec<AdapterSpec>, ConfigError> {
+        let mut adapters = Vec::with_capacity(self.l2_adapter.len());
+        for (i, raw) in self.l2_adapter.iter().enumerate() {
+            let spec = parse_adapter_spec(i + 1, raw)
+                .map_err(|e| ConfigError::invalid("--l2-adapter", e))?;
+            adapters.push(spec);
+        }
+        Ok(adapters)
+    }
+}
 
-        // ---- Observability ----
-        if obs.enable_tracing {
+impl HttpArgs {
+    /// `(--http-host, --http-port)`.
+    fn resolve(self) -> Result<(String, u16), ConfigError> {
+        Ok((
+            host_name("--http-host", self.http_host)?,
+            port("--http-port", self.http_port)?,
+        ))
+    }
+}
+
+impl ObservabilityArgs {
+    /// Refuses tracing/OTLP and notes the Python-only tuning flags; the `--disable-*`
+    /// switches are copied into the config as given.
+    fn check(&self, notes: &mut Notes) -> Result<(), ConfigError> {
+        if self.enable_tracing {
             refuse(
                 "--enable-tracing",
                 "OpenTelemetry tracing is not implemented",
             )?;
         }
-        if obs.otlp_endpoint.as_deref().is_some_and(|e| !e.is_empty()) {
+        if self.otlp_endpoint.as_deref().is_some_and(|e| !e.is_empty()) {
             refuse(
                 "--otlp-endpoint",
                 "OTLP export is not implemented; scrape GET /metrics on --http-port",
             )?;
         }
-        if obs.disable_grpc_metrics {
+        if self.disable_grpc_metrics {
             no_effect(
-                &mut notes,
+                notes,
                 "--disable-grpc-metrics",
                 "there is no gRPC transport",
             );
         }
-        if obs.event_bus_queue_size != 10000 {
+        if self.event_bus_queue_size != 10000 {
             no_effect(
-                &mut notes,
+                notes,
                 "--event-bus-queue-size",
                 "there is no Python EventBus; shards keep their own counters",
             );
         }
-        if obs.prometheus_port != 9090 {
+        if self.prometheus_port != 9090 {
             no_effect(
-                &mut notes,
+                notes,
                 "--prometheus-port",
                 "metrics are served at GET /metrics on --http-port (as `lmcache server` does)",
             );
         }
-        if obs.metrics_sample_rate != 0.01 {
+        if self.metrics_sample_rate != 0.01 {
             no_effect(
-                &mut notes,
+                notes,
                 "--metrics-sample-rate",
                 "there are no sampled lifecycle histograms; counters count every event",
             );
         }
-        let lookup_hash_log = if lookup_log.lookup_hash_log_dir.is_empty() {
-            None
-        } else {
-            let interval = positive(
-                "--lookup-hash-log-rotation-interval",
-                lookup_log.lookup_hash_log_rotation_interval,
-            )?;
-            let max_bytes = positive(
-                "--lookup-hash-log-rotation-max-size",
-                lookup_log.lookup_hash_log_rotation_max_size,
-            )?;
-            let max_files = positive(
-                "--lookup-hash-log-max-files",
-                lookup_log.lookup_hash_log_max_files,
-            )?;
-            Some(LookupHashLogSettings {
-                dir: PathBuf::from(lookup_log.lookup_hash_log_dir),
-                rotation_interval: Duration::from_secs(interval),
-                rotation_max_bytes: max_bytes,
-                max_files: usize::try_from(max_files).unwrap_or(usize::MAX),
-            })
-        };
-        if gc.enable_gc_monitor
-            || gc.gc_monitor_min_pause_ms != 1.0
-            || gc.gc_monitor_top_objects != 0
+        Ok(())
+    }
+}
+
+impl LookupHashLogArgs {
+    /// The lookup hash log, or `None` without `--lookup-hash-log-dir`.
+    fn resolve(self) -> Result<Option<LookupHashLogSettings>, ConfigError> {
+        if self.lookup_hash_log_dir.is_empty() {
+            return Ok(None);
+        }
+        let interval = positive(
+            "--lookup-hash-log-rotation-interval",
+            self.lookup_hash_log_rotation_interval,
+        )?;
+        let max_bytes = positive(
+            "--lookup-hash-log-rotation-max-size",
+            self.lookup_hash_log_rotation_max_size,
+        )?;
+        let max_files = positive(
+            "--lookup-hash-log-max-files",
+            self.lookup_hash_log_max_files,
+        )?;
+        Ok(Some(LookupHashLogSettings {
+            dir: PathBuf::from(self.lookup_hash_log_dir),
+            rotation_interval: Duration::from_secs(interval),
+            rotation_max_bytes: max_bytes,
+            max_files: usize::try_from(max_files).unwrap_or(usize::MAX),
+        }))
+    }
+}
+
+impl GcMonitorArgs {
+    fn check(&self, notes: &mut Notes) {
+        if self.enable_gc_monitor
+            || self.gc_monitor_min_pause_ms != 1.0
+            || self.gc_monitor_top_objects != 0
         {
             no_effect(
-                &mut notes,
+                notes,
                 "--enable-gc-monitor/--gc-monitor-*",
                 "there is no garbage collector to time",
             );
         }
-        if extra_log.enable_extra_logging {
+    }
+}
+
+impl ExtraLoggingArgs {
+    fn check(&self, notes: &mut Notes) -> Result<(), ConfigError> {
+        if self.enable_extra_logging {
             refuse(
                 "--enable-extra-logging",
                 "periodic per-GPU L0<->L1 throughput logging is not implemented",
             )?;
         }
         // 0.5.6 validates the interval even when extra logging is off.
-        let interval = extra_log.extra_logging_interval;
+        let interval = self.extra_logging_interval;
         if interval.is_nan() || interval <= 0.0 {
             return Err(ConfigError::invalid(
                 "--extra-logging-interval",
-                format!("{} must be > 0", extra_log.extra_logging_interval),
+                format!("{} must be > 0", self.extra_logging_interval),
             ));
         }
-        if extra_log.extra_logging_interval != 10.0 {
+        if self.extra_logging_interval != 10.0 {
             no_effect(
-                &mut notes,
+                notes,
                 "--extra-logging-interval",
                 "it only applies with --enable-extra-logging",
             );
         }
-        if trace.trace_level.is_some() {
+        Ok(())
+    }
+}
+
+impl TraceArgs {
+    fn check(&self) -> Result<(), ConfigError> {
+        if self.trace_level.is_some() {
             refuse(
                 "--trace-level",
                 "trace recording for replay is not implemented",
             )?;
         }
-        if trace.trace_output.is_some() {
+        if self.trace_output.is_some() {
             refuse(
                 "--trace-output",
                 "trace recording for replay is not implemented",
             )?;
         }
+        Ok(())
+    }
+}
 
-        // ---- Coordinator ----
+impl CoordinatorArgs {
+    /// Joining a coordinator is not implemented: refuses any coordinator flag (or
+    /// `LMCACHE_COORDINATOR_*` variable in `host`) set to anything but its default.
+    fn check(&self, host: &Host) -> Result<(), ConfigError> {
         const NO_COORDINATOR: &str = "joining an MP coordinator is not implemented";
-        let coordinator_url = coordinator
+        let coordinator_url = self
             .coordinator_url
             .clone()
             .or_else(|| host.coordinator_url_env.clone())
             .unwrap_or_default();
         if !coordinator_url.is_empty() {
-            let reason = if coordinator.coordinator_url.is_some() {
+            let reason = if self.coordinator_url.is_some() {
                 NO_COORDINATOR.to_string()
             } else {
                 format!("{NO_COORDINATOR} (the URL came from LMCACHE_COORDINATOR_URL; unset it)")
@@ -1575,9 +1712,7 @@ impl ServerArgs {
             .coordinator_event_reporting_env
             .as_deref()
             .is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"));
-        if coordinator.coordinator_event_reporting
-            || coordinator.coordinator_l2_event_reporting
-            || reporting_env
+        if self.coordinator_event_reporting || self.coordinator_l2_event_reporting || reporting_env
         {
             refuse(
                 "--coordinator-event-reporting",
@@ -1585,47 +1720,73 @@ impl ServerArgs {
                  LMCACHE_COORDINATOR_EVENT_REPORTING)",
             )?;
         }
-        if coordinator.coordinator_advertise_ip.is_some() {
+        if self.coordinator_advertise_ip.is_some() {
             refuse("--coordinator-advertise-ip", NO_COORDINATOR)?;
         }
-        if coordinator.coordinator_heartbeat_interval.is_some() {
+        if self.coordinator_heartbeat_interval.is_some() {
             refuse("--coordinator-heartbeat-interval", NO_COORDINATOR)?;
         }
-        if coordinator.coordinator_event_flush_interval.is_some()
-            || coordinator.coordinator_l2_event_flush_interval.is_some()
+        if self.coordinator_event_flush_interval.is_some()
+            || self.coordinator_l2_event_flush_interval.is_some()
         {
             refuse("--coordinator-event-flush-interval", NO_COORDINATOR)?;
         }
-        if coordinator.coordinator_event_transport != "http" {
+        if self.coordinator_event_transport != "http" {
             refuse("--coordinator-event-transport", NO_COORDINATOR)?;
         }
-        if !coordinator.coordinator_kafka_bootstrap_servers.is_empty() {
+        if !self.coordinator_kafka_bootstrap_servers.is_empty() {
             refuse("--coordinator-kafka-bootstrap-servers", NO_COORDINATOR)?;
         }
-        if coordinator.coordinator_kafka_topic != "lmcache-cache-events" {
+        if self.coordinator_kafka_topic != "lmcache-cache-events" {
             refuse("--coordinator-kafka-topic", NO_COORDINATOR)?;
         }
-        if coordinator.coordinator_kafka_delivery_timeout != 300.0 {
+        if self.coordinator_kafka_delivery_timeout != 300.0 {
             refuse("--coordinator-kafka-delivery-timeout", NO_COORDINATOR)?;
         }
-        if coordinator.coordinator_blend_timeout != 1.0 {
+        if self.coordinator_blend_timeout != 1.0 {
             refuse("--coordinator-blend-timeout", NO_COORDINATOR)?;
         }
-        if coordinator.coordinator_blend_match_concurrency != 8 {
+        if self.coordinator_blend_match_concurrency != 8 {
             refuse("--coordinator-blend-match-concurrency", NO_COORDINATOR)?;
         }
+        Ok(())
+    }
+}
 
-        // ---- lmcache's common output flags ----
-        if output.format.is_some() || output.output.is_some() || output.quiet {
+impl OutputArgs {
+    fn check(&self, notes: &mut Notes) {
+        if self.format.is_some() || self.output.is_some() || self.quiet {
             no_effect(
-                &mut notes,
+                notes,
                 "--format/--output/--quiet",
                 "the server prints no result table (nor does `lmcache server`)",
             );
         }
+    }
+}
 
-        // ---- kvshard only ----
-        let cores = match kvshard.cores.as_deref() {
+/// The kvshard-only group, resolved.
+struct Kvshard {
+    l2_store_inflight_bytes: u64,
+    cores: Vec<usize>,
+    front_core: Option<usize>,
+    shard_queue_depth: usize,
+    max_sessions: usize,
+    max_registrations: usize,
+    max_frame_bytes: usize,
+    cuda_transfer: bool,
+    http_max_connections: usize,
+}
+
+impl KvshardArgs {
+    /// kvshard-only flags; `--cores` is checked against `host`'s allowed CPU set.
+    fn resolve(self, host: &Host) -> Result<Kvshard, ConfigError> {
+        let l2_store_inflight_bytes = gb_to_bytes(self.l2_store_inflight_gb)
+            .filter(|b| *b > 0)
+            .ok_or_else(|| {
+                ConfigError::invalid("--l2-store-inflight-gb", "must be a positive number of GiB")
+            })?;
+        let cores = match self.cores.as_deref() {
             // The front gets the last allowed core to itself when there are two or more.
             None => match host.allowed_cores.split_last() {
                 Some((_, shards)) if !shards.is_empty() => shards.to_vec(),
@@ -1648,7 +1809,6 @@ impl ServerArgs {
                 ),
             ));
         }
-
         // The front runs on an allowed core no shard uses, the last one free.
         let front_core = host
             .allowed_cores
@@ -1656,38 +1816,96 @@ impl ServerArgs {
             .rev()
             .find(|c| !cores.contains(c))
             .copied();
-        let config = ServerConfig {
-            instance_id,
-            host: zmq_host,
-            port: zmq_port,
-            chunk_size,
-            hash_algorithm,
+        Ok(Kvshard {
+            l2_store_inflight_bytes,
             cores,
             front_core,
-            transfer_mode,
-            shm_name,
-            session_ttl,
-            worker_reap_timeout: reap,
-            worker_registration_grace: grace,
-            null_block_id: mp.null_block_id,
-            kv_event_log_size,
-            l1: l1_settings,
-            l2: l2_settings,
-            http_host,
-            http_port,
-            lookup_hash_log,
-            disable_observability: obs.disable_observability,
-            disable_metrics: obs.disable_metrics,
-            disable_logging: obs.disable_logging,
-            shard_queue_depth: nonzero("--shard-queue-depth", kvshard.shard_queue_depth)?,
-            max_sessions: nonzero("--max-sessions", kvshard.max_sessions)?,
-            max_registrations: nonzero("--max-registrations", kvshard.max_registrations)?,
-            max_frame_bytes: nonzero("--max-frame-bytes", kvshard.max_frame_bytes)?,
-            cuda_transfer: kvshard.cuda_transfer == "on",
-            http_max_connections: nonzero("--http-max-connections", kvshard.http_max_connections)?,
-        };
-        Ok((config, notes))
+            shard_queue_depth: nonzero("--shard-queue-depth", self.shard_queue_depth)?,
+            max_sessions: nonzero("--max-sessions", self.max_sessions)?,
+            max_registrations: nonzero("--max-registrations", self.max_registrations)?,
+            max_frame_bytes: nonzero("--max-frame-bytes", self.max_frame_bytes)?,
+            cuda_transfer: self.cuda_transfer == "on",
+            http_max_connections: nonzero("--http-max-connections", self.http_max_connections)?,
+        })
     }
+}
+
+/// Checks between flag groups, on the config the groups resolved to: the L1
+/// backings (`--l1-devdax-path`, `--l1-use-hugepages`, `--gds-l1-path`) against each
+/// other and against the SHM pool (`--shm-name`, `--supported-transfer-mode`), and
+/// `--l2-store-policy skip_l1` against `--l2-adapter`. Turns lazy allocation off
+/// for the GDS tier.
+fn check_cross_group(config: &mut ServerConfig, notes: &mut Notes) -> Result<(), ConfigError> {
+    let l1 = &mut config.l1;
+    if l1.devdax_path.is_some() && l1.gds.is_some() {
+        return Err(ConfigError::invalid(
+            "--l1-devdax-path",
+            "conflicts with --gds-l1-path (as in lmcache 0.5.6): only one can hold the L1; drop \
+             one of them",
+        ));
+    }
+    if l1.gds.is_some() && l1.use_hugepages {
+        return Err(ConfigError::invalid(
+            "--gds-l1-path",
+            "conflicts with --l1-use-hugepages: the L1 objects live in slab files, not in \
+             memory; drop one of them",
+        ));
+    }
+    let align_bytes = l1.align_bytes;
+    if l1.gds.is_some() && align_bytes % GDS_SLAB_ALIGN as u64 != 0 {
+        return Err(ConfigError::invalid(
+            "--l1-align-bytes",
+            format!(
+                "{align_bytes} is not a multiple of {GDS_SLAB_ALIGN}: GDS slab objects are read and \
+                 written with direct I/O, which needs {GDS_SLAB_ALIGN}-byte aligned offsets"
+            ),
+        ));
+    }
+    if l1.gds.is_some() {
+        // Neither devdax nor hugetlb is set here, so `use_lazy` is the lazy flag as given.
+        if l1.use_lazy {
+            notes.push(
+                "--gds-l1-path turns lazy allocation off: each shard's slab file is preallocated \
+                 at start (as lmcache 0.5.6 does)"
+                    .to_string(),
+            );
+        }
+        l1.use_lazy = false;
+    }
+
+    let shm_pool = config.shm_name.is_some();
+    if l1.devdax_path.is_some() && shm_pool {
+        return Err(ConfigError::invalid(
+            "--l1-devdax-path",
+            "conflicts with the engine_driven SHM pool, which lives in /dev/shm, not on the \
+             device: add --shm-name \"\" (or --supported-transfer-mode lmcache_driven) to \
+             disable it, as lmcache 0.5.6 requires",
+        ));
+    }
+    if l1.gds.is_some() && shm_pool {
+        return Err(ConfigError::invalid(
+            "--gds-l1-path",
+            "conflicts with the engine_driven SHM pool: the L1 objects live in slab files that \
+             engine_driven workers cannot map, so the pool would hold none of them: add \
+             --shm-name \"\" (or --supported-transfer-mode lmcache_driven) to disable it",
+        ));
+    }
+    if l1.use_hugepages && shm_pool {
+        return Err(ConfigError::invalid(
+            "--l1-use-hugepages",
+            "is incompatible with the SHM pool: set --shm-name \"\" (or --supported-transfer-mode \
+             lmcache_driven) to disable it, as lmcache 0.5.6 requires; a pre-faulted SHM pool \
+             (--no-l1-use-lazy) gets transparent huge pages where /dev/shm is mounted with huge=advise",
+        ));
+    }
+
+    if config.l2.store_policy == L2StorePolicy::SkipL1 && config.l2.adapters.is_empty() {
+        return Err(ConfigError::invalid(
+            "--l2-store-policy",
+            "skip_l1 drops chunks from L1 once stored to L2, but no --l2-adapter is configured",
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -2309,6 +2527,23 @@ mod tests {
             );
             assert!(e.to_string().contains("use auto"), "{backend}: {e}");
         }
+    }
+
+    #[test]
+    fn cli_gds_l1_tier_without_lazy_flag_has_no_lazy_note() {
+        let (cfg, notes) = resolve(&[
+            "--gds-l1-path",
+            "/nvme/kv",
+            "--shm-name",
+            "",
+            "--no-l1-use-lazy",
+        ])
+        .unwrap();
+        assert!(!cfg.l1.use_lazy);
+        assert!(
+            !notes.iter().any(|n| n.starts_with("--gds-l1-path")),
+            "{notes:?}"
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use kvshard_io::executor::{spawn_shard, ShardHandle};
 use kvshard_io::mailbox::{mailbox, notify_queue, MailboxSender};
 
 use kvshard_control::control::ControlHandle;
-use kvshard_control::front::{Front, FrontSetup};
+use kvshard_control::front::{FrontLoop, FrontSetup};
 use kvshard_dataplane::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
 use kvshard_dataplane::cuda_transfer::L1Memory;
 use kvshard_dataplane::messages::ShardMsg;
@@ -259,7 +259,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         cfg.chunk_size,
         cfg.transfer_mode
     );
-    let mut front = Front::new(cfg.clone(), setup, socket, senders, events_rx);
+    let mut front = FrontLoop::new(cfg.clone(), setup, socket, senders, events_rx);
     // Pinned last: every thread started above keeps its own placement.
     match cfg.front_core {
         Some(core) => match kvshard_io::executor::pin_current_thread(core) {

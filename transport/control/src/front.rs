@@ -7,6 +7,7 @@
 //! or a miss, and the cause is logged and counted.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -198,12 +199,154 @@ pub struct FrontSetup {
     pub events: NotifySender<FrontEvent>,
 }
 
+/// Where the front's replies go: the ROUTER socket in the server
+/// ([`ZmqPort`]), a recorder in tests.
+pub trait ReplyPort {
+    /// Sends one multipart reply (`[identity, uid, op, payload?]`) without
+    /// blocking.
+    fn send(&mut self, frames: &[&[u8]]) -> Result<(), Undelivered>;
+}
+
+/// Why a reply was not delivered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Undelivered {
+    /// The peer's queue is full: it is not reading its replies.
+    QueueFull,
+    /// The peer is gone, or another socket error.
+    Other(String),
+}
+
+/// The front's time source: the system's monotonic clock in the server, a
+/// hand-moved one in tests.
+pub trait Clock {
+    fn now(&self) -> Instant;
+}
+
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+}
+
+/// The ROUTER socket as the front's [`ReplyPort`].
+pub struct ZmqPort(pub Rc<zmq::Socket>);
+
+impl ReplyPort for ZmqPort {
+    fn send(&mut self, frames: &[&[u8]]) -> Result<(), Undelivered> {
+        // Never block: with ROUTER_MANDATORY a blocking send waits while one
+        // peer's queue is full, so a client that stops reading its replies
+        // would stall the front for every client. That client loses its
+        // replies instead.
+        self.0
+            .send_multipart(frames, zmq::DONTWAIT)
+            .map_err(|e| match e {
+                zmq::Error::EAGAIN => Undelivered::QueueFull,
+                e => Undelivered::Other(e.to_string()),
+            })
+    }
+}
+
+/// The I/O shell around [`Front`]: polls the ROUTER socket and the front's
+/// event queue, feeds what arrives to the front, and runs its timers.
+pub struct FrontLoop {
+    front: Front,
+    socket: Rc<zmq::Socket>,
+    events: NotifyReceiver<FrontEvent>,
+}
+
+impl FrontLoop {
+    pub fn new(
+        cfg: Arc<ServerConfig>,
+        setup: FrontSetup,
+        socket: zmq::Socket,
+        shards: Vec<MailboxSender<ShardMsg>>,
+        events: NotifyReceiver<FrontEvent>,
+    ) -> Self {
+        let socket = Rc::new(socket);
+        let port = Box::new(ZmqPort(socket.clone()));
+        FrontLoop {
+            front: Front::new(cfg, setup, port, Box::new(SystemClock), shards),
+            socket,
+            events,
+        }
+    }
+
+    /// Serves until `stop` is set.
+    pub fn run(&mut self, stop: &AtomicBool) {
+        let mut events: Vec<FrontEvent> = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            let timeout_ms = self.front.poll_timeout_ms();
+            let (sock_ready, ev_ready) = {
+                let mut items = [
+                    self.socket.as_poll_item(zmq::POLLIN),
+                    zmq::PollItem::from_fd(self.events.fd(), zmq::POLLIN),
+                ];
+                match zmq::poll(&mut items, timeout_ms) {
+                    Ok(_) => (items[0].is_readable(), items[1].is_readable()),
+                    Err(zmq::Error::EINTR) => continue,
+                    Err(e) => {
+                        log_limited!(Level::Error, "zmq poll failed: {e}");
+                        std::thread::sleep(Duration::from_millis(10));
+                        (false, false)
+                    }
+                }
+            };
+            if ev_ready {
+                self.events.drain(&mut events);
+                for ev in events.drain(..) {
+                    self.front.on_event(ev);
+                }
+            }
+            if sock_ready {
+                // Bounded batch so shard replies are not starved by a flood of requests.
+                for _ in 0..256 {
+                    match self.recv_frames() {
+                        Ok(frames) => self.front.on_message(frames),
+                        Err(zmq::Error::EAGAIN) => break,
+                        Err(zmq::Error::EINTR) => break,
+                        Err(e) => {
+                            log_limited!(Level::Error, "zmq recv failed: {e}");
+                            break;
+                        }
+                    }
+                }
+            }
+            let now = self.front.clock.now();
+            self.front.on_timers(now);
+        }
+    }
+
+    /// Receives one multipart message, its frames left in ZeroMQ's own buffers
+    /// (a payload frame can be hundreds of MiB; it is read in place, never copied).
+    fn recv_frames(&self) -> Result<Vec<zmq::Message>, zmq::Error> {
+        let mut frames = Vec::with_capacity(4);
+        loop {
+            let mut m = zmq::Message::new();
+            // The parts of a message arrive together: only the first can find none.
+            self.socket.recv(&mut m, zmq::DONTWAIT)?;
+            let more = m.get_more();
+            frames.push(m);
+            if !more {
+                return Ok(frames);
+            }
+        }
+    }
+}
+
+/// The front's state and request handling, free of I/O: requests come in as
+/// frames ([`Front::on_message`]), shard, control and device reports as
+/// [`FrontEvent`]s ([`Front::on_event`]), time as [`Front::on_timers`];
+/// replies leave through its [`ReplyPort`], shard work through the shards'
+/// mailboxes, and it reads time from its [`Clock`]. [`FrontLoop`] drives it
+/// from the ZeroMQ socket and the event queue.
 pub struct Front {
     cfg: Arc<ServerConfig>,
     setup: FrontSetup,
-    socket: zmq::Socket,
+    port: Box<dyn ReplyPort>,
+    clock: Box<dyn Clock>,
     shards: Vec<MailboxSender<ShardMsg>>,
-    events: NotifyReceiver<FrontEvent>,
     sessions: Sessions,
     jobs: HashMap<String, Job>,
     /// Read locks concluded lookups still hold, per request.
@@ -269,11 +412,11 @@ impl Front {
     pub fn new(
         cfg: Arc<ServerConfig>,
         setup: FrontSetup,
-        socket: zmq::Socket,
+        port: Box<dyn ReplyPort>,
+        clock: Box<dyn Clock>,
         shards: Vec<MailboxSender<ShardMsg>>,
-        events: NotifyReceiver<FrontEvent>,
     ) -> Self {
-        let now = Instant::now();
+        let now = clock.now();
         let lookup_log = cfg
             .lookup_hash_log
             .as_ref()
@@ -328,63 +471,20 @@ impl Front {
             next_log_flush: now,
             cfg,
             setup,
-            socket,
+            port,
+            clock,
             shards,
-            events,
         }
     }
 
-    /// Serves until `stop` is set.
-    pub fn run(&mut self, stop: &AtomicBool) {
-        let mut frames_buf: Vec<FrontEvent> = Vec::new();
-        while !stop.load(Ordering::Relaxed) {
-            let timeout_ms = self.poll_timeout_ms();
-            let (sock_ready, ev_ready) = {
-                let mut items = [
-                    self.socket.as_poll_item(zmq::POLLIN),
-                    zmq::PollItem::from_fd(self.events.fd(), zmq::POLLIN),
-                ];
-                match zmq::poll(&mut items, timeout_ms) {
-                    Ok(_) => (items[0].is_readable(), items[1].is_readable()),
-                    Err(zmq::Error::EINTR) => continue,
-                    Err(e) => {
-                        log_limited!(Level::Error, "zmq poll failed: {e}");
-                        std::thread::sleep(Duration::from_millis(10));
-                        (false, false)
-                    }
-                }
-            };
-            if ev_ready {
-                self.events.drain(&mut frames_buf);
-                for ev in frames_buf.drain(..) {
-                    self.on_event(ev);
-                }
-            }
-            if sock_ready {
-                // Bounded batch so shard replies are not starved by a flood of requests.
-                for _ in 0..256 {
-                    match self.recv_frames() {
-                        Ok(frames) => self.on_message(frames),
-                        Err(zmq::Error::EAGAIN) => break,
-                        Err(zmq::Error::EINTR) => break,
-                        Err(e) => {
-                            log_limited!(Level::Error, "zmq recv failed: {e}");
-                            break;
-                        }
-                    }
-                }
-            }
-            self.on_timers(Instant::now());
-        }
-    }
-
-    fn poll_timeout_ms(&self) -> i64 {
+    /// How long the loop may wait for input before [`Front::on_timers`] is due.
+    pub fn poll_timeout_ms(&self) -> i64 {
         if self.overflowing > 0 {
             // A shard frees mailbox room without a word for messages that want
             // no reply: look again soon. Only while some shard is overloaded.
             return 1;
         }
-        let now = Instant::now();
+        let now = self.clock.now();
         let mut next = self.next_session_sweep.min(self.next_reap);
         if self.num_waiters > 0 {
             for job in self.jobs.values() {
@@ -401,7 +501,8 @@ impl Front {
 
     // ---------------------------------------------------------------- timers
 
-    fn on_timers(&mut self, now: Instant) {
+    /// Runs what is due at `now`: sweeps, reaping, deadlines, dead shards.
+    pub fn on_timers(&mut self, now: Instant) {
         self.watch_shards();
         if now >= self.next_log_flush {
             self.next_log_flush = now + Duration::from_secs(1);
@@ -506,23 +607,9 @@ impl Front {
 
     // -------------------------------------------------------------- requests
 
-    /// Receives one multipart message, its frames left in ZeroMQ's own buffers
-    /// (a payload frame can be hundreds of MiB; it is read in place, never copied).
-    fn recv_frames(&self) -> Result<Vec<zmq::Message>, zmq::Error> {
-        let mut frames = Vec::with_capacity(4);
-        loop {
-            let mut m = zmq::Message::new();
-            // The parts of a message arrive together: only the first can find none.
-            self.socket.recv(&mut m, zmq::DONTWAIT)?;
-            let more = m.get_more();
-            frames.push(m);
-            if !more {
-                return Ok(frames);
-            }
-        }
-    }
-
-    fn on_message(&mut self, frames: Vec<zmq::Message>) {
+    /// Handles one request, `[identity, uid, op, payloads...]` as the ROUTER
+    /// received it (frames are read where they lie, never copied whole).
+    pub fn on_message<F: std::ops::Deref<Target = [u8]>>(&mut self, frames: Vec<F>) {
         self.metrics.requests += 1;
         if frames.len() < 3 {
             // [identity, uid] without an op cannot be a 0.5.6 request; echo what came.
@@ -533,9 +620,7 @@ impl Front {
                 frames.len()
             );
             if frames.len() == 2 {
-                let res = self
-                    .socket
-                    .send_multipart([&*frames[0], &*frames[1]], zmq::DONTWAIT);
+                let res = self.port.send(&[&frames[0], &frames[1]]);
                 self.count_undelivered(res);
             }
             return;
@@ -543,7 +628,7 @@ impl Front {
         let mut it = frames.into_iter();
         let mut small = || it.next().map(|m| m.to_vec()).unwrap_or_default();
         let (identity, uid, op_frame) = (small(), small(), small());
-        let payloads: Vec<zmq::Message> = it.collect();
+        let payloads: Vec<F> = it.collect();
         if op_frame.is_empty() {
             // Stream credit/cancel controls (subscribe_kv_events): kvshard has no streams.
             return;
@@ -622,40 +707,33 @@ impl Front {
     }
 
     fn reply(&mut self, to: &ReplyTo, payload: Option<Vec<u8>>) {
-        // Never block: with ROUTER_MANDATORY a blocking send waits while one peer's
-        // queue is full, so a client that stops reading its replies would stall the
-        // front for every client. That client loses its replies instead.
         let res = match payload {
-            Some(p) => self
-                .socket
-                .send_multipart([to.identity.as_slice(), &to.uid, &to.op, &p], zmq::DONTWAIT),
-            None => self
-                .socket
-                .send_multipart([to.identity.as_slice(), &to.uid, &to.op], zmq::DONTWAIT),
+            Some(p) => self.port.send(&[&to.identity, &to.uid, &to.op, &p]),
+            None => self.port.send(&[&to.identity, &to.uid, &to.op]),
         };
         self.count_undelivered(res);
     }
 
-    fn count_undelivered(&mut self, res: Result<(), zmq::Error>) {
+    fn count_undelivered(&mut self, res: Result<(), Undelivered>) {
         let Err(e) = res else {
             return;
         };
-        // EHOSTUNREACH: the peer is gone. EAGAIN: its queue is full (it is not
-        // reading). Logged at powers of two so a flood cannot flood the log.
+        // The peer is gone, or its queue is full (it is not reading). Logged
+        // at powers of two so a flood cannot flood the log.
         self.metrics.reply_failures += 1;
         let n = self.metrics.reply_failures;
-        if e == zmq::Error::EAGAIN && n.is_power_of_two() {
+        if e == Undelivered::QueueFull && n.is_power_of_two() {
             log_limited!(
                 Level::Warn,
                 "reply dropped: the client's queue is full ({n} undelivered replies so far)"
             );
         } else {
-            log::debug!("reply not delivered: {e}");
+            log::debug!("reply not delivered: {e:?}");
         }
     }
 
     fn dispatch(&mut self, to: ReplyTo, req: Request) {
-        let now = Instant::now();
+        let now = self.clock.now();
         match req {
             Request::Noop => self.reply(&to, Some(wire::encode_str("OK"))),
             Request::GetChunkSize => {
@@ -1115,7 +1193,8 @@ impl Front {
         );
     }
 
-    fn on_event(&mut self, ev: FrontEvent) {
+    /// Handles a report from a shard, the HTTP API or a device thread.
+    pub fn on_event(&mut self, ev: FrontEvent) {
         match ev {
             FrontEvent::Control(req, responder) => self.control(req, responder),
             FrontEvent::Shard(reply) => self.on_shard_reply(reply),
@@ -1196,7 +1275,7 @@ impl Front {
                         .iter()
                         .map(|s| layout.slot(s.as_ref().map_or(0, |s| s.offset)))
                         .collect();
-                    if let Some(old) = self.registry.pending_reads.insert(tkey, keys) {
+                    if let Some(old) = self.registry.push_pending_read(tkey, keys) {
                         self.post(old, |keys| ShardOp::Release { keys, count: 1 });
                     }
                     self.reply(&to, Some(wire::encode_prepare_retrieve_reply(true, &slots)));
@@ -2084,11 +2163,7 @@ impl Front {
 
     fn commit_retrieve(&mut self, key: &IpcKey, iid: i64, now: Instant) -> bool {
         self.registry.touch_traffic(iid, now);
-        match self
-            .registry
-            .pending_reads
-            .remove(&TransferKey::new(iid, key))
-        {
+        match self.registry.pop_pending_read(&TransferKey::new(iid, key)) {
             Some(keys) => {
                 let n = keys.len() as u64;
                 self.post(keys, |keys| ShardOp::Release { keys, count: 1 });
@@ -2270,7 +2345,7 @@ impl Front {
     }
 
     fn on_cuda_event(&mut self, ev: CudaEvent) {
-        let now = Instant::now();
+        let now = self.clock.now();
         match ev {
             CudaEvent::Registered { iid, result } => {
                 let Some(p) = self.cuda_regs.remove(&iid) else {
@@ -2557,7 +2632,7 @@ impl Front {
 
     /// The GPU of a registered CUDA instance.
     fn cuda_ordinal(&mut self, iid: i64) -> Option<usize> {
-        match self.registry.lmc_reg(iid, Instant::now()) {
+        match self.registry.lmc_reg(iid, self.clock.now()) {
             Some((LmcTransfer::Cuda(c), _)) => Some(c.ordinal),
             _ => None,
         }
@@ -2696,21 +2771,23 @@ impl Front {
         block_ids: &[Vec<i64>],
         reg: &LmcTransfer,
     ) -> Option<(Vec<ObjectKey>, Vec<Vec<i64>>)> {
-        let chunks = self.worker_keys(iid, key, Instant::now()).and_then(|objs| {
-            let blocks = match reg {
-                LmcTransfer::CpuShm(r) => {
-                    Self::chunk_blocks(r.blocks_per_chunk(), block_ids, objs.len(), |b| {
-                        r.validate_block_ids(b).map_err(|e| e.to_string())
-                    })
-                }
-                LmcTransfer::Cuda(c) => {
-                    Self::chunk_blocks(c.blocks_per_chunk(), block_ids, objs.len(), |b| {
-                        c.validate_block_ids(b)
-                    })
-                }
-            }?;
-            Ok((objs, blocks))
-        });
+        let chunks = self
+            .worker_keys(iid, key, self.clock.now())
+            .and_then(|objs| {
+                let blocks = match reg {
+                    LmcTransfer::CpuShm(r) => {
+                        Self::chunk_blocks(r.blocks_per_chunk(), block_ids, objs.len(), |b| {
+                            r.validate_block_ids(b).map_err(|e| e.to_string())
+                        })
+                    }
+                    LmcTransfer::Cuda(c) => {
+                        Self::chunk_blocks(c.blocks_per_chunk(), block_ids, objs.len(), |b| {
+                            c.validate_block_ids(b)
+                        })
+                    }
+                }?;
+                Ok((objs, blocks))
+            });
         match chunks {
             Ok(c) => Some(c),
             Err(e) => {
@@ -2895,7 +2972,7 @@ impl Front {
     /// instances may still read (instance `gone` just left).
     fn release_orphaned_locks(&mut self, model: &str, ws: u32, gone: i64) {
         // A lease past its TTL may hold locks the shard has already expired.
-        self.leases.expire(Instant::now());
+        self.leases.expire(self.clock.now());
         let registry = &self.registry;
         let orphans = self.leases.orphaned(model, ws, |rank, done| {
             registry
@@ -2979,7 +3056,7 @@ impl Front {
                 chunk_size_blocks,
                 layerwise,
             } => {
-                match self.registry.lmc_reg(instance_id, Instant::now()) {
+                match self.registry.lmc_reg(instance_id, self.clock.now()) {
                     None => responder.send(ControlResponse::error(
                         404,
                         format!("instance_id {instance_id} not registered"),
@@ -3221,7 +3298,7 @@ impl Front {
             "arena": self.arena_json(reports),
         });
         let mut worker_liveness = serde_json::Map::new();
-        let now = Instant::now();
+        let now = self.clock.now();
         for (iid, mode, last_seen, pinged) in self.registry.liveness() {
             worker_liveness.insert(
                 iid.to_string(),

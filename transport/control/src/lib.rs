@@ -4,6 +4,8 @@
 
 pub mod control;
 pub mod front;
+#[cfg(test)]
+mod front_model;
 pub mod lookup_leases;
 pub mod lookup_log;
 pub mod metrics;

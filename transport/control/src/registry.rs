@@ -2,7 +2,7 @@
 //! mappings), their liveness, pending SHM reservations, and the object layout
 //! registered per (model, world_size).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -142,9 +142,17 @@ pub struct Registry {
     engine: HashMap<i64, EngineEntry>,
     lmc: HashMap<i64, LmcEntry>,
     pub pending_writes: HashMap<TransferKey, Vec<ObjectKey>>,
-    pub pending_reads: HashMap<TransferKey, Vec<ObjectKey>>,
+    /// Read-locked objects of each prepare_retrieve not committed yet, oldest
+    /// first. One instance may retrieve the same token range for two requests
+    /// at once (the transfer key leaves the request id out, as 0.5.6's does):
+    /// each prepare keeps its own share and each commit releases one.
+    pending_reads: HashMap<TransferKey, VecDeque<Vec<ObjectKey>>>,
     max: usize,
 }
+
+/// Uncommitted prepare_retrieves kept per transfer key; beyond it the oldest
+/// is released (its worker never committed).
+pub const MAX_PENDING_READS_PER_KEY: usize = 16;
 
 impl Registry {
     pub fn new(max: usize) -> Self {
@@ -317,18 +325,58 @@ impl Registry {
         out
     }
 
+    /// Records a prepare_retrieve's read-locked objects. Returns the objects
+    /// of an older prepare of the same transfer key to release, when that key
+    /// already holds [`MAX_PENDING_READS_PER_KEY`].
+    pub fn push_pending_read(
+        &mut self,
+        key: TransferKey,
+        objs: Vec<ObjectKey>,
+    ) -> Option<Vec<ObjectKey>> {
+        let q = self.pending_reads.entry(key).or_default();
+        q.push_back(objs);
+        if q.len() > MAX_PENDING_READS_PER_KEY {
+            q.pop_front()
+        } else {
+            None
+        }
+    }
+
+    /// The objects of the oldest uncommitted prepare_retrieve of `key`.
+    pub fn pop_pending_read(&mut self, key: &TransferKey) -> Option<Vec<ObjectKey>> {
+        let q = self.pending_reads.get_mut(key)?;
+        let objs = q.pop_front();
+        if q.is_empty() {
+            self.pending_reads.remove(key);
+        }
+        objs
+    }
+
     /// Takes every pending reservation of `iid` (writes, reads).
     pub fn take_pending(&mut self, iid: i64) -> (Vec<Vec<ObjectKey>>, Vec<Vec<ObjectKey>>) {
-        let take = |m: &mut HashMap<TransferKey, Vec<ObjectKey>>| {
-            let ks: Vec<TransferKey> = m.keys().filter(|k| k.instance_id == iid).cloned().collect();
-            ks.into_iter()
-                .filter_map(|k| m.remove(&k))
-                .collect::<Vec<_>>()
-        };
-        (
-            take(&mut self.pending_writes),
-            take(&mut self.pending_reads),
-        )
+        let of_iid = |k: &TransferKey| k.instance_id == iid;
+        let wkeys: Vec<TransferKey> = self
+            .pending_writes
+            .keys()
+            .filter(|k| of_iid(k))
+            .cloned()
+            .collect();
+        let writes = wkeys
+            .into_iter()
+            .filter_map(|k| self.pending_writes.remove(&k))
+            .collect();
+        let rkeys: Vec<TransferKey> = self
+            .pending_reads
+            .keys()
+            .filter(|k| of_iid(k))
+            .cloned()
+            .collect();
+        let reads = rkeys
+            .into_iter()
+            .filter_map(|k| self.pending_reads.remove(&k))
+            .flatten()
+            .collect();
+        (writes, reads)
     }
 
     pub fn liveness(&self) -> Vec<(i64, &'static str, Instant, bool)> {

@@ -335,6 +335,54 @@ impl ServerConfig {
         format!("tcp://{}:{}", host, self.port)
     }
 
+    /// A complete configuration with the server's defaults on two cores, for
+    /// tests of the parts that take one.
+    pub fn example() -> ServerConfig {
+        ServerConfig {
+            instance_id: "id".into(),
+            host: "localhost".into(),
+            port: 5555,
+            chunk_size: 256,
+            hash_algorithm: "blake3".into(),
+            cores: vec![0, 1],
+            front_core: None,
+            transfer_mode: TransferMode::Auto,
+            shm_name: Some("lmcache_l1_pool_x".into()),
+            session_ttl: Duration::from_secs(600),
+            worker_reap_timeout: Duration::from_secs(120),
+            worker_registration_grace: Duration::from_secs(3600),
+            null_block_id: 0,
+            kv_event_log_size: 32768,
+            l1: L1Settings {
+                size_bytes: 1 << 30,
+                use_lazy: true,
+                use_hugepages: false,
+                init_size_bytes: 1 << 30,
+                align_bytes: 4096,
+                devdax_path: None,
+                gds: None,
+                write_ttl: Duration::from_secs(600),
+                read_ttl: Duration::from_secs(300),
+                eviction_policy: EvictionPolicyName::Lru,
+                trigger_watermark: 0.8,
+                eviction_ratio: 0.2,
+            },
+            l2: L2Settings::default(),
+            http_host: "127.0.0.1".into(),
+            http_port: 8080,
+            lookup_hash_log: None,
+            disable_observability: false,
+            disable_metrics: false,
+            disable_logging: false,
+            shard_queue_depth: 4096,
+            max_sessions: 65536,
+            max_registrations: 4096,
+            max_frame_bytes: 512 << 20,
+            cuda_transfer: false,
+            http_max_connections: 1024,
+        }
+    }
+
     /// `host:port` for the HTTP listener (IPv6 literals bracketed).
     pub fn http_bind_addr(&self) -> String {
         format!("{}:{}", bracket_ipv6(&self.http_host), self.http_port)
@@ -458,55 +506,9 @@ fn fill_random(buf: &mut [u8]) {
 mod tests {
     use super::*;
 
-    fn sample() -> ServerConfig {
-        ServerConfig {
-            instance_id: "id".into(),
-            host: "localhost".into(),
-            port: 5555,
-            chunk_size: 256,
-            hash_algorithm: "blake3".into(),
-            cores: vec![0, 1],
-            front_core: None,
-            transfer_mode: TransferMode::Auto,
-            shm_name: Some("lmcache_l1_pool_x".into()),
-            session_ttl: Duration::from_secs(600),
-            worker_reap_timeout: Duration::from_secs(120),
-            worker_registration_grace: Duration::from_secs(3600),
-            null_block_id: 0,
-            kv_event_log_size: 32768,
-            l1: L1Settings {
-                size_bytes: 1 << 30,
-                use_lazy: true,
-                use_hugepages: false,
-                init_size_bytes: 1 << 30,
-                align_bytes: 4096,
-                devdax_path: None,
-                gds: None,
-                write_ttl: Duration::from_secs(600),
-                read_ttl: Duration::from_secs(300),
-                eviction_policy: EvictionPolicyName::Lru,
-                trigger_watermark: 0.8,
-                eviction_ratio: 0.2,
-            },
-            l2: L2Settings::default(),
-            http_host: "127.0.0.1".into(),
-            http_port: 8080,
-            lookup_hash_log: None,
-            disable_observability: false,
-            disable_metrics: false,
-            disable_logging: false,
-            shard_queue_depth: 4096,
-            max_sessions: 65536,
-            max_registrations: 4096,
-            max_frame_bytes: 512 << 20,
-            cuda_transfer: false,
-            http_max_connections: 1024,
-        }
-    }
-
     #[test]
     fn config_zmq_bind_url_maps_hosts_zmq_cannot_bind() {
-        let mut c = sample();
+        let mut c = ServerConfig::example();
         assert_eq!(c.zmq_bind_url(), "tcp://127.0.0.1:5555");
         c.host = "0.0.0.0".into();
         assert_eq!(c.zmq_bind_url(), "tcp://*:5555");
@@ -521,7 +523,7 @@ mod tests {
 
     #[test]
     fn config_http_bind_addr() {
-        let mut c = sample();
+        let mut c = ServerConfig::example();
         assert_eq!(c.http_bind_addr(), "127.0.0.1:8080");
         c.http_host = "::".into();
         assert_eq!(c.http_bind_addr(), "[::]:8080");
@@ -637,7 +639,7 @@ mod tests {
 
     #[test]
     fn config_serialises_durations_as_seconds() {
-        let v = serde_json::to_value(sample()).unwrap();
+        let v = serde_json::to_value(ServerConfig::example()).unwrap();
         assert_eq!(v["session_ttl"], 600.0);
         assert_eq!(v["l1"]["read_ttl"], 300.0);
         assert_eq!(v["transfer_mode"], "auto");

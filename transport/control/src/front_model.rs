@@ -1,0 +1,626 @@
+//! Model test of the front core: the real [`Front`] driven without sockets or
+//! threads. Clients are a recorded [`ReplyPort`], time a hand-moved clock,
+//! and the shards are played by this test over the real mailboxes, with a
+//! small model of the L1 (resident, staged, read locks per key). Random
+//! engine_driven flows (store, lookup + status + retrieve, end of session),
+//! junk frames and unknown ops interleave with shard replies delivered in
+//! random order across shards. Checked: every request gets exactly one reply
+//! carrying its uid, lookups report hits between what was committed when they
+//! were sent and what could have been by their reply, the front never
+//! releases a read lock it does not hold, and once every session ended no
+//! read lock or staged write is left on any shard.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvshard_dataplane::config::ServerConfig;
+use kvshard_dataplane::messages::{
+    FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, FOUND_L1, FOUND_MISS,
+};
+use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::slab::Slab;
+use kvshard_io::mailbox::{mailbox, notify_queue, MailboxReceiver};
+use kvshard_wire::msgpack::{decode_value, encode_value, Value};
+
+use crate::front::{Clock, Front, FrontSetup, ReplyPort, Undelivered};
+
+const CHUNK: usize = 256;
+const IID: i64 = 1;
+const OP_LOOKUP: i64 = 8;
+const OP_QUERY_PREFETCH_STATUS: i64 = 9;
+const OP_FREE_LOOKUP_LOCKS: i64 = 12;
+const OP_END_SESSION: i64 = 13;
+const OP_REGISTER_ENGINE: i64 = 14;
+const OP_PREPARE_STORE: i64 = 16;
+const OP_COMMIT_STORE: i64 = 17;
+const OP_PREPARE_RETRIEVE: i64 = 18;
+const OP_COMMIT_RETRIEVE: i64 = 19;
+const OP_NOOP: i64 = 24;
+
+/// xorshift64*: reproducible per seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+type Sent = Rc<RefCell<Vec<Vec<Vec<u8>>>>>;
+
+struct Recorder(Sent);
+
+impl ReplyPort for Recorder {
+    fn send(&mut self, frames: &[&[u8]]) -> Result<(), Undelivered> {
+        self.0
+            .borrow_mut()
+            .push(frames.iter().map(|f| f.to_vec()).collect());
+        Ok(())
+    }
+}
+
+struct HandClock(Rc<Cell<Instant>>);
+
+impl Clock for HandClock {
+    fn now(&self) -> Instant {
+        self.0.get()
+    }
+}
+
+#[derive(Default)]
+struct KeyState {
+    resident: Option<Slab>,
+    staged: Option<(u64, Slab)>,
+    locks: u32,
+}
+
+/// One shard as the L1 behaves for the ops engine_driven flows send.
+#[derive(Default)]
+struct ModelShard {
+    keys: HashMap<ObjectKey, KeyState>,
+    next_offset: u64,
+}
+
+impl ModelShard {
+    fn handle(&mut self, op: ShardOp) -> ShardReplyBody {
+        match op {
+            ShardOp::Lookup { keys, readers, .. } => ShardReplyBody::Found(
+                keys.iter()
+                    .map(|k| match self.keys.get_mut(k) {
+                        Some(s) if s.resident.is_some() => {
+                            s.locks += readers;
+                            FOUND_L1
+                        }
+                        _ => FOUND_MISS,
+                    })
+                    .collect(),
+            ),
+            ShardOp::Release { keys, count } => {
+                for k in keys {
+                    let s = self.keys.get_mut(&k).expect("release of an unknown key");
+                    assert!(
+                        s.locks >= count,
+                        "released {count} of {} read locks",
+                        s.locks
+                    );
+                    s.locks -= count;
+                }
+                ShardReplyBody::Done
+            }
+            ShardOp::Touch { .. } => ShardReplyBody::Done,
+            ShardOp::ReserveWrite { keys, size, tag } => ShardReplyBody::Slabs(
+                keys.into_iter()
+                    .map(|k| {
+                        let s = self.keys.entry(k).or_default();
+                        if s.resident.is_some() || s.staged.is_some() {
+                            return None;
+                        }
+                        let slab = Slab {
+                            offset: self.next_offset,
+                            len: size,
+                        };
+                        self.next_offset += size;
+                        s.staged = Some((tag, slab));
+                        Some(slab)
+                    })
+                    .collect(),
+            ),
+            ShardOp::FinishWrite { keys, tag } => {
+                for k in keys {
+                    let s = self.keys.get_mut(&k).expect("finish of an unknown key");
+                    match s.staged {
+                        Some((t, slab)) if t == tag => {
+                            s.staged = None;
+                            s.resident = Some(slab);
+                        }
+                        _ => panic!("finish_write by a writer that staged nothing"),
+                    }
+                }
+                ShardReplyBody::Done
+            }
+            ShardOp::AbortWrite { keys, tag } => {
+                for k in keys {
+                    if let Some(s) = self.keys.get_mut(&k) {
+                        if matches!(s.staged, Some((t, _)) if t == tag) {
+                            s.staged = None;
+                        }
+                    }
+                }
+                ShardReplyBody::Done
+            }
+            ShardOp::ReadLocked { keys } => ShardReplyBody::Slabs(
+                keys.iter()
+                    .map(|k| {
+                        self.keys
+                            .get(k)
+                            .filter(|s| s.locks > 0)
+                            .and_then(|s| s.resident)
+                    })
+                    .collect(),
+            ),
+            _ => panic!("the model flows send no other shard op"),
+        }
+    }
+}
+
+fn map(pairs: &[(&str, Value)]) -> Value {
+    Value::Map(
+        pairs
+            .iter()
+            .map(|(k, v)| (Value::Str((*k).to_owned()), v.clone()))
+            .collect(),
+    )
+}
+
+fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+    match v {
+        Value::Map(m) => m
+            .iter()
+            .find(|(k, _)| matches!(k, Value::Str(s) if s == key))
+            .map(|(_, v)| v),
+        _ => None,
+    }
+}
+
+/// Tokens of the first `n` chunks of prefix `p`: longer requests of one
+/// prefix extend shorter ones, so they share their leading chunk hashes.
+fn tokens(p: usize, n: usize) -> Value {
+    Value::Array(
+        (0..n * CHUNK)
+            .map(|i| Value::Int((p * 1_000_003 + i) as i64 % 50_000))
+            .collect(),
+    )
+}
+
+fn key(p: usize, n: usize, worker: Option<i64>, rid: &str) -> Value {
+    map(&[
+        ("model_name", Value::Str("model".into())),
+        ("world_size", Value::Int(1)),
+        ("worker_id", worker.map_or(Value::Nil, Value::Int)),
+        ("token_ids", tokens(p, n)),
+        ("start", Value::Int(0)),
+        ("end", Value::Int((n * CHUNK) as i64)),
+        ("request_id", Value::Str(rid.into())),
+        ("cache_salt", Value::Str(String::new())),
+        ("request_configs", Value::Nil),
+        ("num_kv_readers", Value::Int(1)),
+    ])
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Step {
+    /// prepare_store of `n` chunks of prefix `p`; then commit_store.
+    PrepareStore,
+    CommitStore,
+    Lookup,
+    /// query_prefetch_status until it answers an int.
+    Status,
+    PrepareRetrieve,
+    CommitRetrieve,
+    /// free_lookup_locks of the hits a flow does not retrieve.
+    FreeLocks,
+    EndSession,
+}
+
+struct Flow {
+    p: usize,
+    n: usize,
+    rid: String,
+    step: Step,
+    /// Leading chunks of `p` known committed when the lookup was sent.
+    lo: usize,
+    hits: usize,
+}
+
+struct Harness {
+    front: Front,
+    sent: Sent,
+    clock: Rc<Cell<Instant>>,
+    /// Per shard: its mailbox, the messages taken from it not yet handled,
+    /// and its L1 model.
+    shards: Vec<(MailboxReceiver<ShardMsg>, VecDeque<ShardMsg>, ModelShard)>,
+    /// Shard replies not yet handed to the front.
+    replies: Vec<ShardReply>,
+    next_uid: u64,
+    rng: Rng,
+}
+
+impl Harness {
+    fn new(seed: u64, num_shards: usize) -> Harness {
+        let mut cfg = ServerConfig::example();
+        cfg.chunk_size = CHUNK;
+        cfg.cores = (0..num_shards).collect();
+        let (events, _events_rx) = notify_queue::<FrontEvent>();
+        let setup = FrontSetup {
+            shm_pool: Some(("kvshard_model".into(), 1 << 40)),
+            huge_pages: kvshard_io::arena::HugePages::Off,
+            huge_page_bytes: None,
+            arena: serde_json::Value::Null,
+            l1_memory: None,
+            events,
+        };
+        let sent: Sent = Rc::default();
+        let clock = Rc::new(Cell::new(Instant::now()));
+        let mut senders = Vec::new();
+        let mut shards = Vec::new();
+        for _ in 0..num_shards {
+            let (tx, rx) = mailbox(1024);
+            senders.push(tx);
+            shards.push((rx, VecDeque::new(), ModelShard::default()));
+        }
+        let front = Front::new(
+            Arc::new(cfg),
+            setup,
+            Box::new(Recorder(sent.clone())),
+            Box::new(HandClock(clock.clone())),
+            senders,
+        );
+        Harness {
+            front,
+            sent,
+            clock,
+            shards,
+            replies: Vec::new(),
+            next_uid: 0,
+            rng: Rng(seed | 1),
+        }
+    }
+
+    /// Sends a request; returns its uid frame.
+    fn send(&mut self, client: usize, op: i64, args: &[Value]) -> Vec<u8> {
+        self.next_uid += 1;
+        let uid = self.next_uid.to_le_bytes().to_vec();
+        let mut frames = vec![
+            format!("client{client}").into_bytes(),
+            uid.clone(),
+            encode_value(&Value::Int(op)),
+        ];
+        frames.extend(args.iter().map(encode_value));
+        self.front.on_message(frames);
+        uid
+    }
+
+    /// One unit of shard-side progress, chosen at random: a shard handles its
+    /// next message, or a pending reply reaches the front. False when idle.
+    fn progress(&mut self) -> bool {
+        for (rx, queued, _) in &mut self.shards {
+            while let Ok(msg) = rx.try_recv() {
+                queued.push_back(msg);
+            }
+        }
+        let busy: Vec<usize> = (0..self.shards.len())
+            .filter(|&i| !self.shards[i].1.is_empty())
+            .collect();
+        if busy.is_empty() && self.replies.is_empty() {
+            return false;
+        }
+        if !busy.is_empty() && (self.replies.is_empty() || self.rng.below(2) == 0) {
+            let i = busy[self.rng.below(busy.len())];
+            let (_, queued, shard) = &mut self.shards[i];
+            let msg = queued.pop_front().expect("a busy shard");
+            let body = shard.handle(msg.op);
+            if msg.seq != 0 {
+                self.replies.push(ShardReply {
+                    seq: msg.seq,
+                    shard: i,
+                    body,
+                });
+            }
+        } else {
+            let i = self.rng.below(self.replies.len());
+            let reply = self.replies.swap_remove(i);
+            self.front.on_event(FrontEvent::Shard(reply));
+        }
+        if self.rng.below(8) == 0 {
+            self.clock
+                .set(self.clock.get() + Duration::from_millis(self.rng.below(5) as u64));
+            self.front.on_timers(self.clock.get());
+        }
+        true
+    }
+
+    /// Takes the replies sent so far, keyed by uid; a second reply to one
+    /// uid fails the test.
+    fn take_replies(&mut self, into: &mut HashMap<Vec<u8>, Option<Value>>) {
+        for frames in self.sent.borrow_mut().drain(..) {
+            assert!(
+                frames.len() == 3 || frames.len() == 4,
+                "reply of {} frames",
+                frames.len()
+            );
+            let payload = frames
+                .get(3)
+                .map(|p| decode_value(p).expect("a msgpack payload"));
+            let uid = frames[1].clone();
+            assert!(
+                into.insert(uid, payload).is_none(),
+                "two replies to one request"
+            );
+        }
+    }
+}
+
+fn as_int(v: &Option<Value>) -> Option<i64> {
+    match v {
+        Some(Value::Int(i)) => Some(*i),
+        Some(Value::UInt(u)) => Some(*u as i64),
+        _ => None,
+    }
+}
+
+fn run_model(seed: u64, num_shards: usize, steps: usize) {
+    let mut h = Harness::new(seed, num_shards);
+    let mut replies: HashMap<Vec<u8>, Option<Value>> = HashMap::new();
+    let reg = map(&[
+        ("instance_id", Value::Int(IID)),
+        ("model_name", Value::Str("model".into())),
+        ("world_size", Value::Int(1)),
+        ("block_size", Value::Int(16)),
+        ("num_layers", Value::Int(1)),
+        ("hidden_dim_size", Value::Int(8)),
+        ("dtype_str", Value::Str("float16".into())),
+        ("use_mla", Value::Bool(false)),
+        ("num_physical_slots", Value::Int(CHUNK as i64)),
+    ]);
+    let uid = h.send(0, OP_REGISTER_ENGINE, &[reg]);
+    h.take_replies(&mut replies);
+    let r = replies.remove(&uid).expect("register answered at once");
+    assert!(
+        get(r.as_ref().unwrap(), "shm_name").is_some(),
+        "register reply: {r:?}"
+    );
+
+    const PREFIXES: usize = 4;
+    const CLIENTS: usize = 6;
+    // Leading chunks of each prefix that a completed store made resident,
+    // and the length of the store of it in flight (one at a time per prefix).
+    let mut committed = [0usize; PREFIXES];
+    let mut storing: [Option<usize>; PREFIXES] = [None; PREFIXES];
+    let mut flows: Vec<Option<(Flow, Vec<u8>)>> = (0..CLIENTS).map(|_| None).collect();
+    let mut answered = 0usize;
+    let mut junk = 0usize;
+    let mut step = 0;
+    while step < steps || flows.iter().any(|f| f.is_some()) {
+        step += 1;
+        h.take_replies(&mut replies);
+        let c = h.rng.below(CLIENTS);
+        // Move client c's flow on once its request is answered.
+        if let Some((flow, uid)) = flows[c].take() {
+            let Some(reply) = replies.remove(&uid) else {
+                let what = format!("{:?} of {}", flow.step, flow.rid);
+                flows[c] = Some((flow, uid));
+                assert!(h.progress(), "seed {seed}: {what} never answered");
+                continue;
+            };
+            answered += 1;
+            let mut f = flow;
+            let next = match f.step {
+                Step::PrepareStore => {
+                    let slots = get(reply.as_ref().expect("prepare_store payload"), "context")
+                        .and_then(|c| get(c, "slots"));
+                    match slots {
+                        Some(Value::Array(s)) if s.is_empty() => {
+                            // Every chunk was resident already: nothing to commit.
+                            assert!(committed[f.p] >= f.n, "seed {seed}: no slot for {}", f.rid);
+                            storing[f.p] = None;
+                            Some((Step::EndSession, OP_END_SESSION))
+                        }
+                        Some(Value::Array(_)) => Some((Step::CommitStore, OP_COMMIT_STORE)),
+                        _ => panic!("prepare_store reply: {reply:?}"),
+                    }
+                }
+                Step::CommitStore => {
+                    assert_eq!(reply, Some(Value::Bool(true)), "commit_store of {}", f.rid);
+                    committed[f.p] = committed[f.p].max(f.n);
+                    storing[f.p] = None;
+                    Some((Step::EndSession, OP_END_SESSION))
+                }
+                Step::Lookup => {
+                    assert_eq!(reply, None, "a lookup is acknowledged with no payload");
+                    Some((Step::Status, OP_QUERY_PREFETCH_STATUS))
+                }
+                Step::Status => match as_int(&reply) {
+                    None => Some((Step::Status, OP_QUERY_PREFETCH_STATUS)),
+                    Some(hits) => {
+                        let hits = hits as usize;
+                        let hi = committed[f.p].max(storing[f.p].unwrap_or(0)).min(f.n);
+                        assert!(
+                            f.lo <= hits && hits <= hi,
+                            "seed {seed}: lookup of {} chunks of prefix {} hit {hits}, expected {}..={hi}",
+                            f.n,
+                            f.p,
+                            f.lo
+                        );
+                        f.hits = hits;
+                        match (hits, h.rng.below(4)) {
+                            (0, _) => Some((Step::EndSession, OP_END_SESSION)),
+                            (_, 0) => Some((Step::FreeLocks, OP_FREE_LOOKUP_LOCKS)),
+                            _ => Some((Step::PrepareRetrieve, OP_PREPARE_RETRIEVE)),
+                        }
+                    }
+                },
+                Step::PrepareRetrieve => {
+                    let ok = get(reply.as_ref().expect("prepare_retrieve payload"), "success");
+                    assert_eq!(
+                        ok,
+                        Some(&Value::Bool(true)),
+                        "prepare_retrieve of {}",
+                        f.rid
+                    );
+                    Some((Step::CommitRetrieve, OP_COMMIT_RETRIEVE))
+                }
+                Step::CommitRetrieve => {
+                    assert_eq!(
+                        reply,
+                        Some(Value::Bool(true)),
+                        "commit_retrieve of {}",
+                        f.rid
+                    );
+                    Some((Step::EndSession, OP_END_SESSION))
+                }
+                Step::FreeLocks => {
+                    assert_eq!(reply, None, "free_lookup_locks is answered with no payload");
+                    Some((Step::EndSession, OP_END_SESSION))
+                }
+                Step::EndSession => None,
+            };
+            if let Some((s, op)) = next {
+                let args = match s {
+                    Step::CommitStore => vec![
+                        key(f.p, f.n, Some(0), &f.rid),
+                        Value::Int(IID),
+                        Value::Bin(Vec::new()),
+                    ],
+                    Step::Status | Step::EndSession => vec![Value::Str(f.rid.clone())],
+                    Step::PrepareRetrieve | Step::CommitRetrieve => {
+                        vec![key(f.p, f.hits, Some(0), &f.rid), Value::Int(IID)]
+                    }
+                    Step::FreeLocks => vec![key(f.p, f.hits, None, &f.rid), Value::Int(1)],
+                    _ => unreachable!(),
+                };
+                f.step = s;
+                let uid = h.send(c, op, &args);
+                flows[c] = Some((f, uid));
+            }
+            continue;
+        }
+        if step >= steps {
+            h.progress();
+            continue;
+        }
+        // Client c is idle: start a flow, or send something a flow never does.
+        let (p, n) = (h.rng.below(PREFIXES), 1 + h.rng.below(4));
+        let rid = format!("r{step}");
+        match h.rng.below(10) {
+            0 => {
+                junk += 1;
+                let uid = match h.rng.below(4) {
+                    0 => h.send(c, 99, &[]),
+                    1 => h.send(c, OP_LOOKUP, &[Value::Str("not a key".into())]),
+                    2 => h.send(c, OP_PREPARE_STORE, &[Value::Int(7), Value::Nil]),
+                    _ => h.send(c, OP_NOOP, &[]),
+                };
+                flows[c] = Some((
+                    Flow {
+                        p,
+                        n,
+                        rid,
+                        step: Step::EndSession,
+                        lo: 0,
+                        hits: 0,
+                    },
+                    uid,
+                ));
+            }
+            1..=4 if storing[p].is_none() => {
+                storing[p] = Some(n);
+                let uid = h.send(
+                    c,
+                    OP_PREPARE_STORE,
+                    &[key(p, n, Some(0), &rid), Value::Int(IID)],
+                );
+                let step = Step::PrepareStore;
+                flows[c] = Some((
+                    Flow {
+                        p,
+                        n,
+                        rid,
+                        step,
+                        lo: 0,
+                        hits: 0,
+                    },
+                    uid,
+                ));
+            }
+            _ => {
+                let lo = committed[p].min(n);
+                let uid = h.send(c, OP_LOOKUP, &[key(p, n, None, &rid), Value::Int(1)]);
+                let step = Step::Lookup;
+                flows[c] = Some((
+                    Flow {
+                        p,
+                        n,
+                        rid,
+                        step,
+                        lo,
+                        hits: 0,
+                    },
+                    uid,
+                ));
+            }
+        }
+    }
+    while h.progress() {}
+    h.take_replies(&mut replies);
+    assert!(
+        replies.is_empty(),
+        "replies to no outstanding request: {}",
+        replies.len()
+    );
+    assert!(
+        answered > steps / 4,
+        "seed {seed}: only {answered} replies ({junk} junk)"
+    );
+    for (i, (_, _, shard)) in h.shards.iter().enumerate() {
+        for (k, s) in &shard.keys {
+            assert_eq!(
+                s.locks,
+                0,
+                "seed {seed}: shard {i} key {} keeps read locks",
+                k.file_stem()
+            );
+            assert!(
+                s.staged.is_none(),
+                "seed {seed}: shard {i} keeps a staged write"
+            );
+        }
+    }
+    assert!(
+        steps < 100 || committed.iter().any(|&c| c > 0),
+        "seed {seed}: nothing was stored"
+    );
+}
+
+#[test]
+fn front_model_random_flows_one_shard() {
+    for seed in 1..=30 {
+        run_model(seed, 1, 600);
+    }
+}
+
+#[test]
+fn front_model_random_flows_three_shards() {
+    for seed in 100..=130 {
+        run_model(seed, 3, 600);
+    }
+}
