@@ -1,19 +1,30 @@
 //! RPC round-trip latency against the real server: noop, lookup + prefetch status
-//! for a 2048-token request, and the engine_driven prepare/commit round trips.
+//! for a 2048-token request, and the engine_driven prepare/commit round trips,
+//! each as a ratio to a bare libzmq echo measured in the same run; then lookups
+//! under saturation (with a 1 GiB store and /status polling beside them), and the
+//! server's resident memory outside the L1 arena after many lookups.
 //!
 //! `cargo bench --bench rpc` runs the full sizes; under `cargo test` (no `--bench`
-//! argument) it runs a few iterations so the harness cannot rot.
+//! argument) it runs a few iterations so the harness cannot rot. Timing bars are
+//! printed as PASS/ABOVE and never fail the run; a request left unanswered does
+//! (exit status 1).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::time::Instant;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use support::*;
 
 const CHUNK: usize = 256;
 const TOKENS: usize = 2048;
+const MIB: f64 = (1u64 << 20) as f64;
+const GIB: u64 = 1 << 30;
 
 fn report(name: &str, h: &Histogram<u64>) {
     println!(
@@ -29,6 +40,14 @@ fn report(name: &str, h: &Histogram<u64>) {
 
 fn hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("histogram bounds")
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "PASS"
+    } else {
+        "ABOVE"
+    }
 }
 
 fn tokens(seed: usize) -> Vec<u32> {
@@ -68,16 +87,94 @@ fn echo_baseline(n: usize) -> Histogram<u64> {
     h
 }
 
-fn main() {
-    let full = std::env::args().any(|a| a == "--bench");
-    if !full {
-        println!("(smoke run under cargo test: debug build, few iterations; figures come from `cargo bench`)");
+/// Sends a request of encoded `frames` (the op first) and returns the reply's
+/// payload.
+fn call_frames(c: &mut Client, frames: Vec<Vec<u8>>) -> Option<V> {
+    let op = frames[0].clone();
+    let uid = c.send_raw(frames);
+    let r = c.recv(uid);
+    assert_eq!(r.op, op, "op echoed");
+    r.payload
+}
+
+/// A bare libzmq echo kept running beside the server, sampled in blocks
+/// between the server's measurements so both see the same machine load.
+struct Echo {
+    c: Client,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Echo {
+    fn start() -> Echo {
+        let port = free_port();
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER).unwrap();
+        router.set_rcvtimeo(50).unwrap();
+        router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let _ctx = ctx;
+            while !flag.load(Ordering::Relaxed) {
+                if let Ok(mut frames) = router.recv_multipart(0) {
+                    frames.push(vec![0xa2, b'O', b'K']);
+                    router.send_multipart(frames, 0).unwrap();
+                }
+            }
+        });
+        let mut c = Client::connect(port);
+        for _ in 0..1000 {
+            c.noop_ok();
+        }
+        Echo {
+            c,
+            stop,
+            thread: Some(thread),
+        }
     }
-    let (n_noop, n_lookup, n_pc) = if full {
-        (50_000, 5_000, 2_000)
-    } else {
-        (200, 20, 10)
-    };
+
+    /// `n` echo round trips recorded into `h`.
+    fn sample(&mut self, n: usize, h: &mut Histogram<u64>) {
+        for _ in 0..n {
+            let t = Instant::now();
+            self.c.noop_ok();
+            h.record(t.elapsed().as_nanos() as u64).unwrap();
+        }
+    }
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Echo blocks per measured operation.
+const ECHO_BLOCKS: usize = 10;
+
+/// The round-trip histograms of [`round_trips`].
+struct RoundTrips {
+    noop: Histogram<u64>,
+    lookup: Histogram<u64>,
+    store: Histogram<u64>,
+    retrieve: Histogram<u64>,
+    /// The echo sampled between the blocks of each: beside noop, beside
+    /// prepare+commit store, beside lookup (and retrieve).
+    echo_noop: Histogram<u64>,
+    echo_store: Histogram<u64>,
+    echo_lookup: Histogram<u64>,
+}
+
+/// noop, prepare+commit store, lookup+status and prepare+commit retrieve, one
+/// at a time on one connection, against a server of its own; each in
+/// [`ECHO_BLOCKS`] blocks alternating with as many echo round trips.
+fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
+    let mut echo = Echo::start();
+    let (mut echo_noop, mut echo_store, mut echo_lookup) = (hist(), hist(), hist());
     let srv = Server::start(&[
         "--chunk-size",
         "256",
@@ -92,18 +189,15 @@ fn main() {
         c.noop_ok();
     }
     let mut h = hist();
-    for _ in 0..n_noop {
+    for i in 0..n_noop {
+        if i % (n_noop / ECHO_BLOCKS) == 0 {
+            echo.sample(n_noop / ECHO_BLOCKS, &mut echo_noop);
+        }
         let t = Instant::now();
         c.noop_ok();
         h.record(t.elapsed().as_nanos() as u64).unwrap();
     }
     report("noop round trip", &h);
-    let base = echo_baseline(n_noop);
-    report("baseline: bare libzmq echo", &base);
-    println!(
-        "noop p50 / bare echo p50 = {:.2}",
-        h.value_at_quantile(0.5) as f64 / base.value_at_quantile(0.5) as f64
-    );
 
     // A small layout keeps the data copy out of the RPC figures.
     let reg = c
@@ -125,23 +219,33 @@ fn main() {
     let _pool = ShmMap::open(&pool_name, pool_len);
     let end = (TOKENS / CHUNK * CHUNK) as i64;
 
+    // Requests are encoded before the clock starts: the figures are the round
+    // trips and the server, not this client's msgpack encoder.
+    let (one, empty) = (enc(&V::I(1)), enc(&V::Bin(vec![])));
+    let req = |op: i64, payloads: &[&Vec<u8>]| -> Vec<Vec<u8>> {
+        std::iter::once(enc(&V::I(op)))
+            .chain(payloads.iter().map(|p| p.to_vec()))
+            .collect()
+    };
+
     // prepare_store + commit_store of a fresh 2048-token request (8 chunks).
     let mut hp = hist();
     for i in 0..n_pc {
-        let toks = tokens(i);
-        let key = ipc_key("bench", 1, Some(0), &toks, 0, end, &format!("s{i}"), 1);
+        if i % (n_pc / ECHO_BLOCKS) == 0 {
+            echo.sample(n_pc / ECHO_BLOCKS, &mut echo_store);
+        }
+        let key = key_frame("bench", Some(0), &tokens(i), end, &format!("s{i}"));
+        let (prep, commit) = (
+            req(OP_PREPARE_STORE, &[&key, &one]),
+            req(OP_COMMIT_STORE, &[&key, &one, &empty]),
+        );
         let t = Instant::now();
-        let r = c
-            .call(OP_PREPARE_STORE, &[key.clone(), V::I(1)])
-            .expect("prepare_store");
+        let r = call_frames(&mut c, prep).expect("prepare_store");
         assert_eq!(
             r.get("context").unwrap().get("slots").unwrap().arr().len(),
             TOKENS / CHUNK
         );
-        assert_eq!(
-            c.call(OP_COMMIT_STORE, &[key, V::I(1), V::Bin(vec![])]),
-            Some(V::B(true))
-        );
+        assert_eq!(call_frames(&mut c, commit), Some(V::B(true)));
         hp.record(t.elapsed().as_nanos() as u64).unwrap();
         c.call(OP_END_SESSION, &[s(&format!("s{i}"))]);
     }
@@ -151,35 +255,485 @@ fn main() {
     let mut hl = hist();
     let mut hr = hist();
     for i in 0..n_lookup {
+        if i % (n_lookup / ECHO_BLOCKS) == 0 {
+            echo.sample(n_lookup / ECHO_BLOCKS, &mut echo_lookup);
+        }
         // The most recent requests: older ones may have been evicted from L1.
         let idx = n_pc - 1 - i % n_pc.min(256);
-        let toks = tokens(idx);
+        let toks = enc_tokens(&tokens(idx));
         let rid = format!("l{i}");
-        let t = Instant::now();
-        assert_eq!(
-            c.call(
-                OP_LOOKUP,
-                &[ipc_key("bench", 1, None, &toks, 0, end, &rid, 1), V::I(1)]
-            ),
-            None
+        let lookup = req(
+            OP_LOOKUP,
+            &[&key_frame_enc("bench", None, &toks, end, &rid), &one],
         );
+        let t = Instant::now();
+        assert_eq!(call_frames(&mut c, lookup), None);
         let hits = c.prefetch_result(&rid);
         hl.record(t.elapsed().as_nanos() as u64).unwrap();
         assert_eq!(hits, (TOKENS / CHUNK) as i64);
         // Then the retrieve round trips, which release the lookup's locks.
-        let key = ipc_key("bench", 1, Some(0), &toks, 0, end, &rid, 1);
-        let t = Instant::now();
-        let r = c
-            .call(OP_PREPARE_RETRIEVE, &[key.clone(), V::I(1)])
-            .expect("prepare_retrieve");
-        assert_eq!(r.get("success"), Some(&V::B(true)));
-        assert_eq!(
-            c.call(OP_COMMIT_RETRIEVE, &[key, V::I(1)]),
-            Some(V::B(true))
+        let key = key_frame_enc("bench", Some(0), &toks, end, &rid);
+        let (prep, commit) = (
+            req(OP_PREPARE_RETRIEVE, &[&key, &one]),
+            req(OP_COMMIT_RETRIEVE, &[&key, &one]),
         );
+        let t = Instant::now();
+        let r = call_frames(&mut c, prep).expect("prepare_retrieve");
+        assert_eq!(r.get("success"), Some(&V::B(true)));
+        assert_eq!(call_frames(&mut c, commit), Some(V::B(true)));
         hr.record(t.elapsed().as_nanos() as u64).unwrap();
         c.call(OP_END_SESSION, &[s(&rid)]);
     }
     report("lookup+status (2048 tokens, hit)", &hl);
     report("prepare+commit retrieve (8 chunks)", &hr);
+    RoundTrips {
+        noop: h,
+        lookup: hl,
+        store: hp,
+        retrieve: hr,
+        echo_noop,
+        echo_store,
+        echo_lookup,
+    }
+}
+
+/// Prints each round trip's p50 and p99 over those of the echo sampled
+/// between its blocks, with its bar.
+fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>) {
+    report("echo alone, before the server", before);
+    report("echo alone, after the server", after);
+    report("echo beside noop", &rt.echo_noop);
+    report("echo beside prepare+commit store", &rt.echo_store);
+    report("echo beside lookup and retrieve", &rt.echo_lookup);
+    println!(
+        "ratios use the echo sampled in {ECHO_BLOCKS} blocks alternating with the measured \
+         operation (same machine load); the runs before and after are for reference"
+    );
+    for (name, h, echo, bar) in [
+        ("noop", &rt.noop, &rt.echo_noop, 1.15),
+        (
+            "lookup+status (2 round trips)",
+            &rt.lookup,
+            &rt.echo_lookup,
+            2.4,
+        ),
+        (
+            "prepare+commit store (8 chunks)",
+            &rt.store,
+            &rt.echo_store,
+            2.4,
+        ),
+        (
+            "prepare+commit retrieve (8 chunks)",
+            &rt.retrieve,
+            &rt.echo_lookup,
+            2.4,
+        ),
+    ] {
+        let r50 = h.value_at_quantile(0.5) as f64 / echo.value_at_quantile(0.5) as f64;
+        let r99 = h.value_at_quantile(0.99) as f64 / echo.value_at_quantile(0.99) as f64;
+        println!(
+            "ratio to echo  {name:<34} p50 {r50:>5.2}x {:<5}  p99 {r99:>5.2}x {:<5}  (bar <= {bar}x)",
+            verdict(r50 <= bar),
+            verdict(r99 <= bar),
+        );
+    }
+}
+
+// ------------------------------------------------------------- saturation
+
+/// Requests sent and replies received by one load client.
+#[derive(Default, Clone, Copy)]
+struct Tally {
+    sent: u64,
+    got: u64,
+    /// Replies that were wrong (a hit count other than the stored request's, a
+    /// refused commit, an HTTP status other than 200).
+    bad: u64,
+}
+
+impl Tally {
+    fn add(&mut self, o: Tally) {
+        self.sent += o.sent;
+        self.got += o.got;
+        self.bad += o.bad;
+    }
+}
+
+/// One request on `c`: `Some(payload)` or `None` when no reply came within
+/// the socket's receive timeout (the socket is then out of step).
+fn try_call(c: &mut Client, t: &mut Tally, frames: Vec<Vec<u8>>) -> Option<Option<V>> {
+    let op = frames[0].clone();
+    let uid = c.send_raw(frames);
+    t.sent += 1;
+    let r = c.sock.recv_multipart(0).ok()?;
+    t.got += 1;
+    assert_eq!(dec(&r[0]), V::I(uid), "uid echoed");
+    assert_eq!(r[1], op, "op echoed");
+    Some(r.get(2).map(|f| dec(f)))
+}
+
+/// `GET path`: the status code and the time to the end of the body; `None`
+/// if the server did not answer within 5 s.
+fn http_get(port: u16, path: &str) -> Option<(u16, Duration)> {
+    let t = Instant::now();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut st = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+    st.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    st.write_all(req.as_bytes()).ok()?;
+    let mut out = Vec::new();
+    st.read_to_end(&mut out).ok()?;
+    let code = std::str::from_utf8(out.get(..12)?)
+        .ok()?
+        .split(' ')
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some((code, t.elapsed()))
+}
+
+/// Lookup client `t` of the saturation: lookup + status of a stored request
+/// (timed), then free_lookup_locks and end_session, until `stop`. `stored`
+/// holds the stored requests' token lists, msgpack-encoded.
+fn lookup_client(
+    port: u16,
+    t: usize,
+    stored: &[Vec<u8>],
+    stop: &AtomicBool,
+) -> (Tally, Histogram<u64>, u64) {
+    let mut c = Client::connect(port);
+    c.sock.set_rcvtimeo(5_000).unwrap();
+    let mut tally = Tally::default();
+    let mut h = hist();
+    let end = (TOKENS / CHUNK * CHUNK) as i64;
+    let mut k = 0usize;
+    'run: while !stop.load(Ordering::Relaxed) {
+        let toks = &stored[(t * 7 + k) % stored.len()];
+        let rid = format!("sat-{t}-{k}");
+        k += 1;
+        let start = Instant::now();
+        let lookup = vec![
+            enc(&V::I(OP_LOOKUP)),
+            key_frame_enc("bench", None, toks, end, &rid),
+            enc(&V::I(1)),
+        ];
+        match try_call(&mut c, &mut tally, lookup) {
+            None => break 'run,
+            Some(None) => {}
+            Some(Some(_)) => tally.bad += 1,
+        }
+        let hits = loop {
+            let q = vec![enc(&V::I(OP_QUERY_PREFETCH_STATUS)), enc(&s(&rid))];
+            match try_call(&mut c, &mut tally, q) {
+                None => break 'run,
+                Some(Some(v)) => break v.int(),
+                Some(None) => std::thread::sleep(Duration::from_micros(200)),
+            }
+        };
+        h.record(start.elapsed().as_nanos() as u64).unwrap();
+        if hits != (TOKENS / CHUNK) as i64 {
+            tally.bad += 1;
+        }
+        let free = vec![
+            enc(&V::I(OP_FREE_LOOKUP_LOCKS)),
+            key_frame_enc("bench", None, toks, end, &rid),
+            enc(&V::I(1)),
+        ];
+        let done = vec![enc(&V::I(OP_END_SESSION)), enc(&s(&rid))];
+        if try_call(&mut c, &mut tally, free).is_none()
+            || try_call(&mut c, &mut tally, done).is_none()
+        {
+            break;
+        }
+    }
+    let n = h.len();
+    (tally, h, n)
+}
+
+/// The store client of the saturation: `total` bytes of fresh 8-chunk
+/// requests of 2 MiB chunks, written into the pool and committed. Returns
+/// its tally, the bytes committed and the time it took.
+fn store_client(port: u16, total: u64) -> (Tally, u64, Duration) {
+    // 2 (K and V) x 2 layers x 256 tokens x hidden 1024 x 2 bytes = 2 MiB.
+    const HIDDEN: i64 = 1024;
+    const CHUNK_BYTES: usize = 2 * 2 * CHUNK * HIDDEN as usize * 2;
+    let mut c = Client::connect(port);
+    c.sock.set_rcvtimeo(5_000).unwrap();
+    let reg = c
+        .call(
+            OP_REGISTER_ENGINE,
+            &[engine_ctx_payload(
+                2,
+                "bulk",
+                1,
+                2,
+                HIDDEN,
+                false,
+                CHUNK as i64,
+            )],
+        )
+        .expect("register reply");
+    let pool_len = reg.get("pool_size").unwrap().int() as usize;
+    let mut pool = ShmMap::open(reg.get("shm_name").unwrap().str(), pool_len);
+    let data = pattern(7, CHUNK_BYTES);
+    let end = (TOKENS / CHUNK * CHUNK) as i64;
+    let mut tally = Tally::default();
+    let mut committed = 0u64;
+    let t0 = Instant::now();
+    let mut j = 0usize;
+    while committed < total {
+        let toks = LookupMix::stored_tokens(TOKENS, 1_000_000 + j);
+        let rid = format!("bulk-{j}");
+        j += 1;
+        let key = key_frame("bulk", Some(0), &toks, end, &rid);
+        let prep = vec![enc(&V::I(OP_PREPARE_STORE)), key.clone(), enc(&V::I(2))];
+        let Some(r) = try_call(&mut c, &mut tally, prep) else {
+            break;
+        };
+        let slots = r.as_ref().map(ed_slots).unwrap_or_default();
+        let mut bytes = 0;
+        for slot in &slots {
+            let off = slot.get("offset").unwrap().int() as usize;
+            let len = slot.get("length").unwrap().int() as usize;
+            assert_eq!(len, CHUNK_BYTES, "slot length of the bulk layout");
+            pool.bytes_mut()[off..off + len].copy_from_slice(&data);
+            bytes += len as u64;
+        }
+        if slots.len() != TOKENS / CHUNK {
+            tally.bad += 1;
+        }
+        let commit = vec![
+            enc(&V::I(OP_COMMIT_STORE)),
+            key,
+            enc(&V::I(2)),
+            enc(&V::Bin(vec![])),
+        ];
+        match try_call(&mut c, &mut tally, commit) {
+            None => break,
+            Some(Some(V::B(true))) => committed += bytes,
+            Some(_) => tally.bad += 1,
+        }
+        if try_call(
+            &mut c,
+            &mut tally,
+            vec![enc(&V::I(OP_END_SESSION)), enc(&s(&rid))],
+        )
+        .is_none()
+        {
+            break;
+        }
+    }
+    (tally, committed, t0.elapsed())
+}
+
+/// 8 lookup clients for `window`, a client storing `store_bytes` and a
+/// /status poller, all at once. Returns false when a request went unanswered.
+fn saturation(window: Duration, store_bytes: u64) -> bool {
+    const LOOKUP_CLIENTS: usize = 8;
+    const STORED: usize = 64;
+    // 64 MiB of lookup targets plus the bulk store stay under the eviction
+    // watermark (0.8) of a 2 GiB L1, so every lookup is a full hit.
+    let srv = Server::start(&[
+        "--chunk-size",
+        "256",
+        "--l1-size-gb",
+        "2",
+        "--no-l1-use-lazy",
+    ]);
+    let stored: Vec<Vec<u32>> = (0..STORED)
+        .map(|j| LookupMix::stored_tokens(TOKENS, j))
+        .collect();
+    let (_, pool_len) = store_requests(&mut srv.client(), 1, "bench", 64, CHUNK, &stored);
+    let stored: Vec<Vec<u8>> = stored.iter().map(|t| enc_tokens(t)).collect();
+    assert!(
+        (STORED as u64 * 8 * 128 * 1024 + store_bytes) as f64 <= 0.8 * pool_len as f64,
+        "the L1 pool ({pool_len} bytes) is too small for the saturation run"
+    );
+    let (port, http_port) = (srv.port, srv.http_port);
+    let stop = AtomicBool::new(false);
+    let t0 = Instant::now();
+    let (lookups, store, status) = std::thread::scope(|sc| {
+        let lookups: Vec<_> = (0..LOOKUP_CLIENTS)
+            .map(|t| {
+                let (stored, stop) = (&stored, &stop);
+                sc.spawn(move || lookup_client(port, t, stored, stop))
+            })
+            .collect();
+        let store = sc.spawn(move || store_client(port, store_bytes));
+        let status = {
+            let stop = &stop;
+            sc.spawn(move || {
+                let mut tally = Tally::default();
+                let mut h = hist();
+                while !stop.load(Ordering::Relaxed) {
+                    tally.sent += 1;
+                    match http_get(http_port, "/status") {
+                        Some((code, d)) => {
+                            tally.got += 1;
+                            if code != 200 {
+                                tally.bad += 1;
+                            }
+                            h.record(d.as_nanos() as u64).unwrap();
+                        }
+                        None => break,
+                    }
+                }
+                (tally, h)
+            })
+        };
+        std::thread::sleep(window);
+        stop.store(true, Ordering::Relaxed);
+        let lookups: Vec<_> = lookups.into_iter().map(|j| j.join().unwrap()).collect();
+        let elapsed = t0.elapsed();
+        (
+            (lookups, elapsed),
+            store.join().unwrap(),
+            status.join().unwrap(),
+        )
+    });
+    let ((per_client, elapsed), (st_tally, committed, st_time), (http_tally, hs)) =
+        (lookups, store, status);
+    let mut lk_tally = Tally::default();
+    let mut hl = hist();
+    let mut n_lookups = 0;
+    for (t, h, n) in &per_client {
+        lk_tally.add(*t);
+        hl.add(h).unwrap();
+        n_lookups += n;
+    }
+    println!(
+        "saturation: {LOOKUP_CLIENTS} lookup clients for {:.2}s, 1 store client, 1 /status poller",
+        elapsed.as_secs_f64()
+    );
+    println!(
+        "  lookups: {n_lookups} ({:.0}/s aggregate), lookup+status p50={:.1}us p99={:.1}us",
+        n_lookups as f64 / elapsed.as_secs_f64(),
+        hl.value_at_quantile(0.5) as f64 / 1e3,
+        hl.value_at_quantile(0.99) as f64 / 1e3,
+    );
+    println!(
+        "  store: {committed} bytes committed ({:.3} GiB of 2 MiB chunks, target {:.3} GiB) in {:.2}s = {:.2} GiB/s{}",
+        committed as f64 / GIB as f64,
+        store_bytes as f64 / GIB as f64,
+        st_time.as_secs_f64(),
+        committed as f64 / GIB as f64 / st_time.as_secs_f64(),
+        if st_time > elapsed {
+            " (outlasted the lookup window)"
+        } else {
+            ""
+        }
+    );
+    let p99_ms = hs.value_at_quantile(0.99) as f64 / 1e6;
+    println!(
+        "  GET /status: n={} p50={:.2}ms p99={p99_ms:.2}ms (bar p99 <= 10 ms) {}",
+        hs.len(),
+        hs.value_at_quantile(0.5) as f64 / 1e6,
+        verdict(p99_ms <= 10.0)
+    );
+    let mut ok = true;
+    for (what, t) in [
+        ("lookup clients", lk_tally),
+        ("store client", st_tally),
+        ("/status poller", http_tally),
+    ] {
+        println!(
+            "  {what:<15} requests sent {:>8}  replies got {:>8}  wrong replies {}",
+            t.sent, t.got, t.bad
+        );
+        if t.sent != t.got {
+            println!(
+                "FAILURE: {what}: {} request(s) got no reply within 5 s",
+                t.sent - t.got
+            );
+            ok = false;
+        }
+        if t.bad != 0 {
+            println!("FAILURE: {what}: {} wrong reply(ies)", t.bad);
+            ok = false;
+        }
+    }
+    if committed < store_bytes {
+        println!("FAILURE: store client committed {committed} of {store_bytes} bytes");
+        ok = false;
+    }
+    ok
+}
+
+// -------------------------------------------------------------------- RSS
+
+/// The server's resident memory outside its L1 arena before and after
+/// `n` lookups of 2048 tokens (a mix of hits and misses, distinct request ids).
+fn rss_after_lookups(n: u64) {
+    let srv = Server::start(&[
+        "--chunk-size",
+        "256",
+        "--l1-size-gb",
+        "0.5",
+        "--no-l1-use-lazy",
+    ]);
+    let mix = LookupMix::new("bench", CHUNK, TOKENS, "rss", 64);
+    store_requests(&mut srv.client(), 1, "bench", 64, CHUNK, &mix.stored);
+    let show = |what: &str, r: RssSplit| {
+        println!(
+            "  {what:<22} RSS outside the arena {:>7.1} MiB (arena: {} mapping(s), {:.0} MiB mapped, {:.0} MiB resident)",
+            r.outside as f64 / MIB,
+            r.arena_mappings,
+            r.arena_size as f64 / MIB,
+            r.arena_rss as f64 / MIB
+        );
+        r
+    };
+    println!("server RSS after {n} lookups of {TOKENS} tokens (/proc/<pid>/smaps; the arena is /dev/shm/{}):", srv.shm_name);
+    let r0 = show("before the lookups", srv.rss_split());
+    assert_eq!(r0.arena_size, GIB / 2, "arena mapping found by its path");
+    let t0 = Instant::now();
+    let a = mix.run(srv.port, 0..n / 2, 4, 32);
+    let r1 = show(&format!("after {} lookups", n / 2), srv.rss_split());
+    let b = mix.run(srv.port, n / 2..n, 4, 32);
+    let secs = t0.elapsed().as_secs_f64();
+    let r2 = show(&format!("after {n} lookups"), srv.rss_split());
+    println!(
+        "  {} lookups in {secs:.1}s ({:.0}/s): {} full hits, {} half hits, {} misses",
+        a.total() + b.total(),
+        n as f64 / secs,
+        a.full + b.full,
+        a.partial + b.partial,
+        a.miss + b.miss
+    );
+    println!(
+        "  growth over the second half {:+.1} MiB; RSS outside the arena {:.1} MiB (bar <= 64 MiB) {}",
+        (r2.outside as f64 - r1.outside as f64) / MIB,
+        r2.outside as f64 / MIB,
+        verdict(r2.outside <= 64 << 20)
+    );
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    if !full {
+        println!("(smoke run under cargo test: debug build, few iterations; figures come from `cargo bench`)");
+    }
+    let (n_noop, n_lookup, n_pc) = if full {
+        (50_000, 5_000, 2_000)
+    } else {
+        (200, 20, 10)
+    };
+    let before = echo_baseline(n_noop);
+    let rt = round_trips(n_noop, n_lookup, n_pc);
+    let after = echo_baseline(n_noop);
+    ratios(&rt, &before, &after);
+
+    let ok = if full {
+        saturation(Duration::from_secs(10), GIB)
+    } else {
+        saturation(Duration::from_millis(300), 32 << 20)
+    };
+
+    rss_after_lookups(if full { 1_000_000 } else { 2_000 });
+
+    if !ok {
+        println!("FAILURE: requests went unanswered or were answered wrongly (see above)");
+        std::process::exit(1);
+    }
 }

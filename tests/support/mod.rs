@@ -1274,3 +1274,418 @@ pub use s3s::*;
 mod faults;
 #[allow(unused_imports)]
 pub use faults::*;
+
+// ------------------------------------------ resident memory and a lookup load
+//
+// Shared by benches/rpc.rs and tests/rss_lookups.rs.
+
+/// Resident memory of a process from `/proc/<pid>/smaps`, split into the L1
+/// arena's mappings and everything else (bytes).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RssSplit {
+    /// Rss of every mapping but the arena's.
+    pub outside: u64,
+    /// Rss of the arena's mappings.
+    pub arena_rss: u64,
+    /// Size of the arena's mappings.
+    pub arena_size: u64,
+    pub arena_mappings: usize,
+}
+
+/// [`RssSplit`] of process `pid`, the arena being every mapping of the file
+/// `arena_path`.
+pub fn rss_split(pid: u32, arena_path: &str) -> RssSplit {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps"))
+        .unwrap_or_else(|e| panic!("read /proc/{pid}/smaps: {e}"));
+    let mut r = RssSplit::default();
+    let mut in_arena = false;
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let Some(first) = words.next() else { continue };
+        if first.ends_with(':') {
+            if first == "Rss:" {
+                let kb: u64 = words.next().and_then(|w| w.parse().ok()).expect("Rss kB");
+                if in_arena {
+                    r.arena_rss += kb << 10;
+                } else {
+                    r.outside += kb << 10;
+                }
+            }
+            continue;
+        }
+        // A mapping: "start-end perms offset dev inode [path]".
+        let (lo, hi) = first.split_once('-').expect("smaps mapping line");
+        in_arena = line.split_whitespace().nth(5) == Some(arena_path);
+        if in_arena {
+            let lo = u64::from_str_radix(lo, 16).unwrap();
+            let hi = u64::from_str_radix(hi, 16).unwrap();
+            r.arena_size += hi - lo;
+            r.arena_mappings += 1;
+        }
+    }
+    r
+}
+
+impl Server {
+    /// [`rss_split`] of this server; its arena is the SHM pool `/dev/shm/<shm_name>`.
+    pub fn rss_split(&self) -> RssSplit {
+        rss_split(self.child.id(), &format!("/dev/shm/{}", self.shm_name))
+    }
+}
+
+fn put_uint(o: &mut Vec<u8>, x: u64) {
+    match x {
+        0..=0x7f => o.push(x as u8),
+        0x80..=0xff => o.extend([0xcc, x as u8]),
+        0x100..=0xffff => {
+            o.push(0xcd);
+            o.extend((x as u16).to_be_bytes())
+        }
+        0x1_0000..=0xffff_ffff => {
+            o.push(0xce);
+            o.extend((x as u32).to_be_bytes())
+        }
+        _ => {
+            o.push(0xcf);
+            o.extend(x.to_be_bytes())
+        }
+    }
+}
+
+fn uint_len(x: u32) -> usize {
+    match x {
+        0..=0x7f => 1,
+        0x80..=0xff => 2,
+        0x100..=0xffff => 3,
+        _ => 5,
+    }
+}
+
+/// The msgpack array of a token list.
+pub fn enc_tokens(toks: &[u32]) -> Vec<u8> {
+    let mut o = Vec::with_capacity(toks.len() * 5 + 5);
+    enc_len(&mut o, toks.len(), Some((0x90, 15)), None, 0xdc, 0xdd);
+    for t in toks {
+        put_uint(&mut o, *t as u64);
+    }
+    o
+}
+
+/// The msgpack frame of [`ipc_key`]`(model, 1, worker, toks, 0, end, rid, 1)`,
+/// written without building a [`V`] per token (load generators send millions).
+pub fn key_frame(model: &str, worker: Option<i64>, toks: &[u32], end: i64, rid: &str) -> Vec<u8> {
+    key_frame_enc(model, worker, &enc_tokens(toks), end, rid)
+}
+
+/// [`key_frame`] with the token list already encoded ([`enc_tokens`]).
+pub fn key_frame_enc(
+    model: &str,
+    worker: Option<i64>,
+    toks_enc: &[u8],
+    end: i64,
+    rid: &str,
+) -> Vec<u8> {
+    fn field(o: &mut Vec<u8>, name: &str, v: V) {
+        enc_into(&s(name), o);
+        enc_into(&v, o);
+    }
+    let mut o = Vec::with_capacity(toks_enc.len() + 200);
+    o.push(0x8a);
+    field(&mut o, "model_name", s(model));
+    field(&mut o, "world_size", V::I(1));
+    field(&mut o, "worker_id", worker.map_or(V::Nil, V::I));
+    enc_into(&s("token_ids"), &mut o);
+    o.extend_from_slice(toks_enc);
+    field(&mut o, "start", V::I(0));
+    field(&mut o, "end", V::I(end));
+    field(&mut o, "request_id", s(rid));
+    field(&mut o, "cache_salt", s(""));
+    field(&mut o, "request_configs", V::Nil);
+    field(&mut o, "num_kv_readers", V::I(1));
+    o
+}
+
+impl Client {
+    /// Sends every request (frames after the uid) at once, then takes the
+    /// replies in whatever order they come; returns each request's payload.
+    pub fn batch(&mut self, reqs: Vec<Vec<Vec<u8>>>) -> Vec<Option<V>> {
+        let n = reqs.len();
+        let ops: Vec<Vec<u8>> = reqs.iter().map(|r| r[0].clone()).collect();
+        let first = self.uid;
+        for r in reqs {
+            self.send_raw(r);
+        }
+        let mut out: Vec<Option<Option<V>>> = (0..n).map(|_| None).collect();
+        for _ in 0..n {
+            let frames = self
+                .sock
+                .recv_multipart(0)
+                .expect("reply within the receive timeout (the server must always answer)");
+            assert!(
+                frames.len() == 2 || frames.len() == 3,
+                "reply has {} frames",
+                frames.len()
+            );
+            let i = (dec(&frames[0]).int() - first) as usize;
+            assert!(
+                i < n && out[i].is_none(),
+                "reply uid {} unexpected",
+                i as i64 + first
+            );
+            assert_eq!(frames[1], ops[i], "op echoed");
+            out[i] = Some(frames.get(2).map(|f| dec(f)));
+        }
+        out.into_iter().map(|x| x.unwrap()).collect()
+    }
+}
+
+/// A lookup workload over requests of `tokens` tokens: `stored` holds the
+/// token lists the server has stored. Request `i` (request id `<prefix>-<i>`)
+/// is, by `i % 4`: 0 and 1 a full hit of a stored request, 2 the same with
+/// its second half changed (half the chunks hit), 3 a miss.
+pub struct LookupMix {
+    pub model: String,
+    pub chunk: usize,
+    pub tokens: usize,
+    pub prefix: String,
+    pub stored: Vec<Vec<u32>>,
+    /// `stored`, msgpack-encoded.
+    stored_enc: Vec<Vec<u8>>,
+}
+
+/// Lookups of a [`LookupMix`] run so far, by outcome.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MixCounts {
+    pub full: u64,
+    pub partial: u64,
+    pub miss: u64,
+}
+
+impl MixCounts {
+    pub fn total(&self) -> u64 {
+        self.full + self.partial + self.miss
+    }
+}
+
+impl LookupMix {
+    /// A mix over `n_stored` requests of `tokens` tokens ([`LookupMix::stored_tokens`]).
+    pub fn new(model: &str, chunk: usize, tokens: usize, prefix: &str, n_stored: usize) -> Self {
+        let stored: Vec<Vec<u32>> = (0..n_stored)
+            .map(|j| Self::stored_tokens(tokens, j))
+            .collect();
+        let mix = LookupMix {
+            model: model.into(),
+            chunk,
+            tokens,
+            prefix: prefix.into(),
+            stored_enc: stored.iter().map(|t| enc_tokens(t)).collect(),
+            stored,
+        };
+        for i in 0..8 {
+            assert_eq!(mix.request(i).0, enc_tokens(&mix.request_tokens(i).0));
+        }
+        mix
+    }
+
+    /// Token list `j` to store: distinct first token, then a constant.
+    pub fn stored_tokens(tokens: usize, j: usize) -> Vec<u32> {
+        std::iter::once(0x0010_0000 + j as u32)
+            .chain(std::iter::repeat_n(9906, tokens - 1))
+            .collect()
+    }
+
+    /// The token changed in request `i` (position, new token), if any, and
+    /// the chunks its lookup must hit.
+    fn change(&self, i: u64) -> (Option<(usize, u32)>, i64) {
+        let chunks = (self.tokens / self.chunk) as i64;
+        // Tokens above any stored one, distinct per request.
+        let fresh = 0x0100_0000 + (i % 0x80_0000) as u32;
+        match i % 4 {
+            0 | 1 => (None, chunks),
+            2 => (Some((self.tokens / 2, fresh)), chunks / 2),
+            _ => (Some((0, fresh)), 0),
+        }
+    }
+
+    /// Tokens of request `i` and the chunks its lookup must hit.
+    pub fn request_tokens(&self, i: u64) -> (Vec<u32>, i64) {
+        let mut toks = self.stored[i as usize % self.stored.len()].clone();
+        let (change, want) = self.change(i);
+        if let Some((k, x)) = change {
+            toks[k] = x;
+        }
+        (toks, want)
+    }
+
+    /// [`LookupMix::request_tokens`] msgpack-encoded, spliced from the stored
+    /// request's encoding.
+    pub fn request(&self, i: u64) -> (Vec<u8>, i64) {
+        let j = i as usize % self.stored.len();
+        let (toks, base) = (&self.stored[j], &self.stored_enc[j]);
+        let (change, want) = self.change(i);
+        let Some((k, x)) = change else {
+            return (base.clone(), want);
+        };
+        let header = base.len() - toks.iter().map(|t| uint_len(*t)).sum::<usize>();
+        let at = header + toks[..k].iter().map(|t| uint_len(*t)).sum::<usize>();
+        let mut o = Vec::with_capacity(base.len() + 4);
+        o.extend_from_slice(&base[..at]);
+        put_uint(&mut o, x as u64);
+        o.extend_from_slice(&base[at + uint_len(toks[k])..]);
+        (o, want)
+    }
+
+    /// Runs requests `range` on `clients` connections to `port`, `window`
+    /// requests in flight on each: lookup, query_prefetch_status until it is
+    /// known, free_lookup_locks after a hit, end_session. Panics on a hit
+    /// count other than the expected one.
+    pub fn run(
+        &self,
+        port: u16,
+        range: std::ops::Range<u64>,
+        clients: usize,
+        window: usize,
+    ) -> MixCounts {
+        let end = (self.tokens / self.chunk * self.chunk) as i64;
+        let per = std::thread::scope(|sc| {
+            let workers: Vec<_> = (0..clients as u64)
+                .map(|t| {
+                    let range = range.clone();
+                    sc.spawn(move || {
+                        let mut c = Client::connect(port);
+                        let mut counts = MixCounts::default();
+                        let mine: Vec<u64> = range.filter(|i| i % clients as u64 == t).collect();
+                        for ids in mine.chunks(window) {
+                            let reqs: Vec<_> = ids.iter().map(|&i| (i, self.request(i))).collect();
+                            let rids: Vec<String> =
+                                ids.iter().map(|i| format!("{}-{i}", self.prefix)).collect();
+                            let lookups = reqs
+                                .iter()
+                                .zip(&rids)
+                                .map(|((_, (toks, _)), rid)| {
+                                    vec![
+                                        enc(&V::I(OP_LOOKUP)),
+                                        key_frame_enc(&self.model, None, toks, end, rid),
+                                        enc(&V::I(1)),
+                                    ]
+                                })
+                                .collect();
+                            for r in c.batch(lookups) {
+                                assert_eq!(r, None, "lookup ack");
+                            }
+                            let mut hits: Vec<Option<i64>> = vec![None; ids.len()];
+                            let t0 = Instant::now();
+                            loop {
+                                let pending: Vec<usize> =
+                                    (0..ids.len()).filter(|&k| hits[k].is_none()).collect();
+                                if pending.is_empty() {
+                                    break;
+                                }
+                                assert!(
+                                    t0.elapsed() < Duration::from_secs(10),
+                                    "prefetch never finished"
+                                );
+                                let q = pending
+                                    .iter()
+                                    .map(|&k| {
+                                        vec![
+                                            enc(&V::I(OP_QUERY_PREFETCH_STATUS)),
+                                            enc(&s(&rids[k])),
+                                        ]
+                                    })
+                                    .collect();
+                                for (k, r) in pending.iter().zip(c.batch(q)) {
+                                    hits[*k] = r.map(|v| v.int());
+                                }
+                            }
+                            let mut release = Vec::new();
+                            for (k, ((i, (toks, want)), rid)) in reqs.iter().zip(&rids).enumerate()
+                            {
+                                let got = hits[k].unwrap();
+                                assert_eq!(got, *want, "request {i}: hit chunks");
+                                match got {
+                                    0 => counts.miss += 1,
+                                    h if h == end / self.chunk as i64 => counts.full += 1,
+                                    _ => counts.partial += 1,
+                                }
+                                if got > 0 {
+                                    release.push(vec![
+                                        enc(&V::I(OP_FREE_LOOKUP_LOCKS)),
+                                        key_frame_enc(&self.model, None, toks, end, rid),
+                                        enc(&V::I(1)),
+                                    ]);
+                                }
+                                release.push(vec![enc(&V::I(OP_END_SESSION)), enc(&s(rid))]);
+                            }
+                            for r in c.batch(release) {
+                                assert_eq!(r, None, "free_lookup_locks / end_session ack");
+                            }
+                        }
+                        counts
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        per.into_iter()
+            .fold(MixCounts::default(), |a, b| MixCounts {
+                full: a.full + b.full,
+                partial: a.partial + b.partial,
+                miss: a.miss + b.miss,
+            })
+    }
+}
+
+/// Registers engine_driven instance `iid` of `model` (world size 1, 2 layers,
+/// hidden `hidden`, float16, `chunk`-token chunks) and stores each of
+/// `requests` whole (prepare_store then commit_store, no bytes written).
+/// Returns the pool's (shm name, size).
+pub fn store_requests(
+    c: &mut Client,
+    iid: i64,
+    model: &str,
+    hidden: i64,
+    chunk: usize,
+    requests: &[Vec<u32>],
+) -> (String, usize) {
+    let reg = c
+        .call(
+            OP_REGISTER_ENGINE,
+            &[engine_ctx_payload(
+                iid,
+                model,
+                1,
+                2,
+                hidden,
+                false,
+                chunk as i64,
+            )],
+        )
+        .expect("register reply");
+    for (j, toks) in requests.iter().enumerate() {
+        let rid = format!("store-{model}-{j}");
+        let end = (toks.len() / chunk * chunk) as i64;
+        let key = ipc_key(model, 1, Some(0), toks, 0, end, &rid, 1);
+        let r = c
+            .call(OP_PREPARE_STORE, &[key.clone(), V::I(iid)])
+            .expect("prepare_store reply");
+        assert_eq!(
+            ed_slots(&r).len(),
+            toks.len() / chunk,
+            "request {j}: slots reserved"
+        );
+        assert_eq!(
+            c.call(OP_COMMIT_STORE, &[key, V::I(iid), V::Bin(vec![])]),
+            Some(V::B(true)),
+            "request {j}: commit_store"
+        );
+        c.call(OP_END_SESSION, &[s(&rid)]);
+    }
+    (
+        reg.get("shm_name").unwrap().str().to_owned(),
+        reg.get("pool_size").unwrap().int() as usize,
+    )
+}
