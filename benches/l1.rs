@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use hdrhistogram::Histogram;
 use kvshard_engine::eviction::{EvictionConfig, EvictionPolicy, PolicyKind};
-use kvshard_engine::keys::{worker_kv_rank, ObjectKey};
+use kvshard_engine::keys::{worker_kv_rank, Name, ObjectKey};
 use kvshard_engine::l1::{L1Config, L1Shard, WriterTag};
 use kvshard_engine::slab::SlabAllocator;
 
@@ -19,10 +19,10 @@ fn key(i: u64) -> ObjectKey {
     h[8..16].copy_from_slice(&i.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
     ObjectKey {
         chunk_hash: h,
-        model_name: "bench-model".into(),
+        model_name: Name::intern("bench-model").unwrap(),
         kv_rank: worker_kv_rank(1, 0),
         object_group_id: 0,
-        cache_salt: String::new(),
+        cache_salt: Name::EMPTY,
     }
 }
 

@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 use bench_dir::BenchDir;
 use hdrhistogram::Histogram;
 use io_uring::IoUring;
-use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::keys::{Name, ObjectKey};
 use kvshard_engine::l2::config::FsConfig;
 use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::{L2Adapter, ObjectBytes, StoreResult};
@@ -205,10 +205,10 @@ fn object_key(round: usize, i: usize) -> ObjectKey {
     h[31] = 0xb5;
     ObjectKey {
         chunk_hash: h,
-        model_name: MODEL.into(),
+        model_name: Name::intern(MODEL).unwrap(),
         kv_rank: 0,
         object_group_id: 0,
-        cache_salt: String::new(),
+        cache_salt: Name::EMPTY,
     }
 }
 

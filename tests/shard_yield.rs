@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvshard_engine::eviction::{EvictionConfig, EvictionPolicy, PolicyKind};
-use kvshard_engine::keys::{ObjectKey, CHUNK_HASH_LEN};
+use kvshard_engine::keys::{Name, ObjectKey, CHUNK_HASH_LEN};
 use kvshard_engine::l1::{L1Config, L1Shard, WriterTag};
 use kvshard_engine::slab::SlabAllocator;
 use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
@@ -38,10 +38,10 @@ fn key(i: u64) -> ObjectKey {
     chunk_hash[..8].copy_from_slice(&i.to_le_bytes());
     ObjectKey {
         chunk_hash,
-        model_name: "m".into(),
+        model_name: Name::intern("m").unwrap(),
         kv_rank: 0,
         object_group_id: 0,
-        cache_salt: String::new(),
+        cache_salt: Name::EMPTY,
     }
 }
 

@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::keys::ObjectKey;
+use crate::keys::{KeyMap, Name, ObjectKey};
 
 /// Which policy a shard runs (`--eviction-policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,7 +88,7 @@ struct Node {
 #[derive(Debug, Default)]
 pub struct LruList {
     nodes: Vec<Node>,
-    index: HashMap<ObjectKey, u32>,
+    index: KeyMap<ObjectKey, u32>,
     /// Least recently used node, evicted first.
     head: u32,
     /// Most recently used node.
@@ -99,7 +99,7 @@ impl LruList {
     pub fn new() -> Self {
         LruList {
             nodes: Vec::new(),
-            index: HashMap::new(),
+            index: KeyMap::default(),
             head: NIL,
             tail: NIL,
         }
@@ -125,11 +125,11 @@ impl LruList {
                 assert!(self.nodes.len() < NIL as usize, "LRU list full");
                 let i = self.nodes.len() as u32;
                 self.nodes.push(Node {
-                    key: key.clone(),
+                    key: *key,
                     prev: NIL,
                     next: NIL,
                 });
-                self.index.insert(key.clone(), i);
+                self.index.insert(*key, i);
                 self.link_tail(i);
             }
         }
@@ -252,11 +252,11 @@ impl<'a> Iterator for LruIter<'a> {
 
 /// Which tracked keys a victim search walks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope<'a> {
+pub enum Scope {
     /// Every tracked key (for IsolatedLRU: salt by salt, in salt order).
     All,
     /// Only keys of one cache_salt.
-    Salt(&'a str),
+    Salt(Name),
 }
 
 #[derive(Debug)]
@@ -264,7 +264,7 @@ enum Tracker {
     Noop,
     Lru(LruList),
     /// cache_salt -> its LRU list; empty lists are dropped.
-    Isolated(BTreeMap<String, LruList>),
+    Isolated(BTreeMap<Name, LruList>),
 }
 
 /// The eviction state of one shard: recency order plus (for IsolatedLRU) the
@@ -311,12 +311,12 @@ impl EvictionPolicy {
             Tracker::Lru(list) => keys.into_iter().rev().for_each(|k| list.insert_mru(k)),
             Tracker::Isolated(lists) => {
                 for k in keys.into_iter().rev() {
-                    match lists.get_mut(k.cache_salt.as_str()) {
+                    match lists.get_mut(&k.cache_salt) {
                         Some(list) => list.insert_mru(k),
                         None => {
                             let mut list = LruList::new();
                             list.insert_mru(k);
-                            lists.insert(k.cache_salt.clone(), list);
+                            lists.insert(k.cache_salt, list);
                         }
                     }
                 }
@@ -338,7 +338,7 @@ impl EvictionPolicy {
             }),
             Tracker::Isolated(lists) => {
                 for k in keys.into_iter().rev() {
-                    if let Some(list) = lists.get_mut(k.cache_salt.as_str()) {
+                    if let Some(list) = lists.get_mut(&k.cache_salt) {
                         list.touch(k);
                     }
                 }
@@ -354,10 +354,10 @@ impl EvictionPolicy {
                 list.remove(key);
             }
             Tracker::Isolated(lists) => {
-                if let Some(list) = lists.get_mut(key.cache_salt.as_str()) {
+                if let Some(list) = lists.get_mut(&key.cache_salt) {
                     list.remove(key);
                     if list.is_empty() {
-                        lists.remove(key.cache_salt.as_str());
+                        lists.remove(&key.cache_salt);
                     }
                 }
             }
@@ -369,14 +369,12 @@ impl EvictionPolicy {
         match &self.tracker {
             Tracker::Noop => false,
             Tracker::Lru(list) => list.contains(key),
-            Tracker::Isolated(lists) => lists
-                .get(key.cache_salt.as_str())
-                .is_some_and(|l| l.contains(key)),
+            Tracker::Isolated(lists) => lists.get(&key.cache_salt).is_some_and(|l| l.contains(key)),
         }
     }
 
     /// Number of tracked keys in `scope`.
-    pub fn tracked_len(&self, scope: Scope<'_>) -> usize {
+    pub fn tracked_len(&self, scope: Scope) -> usize {
         match (&self.tracker, scope) {
             (Tracker::Noop, _) => 0,
             (Tracker::Lru(list), Scope::All) => list.len(),
@@ -384,7 +382,7 @@ impl EvictionPolicy {
                 list.iter().filter(|k| k.cache_salt == s).count()
             }
             (Tracker::Isolated(lists), Scope::All) => lists.values().map(LruList::len).sum(),
-            (Tracker::Isolated(lists), Scope::Salt(s)) => lists.get(s).map_or(0, LruList::len),
+            (Tracker::Isolated(lists), Scope::Salt(s)) => lists.get(&s).map_or(0, LruList::len),
         }
     }
 
@@ -392,7 +390,7 @@ impl EvictionPolicy {
     /// `scope`.
     pub fn eviction_order<'a>(
         &'a self,
-        scope: Scope<'a>,
+        scope: Scope,
     ) -> Box<dyn Iterator<Item = &'a ObjectKey> + 'a> {
         match (&self.tracker, scope) {
             (Tracker::Noop, _) => Box::new(std::iter::empty()),
@@ -403,7 +401,7 @@ impl EvictionPolicy {
             (Tracker::Isolated(lists), Scope::All) => {
                 Box::new(lists.values().flat_map(LruList::iter))
             }
-            (Tracker::Isolated(lists), Scope::Salt(s)) => match lists.get(s) {
+            (Tracker::Isolated(lists), Scope::Salt(s)) => match lists.get(&s) {
                 Some(list) => Box::new(list.iter()),
                 None => Box::new(std::iter::empty()),
             },
@@ -415,7 +413,7 @@ impl EvictionPolicy {
     /// keys and `min_bytes` bytes are picked or no candidate is left.
     pub fn victims<F>(
         &self,
-        scope: Scope<'_>,
+        scope: Scope,
         min_count: usize,
         min_bytes: u64,
         mut evictable_bytes: F,
@@ -430,7 +428,7 @@ impl EvictionPolicy {
         let mut bytes = 0u64;
         for key in self.eviction_order(scope) {
             if let Some(b) = evictable_bytes(key) {
-                out.push(key.clone());
+                out.push(*key);
                 bytes = bytes.saturating_add(b);
                 if out.len() >= min_count && bytes >= min_bytes {
                     break;
@@ -472,7 +470,7 @@ impl EvictionPolicy {
                     assert!(!list.is_empty(), "empty LRU bucket kept for salt {salt:?}");
                     list.validate();
                     assert!(
-                        list.iter().all(|k| &k.cache_salt == salt),
+                        list.iter().all(|k| k.cache_salt == *salt),
                         "key in the wrong salt bucket"
                     );
                 }
@@ -485,17 +483,21 @@ impl EvictionPolicy {
 mod tests {
     use super::*;
 
+    fn name(s: &str) -> Name {
+        Name::intern(s).unwrap()
+    }
+
     fn key(i: u8, salt: &str) -> ObjectKey {
         ObjectKey {
             chunk_hash: [i; 32],
-            model_name: "m".into(),
+            model_name: name("m"),
             kv_rank: 0,
             object_group_id: 0,
-            cache_salt: salt.into(),
+            cache_salt: name(salt),
         }
     }
 
-    fn order(p: &EvictionPolicy, scope: Scope<'_>) -> Vec<u8> {
+    fn order(p: &EvictionPolicy, scope: Scope) -> Vec<u8> {
         p.eviction_order(scope).map(|k| k.chunk_hash[0]).collect()
     }
 
@@ -581,13 +583,13 @@ mod tests {
     fn isolated_lists_per_salt() {
         let mut p = EvictionPolicy::new(EvictionConfig::new(PolicyKind::IsolatedLru));
         p.on_keys_created(&[key(1, "a"), key(2, "b"), key(3, "a")]);
-        assert_eq!(order(&p, Scope::Salt("a")), [3, 1]);
-        assert_eq!(order(&p, Scope::Salt("b")), [2]);
+        assert_eq!(order(&p, Scope::Salt(name("a"))), [3, 1]);
+        assert_eq!(order(&p, Scope::Salt(name("b"))), [2]);
         assert_eq!(p.tracked_len(Scope::All), 3);
         p.on_keys_touched(&[key(3, "a")]);
-        assert_eq!(order(&p, Scope::Salt("a")), [1, 3]);
+        assert_eq!(order(&p, Scope::Salt(name("a"))), [1, 3]);
         p.on_key_removed(&key(2, "b"));
-        assert_eq!(p.tracked_len(Scope::Salt("b")), 0);
+        assert_eq!(p.tracked_len(Scope::Salt(name("b"))), 0);
         p.validate();
         p.set_quota("a", 100);
         assert_eq!(p.quota("a"), Some(100));

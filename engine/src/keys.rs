@@ -4,7 +4,11 @@
 //! 32-byte blake3 digest chained on the previous one (the first is chained on
 //! `NONE_HASH`). An [`ObjectKey`] names one kv_rank shard of one chunk.
 
+use std::collections::HashSet;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::ops::Deref;
+use std::sync::{Mutex, OnceLock};
 
 /// Length of a chunk hash in bytes (blake3 digest).
 pub const CHUNK_HASH_LEN: usize = 32;
@@ -204,15 +208,313 @@ pub fn worker_kv_rank(world_size: u32, worker_id: u32) -> u32 {
 /// Largest world size a kv_rank can encode (one byte per field).
 pub const MAX_WORLD_SIZE: u32 = 255;
 
+/// Most distinct names the process-wide table holds.
+pub const MAX_NAMES: usize = 65_536;
+
+/// Most bytes of name text the process-wide table holds.
+pub const MAX_NAME_BYTES: usize = 16 << 20;
+
+/// Why a string could not be interned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NameError {
+    /// The table already holds `limit` distinct names.
+    TooManyNames { limit: usize },
+    /// Adding the name would take the table past `limit` bytes of text.
+    TooManyBytes { limit: usize },
+}
+
+impl fmt::Display for NameError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NameError::TooManyNames { limit } => {
+                write!(
+                    f,
+                    "too many distinct model names and cache salts (limit {limit})"
+                )
+            }
+            NameError::TooManyBytes { limit } => write!(
+                f,
+                "model names and cache salts exceed {limit} bytes in total"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for NameError {}
+
+/// A table of leaked strings, each stored once, with bounds on count and bytes.
+struct Interner {
+    names: HashSet<&'static str>,
+    bytes: usize,
+    max_names: usize,
+    max_bytes: usize,
+}
+
+impl Interner {
+    fn new(max_names: usize, max_bytes: usize) -> Self {
+        Interner {
+            names: HashSet::new(),
+            bytes: 0,
+            max_names,
+            max_bytes,
+        }
+    }
+
+    fn intern(&mut self, s: &str) -> Result<Name, NameError> {
+        if s.is_empty() {
+            return Ok(Name::EMPTY);
+        }
+        if let Some(&held) = self.names.get(s) {
+            return Ok(Name(held));
+        }
+        if self.names.len() >= self.max_names {
+            return Err(NameError::TooManyNames {
+                limit: self.max_names,
+            });
+        }
+        if self.bytes + s.len() > self.max_bytes {
+            return Err(NameError::TooManyBytes {
+                limit: self.max_bytes,
+            });
+        }
+        let held: &'static str = Box::leak(Box::from(s));
+        self.names.insert(held);
+        self.bytes += s.len();
+        Ok(Name(held))
+    }
+}
+
+fn names() -> &'static Mutex<Interner> {
+    static NAMES: OnceLock<Mutex<Interner>> = OnceLock::new();
+    NAMES.get_or_init(|| Mutex::new(Interner::new(MAX_NAMES, MAX_NAME_BYTES)))
+}
+
+/// An interned string (model name or cache salt): a `&'static str`, `Copy`.
+///
+/// Every non-empty `Name` with the same text points at the same leaked
+/// string, so equality and hashing go by address; ordering goes by text.
+/// Interning takes a process-wide lock, so it belongs where requests are
+/// decoded or configuration is read, not on a shard's hot path.
+#[derive(Clone, Copy)]
+pub struct Name(&'static str);
+
+impl Name {
+    /// The empty name (no cache salt). Not stored in the table.
+    pub const EMPTY: Name = Name("");
+
+    /// The interned `Name` for `s`, adding it to the table if new. Fails when
+    /// the table is at its bound ([`MAX_NAMES`] names or [`MAX_NAME_BYTES`]
+    /// bytes); names already held are always returned.
+    pub fn intern(s: &str) -> Result<Name, NameError> {
+        if s.is_empty() {
+            return Ok(Name::EMPTY);
+        }
+        names().lock().unwrap_or_else(|e| e.into_inner()).intern(s)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        self.0
+    }
+
+    /// Address identifying the name; 0 for the empty name.
+    fn addr(self) -> usize {
+        if self.0.is_empty() {
+            0
+        } else {
+            self.0.as_ptr() as usize
+        }
+    }
+}
+
+impl Default for Name {
+    fn default() -> Self {
+        Name::EMPTY
+    }
+}
+
+impl PartialEq for Name {
+    fn eq(&self, other: &Name) -> bool {
+        self.addr() == other.addr()
+    }
+}
+
+impl Eq for Name {}
+
+impl PartialEq<str> for Name {
+    fn eq(&self, other: &str) -> bool {
+        self.0 == other
+    }
+}
+
+impl PartialEq<&str> for Name {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
+impl PartialEq<String> for Name {
+    fn eq(&self, other: &String) -> bool {
+        self.0 == other.as_str()
+    }
+}
+
+impl PartialEq<Name> for str {
+    fn eq(&self, other: &Name) -> bool {
+        self == other.0
+    }
+}
+
+impl PartialEq<Name> for &str {
+    fn eq(&self, other: &Name) -> bool {
+        *self == other.0
+    }
+}
+
+impl PartialEq<Name> for String {
+    fn eq(&self, other: &Name) -> bool {
+        self.as_str() == other.0
+    }
+}
+
+impl Hash for Name {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_usize(self.addr());
+    }
+}
+
+impl PartialOrd for Name {
+    fn partial_cmp(&self, other: &Name) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Name {
+    fn cmp(&self, other: &Name) -> std::cmp::Ordering {
+        if self == other {
+            std::cmp::Ordering::Equal
+        } else {
+            self.0.cmp(other.0)
+        }
+    }
+}
+
+impl Deref for Name {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.0
+    }
+}
+
+impl AsRef<str> for Name {
+    fn as_ref(&self) -> &str {
+        self.0
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl fmt::Debug for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.0, f)
+    }
+}
+
 /// Identity of one stored object: one kv_rank shard of one chunk of one model.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// `Copy`: the names are interned. Hashing writes the first 8 bytes of the
+/// chunk hash (a blake3 digest), kv_rank, group and the two name addresses.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ObjectKey {
     pub chunk_hash: ChunkHash,
-    pub model_name: String,
+    pub model_name: Name,
     pub kv_rank: u32,
     pub object_group_id: u32,
-    pub cache_salt: String,
+    pub cache_salt: Name,
 }
+
+impl Hash for ObjectKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&self.chunk_hash[..8]);
+        state.write_u64(u64::from_le_bytes(b));
+        state.write_u64(((self.kv_rank as u64) << 32) | self.object_group_id as u64);
+        state.write_usize(self.model_name.addr());
+        state.write_usize(self.cache_salt.addr());
+    }
+}
+
+/// Multiply-xor hasher for [`ObjectKey`] and [`Name`] maps, whose hashed
+/// words are already well spread (digest bytes, addresses). Not DoS
+/// resistant on arbitrary input; the chunk hash is a blake3 digest.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KeyHasher(u64);
+
+const KEY_HASH_MUL: u64 = 0x9e37_79b9_7f4a_7c15;
+
+impl KeyHasher {
+    #[inline]
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(KEY_HASH_MUL);
+    }
+}
+
+impl Hasher for KeyHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(c);
+            self.add(u64::from_le_bytes(b));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut b = [0u8; 8];
+            b[..rest.len()].copy_from_slice(rest);
+            self.add(u64::from_le_bytes(b) ^ ((rest.len() as u64) << 59));
+        }
+    }
+
+    #[inline]
+    fn write_u8(&mut self, i: u8) {
+        self.add(i as u64);
+    }
+
+    #[inline]
+    fn write_u32(&mut self, i: u32) {
+        self.add(i as u64);
+    }
+
+    #[inline]
+    fn write_u64(&mut self, i: u64) {
+        self.add(i);
+    }
+
+    #[inline]
+    fn write_usize(&mut self, i: usize) {
+        self.add(i as u64);
+    }
+
+    #[inline]
+    fn finish(&self) -> u64 {
+        // The last multiply leaves the high bits best mixed; bring them down
+        // to the low bits the table indexes by.
+        self.0 ^ (self.0 >> 32)
+    }
+}
+
+/// `BuildHasher` for maps keyed by [`ObjectKey`] or [`Name`].
+pub type KeyBuildHasher = BuildHasherDefault<KeyHasher>;
+
+/// `HashMap` keyed by [`ObjectKey`] (or [`Name`]) with [`KeyHasher`].
+pub type KeyMap<K, V> = std::collections::HashMap<K, V, KeyBuildHasher>;
+
+/// `HashSet` of [`ObjectKey`] (or [`Name`]) with [`KeyHasher`].
+pub type KeySet<K> = std::collections::HashSet<K, KeyBuildHasher>;
 
 impl ObjectKey {
     /// Shard that owns this key: by chunk hash alone, so every kv_rank of a chunk
@@ -223,19 +525,36 @@ impl ObjectKey {
 
     /// 0.5.6's fs-adapter file stem: `model@0xRANK@GROUP@HASH[@salt]`.
     pub fn file_stem(&self) -> String {
-        let mut s = format!(
-            "{}@{:#010x}@{:x}@{}",
-            self.model_name.replace('/', "-SEP-"),
+        file_stem_of(
+            &self.model_name,
             self.kv_rank,
             self.object_group_id,
-            hex(&self.chunk_hash)
-        );
-        if !self.cache_salt.is_empty() {
-            s.push('@');
-            s.push_str(&self.cache_salt);
-        }
-        s
+            &self.chunk_hash,
+            &self.cache_salt,
+        )
     }
+}
+
+/// [`ObjectKey::file_stem`] of a key given by its parts (names not interned).
+pub(crate) fn file_stem_of(
+    model_name: &str,
+    kv_rank: u32,
+    object_group_id: u32,
+    chunk_hash: &ChunkHash,
+    cache_salt: &str,
+) -> String {
+    let mut s = format!(
+        "{}@{:#010x}@{:x}@{}",
+        model_name.replace('/', "-SEP-"),
+        kv_rank,
+        object_group_id,
+        hex(chunk_hash)
+    );
+    if !cache_salt.is_empty() {
+        s.push('@');
+        s.push_str(cache_salt);
+    }
+    s
 }
 
 impl fmt::Debug for ObjectKey {
@@ -372,16 +691,16 @@ mod tests {
         let h = chunk_hashes(&tokens, 256, 0, 256).unwrap()[0];
         let mut k = ObjectKey {
             chunk_hash: h,
-            model_name: "org/test-model".into(),
+            model_name: Name::intern("org/test-model").unwrap(),
             kv_rank: worker_kv_rank(1, 0),
             object_group_id: 0,
-            cache_salt: String::new(),
+            cache_salt: Name::EMPTY,
         };
         assert_eq!(
             k.file_stem(),
             format!("org-SEP-test-model@0x01000100@0@{}", hex(&h))
         );
-        k.cache_salt = "tenant".into();
+        k.cache_salt = Name::intern("tenant").unwrap();
         k.object_group_id = 10;
         assert!(k.file_stem().ends_with(&format!("@a@{}@tenant", hex(&h))));
     }
@@ -399,16 +718,169 @@ mod tests {
         let h = [7u8; 32];
         let a = ObjectKey {
             chunk_hash: h,
-            model_name: "m".into(),
+            model_name: Name::intern("m").unwrap(),
             kv_rank: 1,
             object_group_id: 0,
-            cache_salt: String::new(),
+            cache_salt: Name::EMPTY,
         };
         let b = ObjectKey {
             kv_rank: 2,
-            cache_salt: "s".into(),
-            ..a.clone()
+            cache_salt: Name::intern("s").unwrap(),
+            ..a
         };
         assert_eq!(a.shard(4), b.shard(4));
+    }
+
+    fn name(s: &str) -> Name {
+        Name::intern(s).unwrap()
+    }
+
+    #[test]
+    fn interned_names_share_one_string() {
+        let a = name("keys-test/model");
+        let owned = String::from("keys-test/model");
+        let b = name(&owned);
+        assert_eq!(a, b);
+        assert!(std::ptr::eq(a.as_str(), b.as_str()));
+        assert_ne!(a, name("keys-test/other"));
+        assert_eq!(a.as_str(), "keys-test/model");
+        assert_eq!(&*a, "keys-test/model");
+        assert_eq!(a.to_string(), "keys-test/model");
+        assert_eq!(format!("{a:?}"), "\"keys-test/model\"");
+        assert_eq!(name(""), Name::EMPTY);
+        assert_eq!(Name::default(), Name::EMPTY);
+        assert!(Name::EMPTY.is_empty());
+        assert_ne!(name("keys-test/salt"), Name::EMPTY);
+    }
+
+    #[test]
+    fn names_order_by_text() {
+        let mut v = [
+            name("keys-test-c"),
+            name("keys-test-a"),
+            Name::EMPTY,
+            name("keys-test-b"),
+        ];
+        v.sort();
+        let texts: Vec<&str> = v.iter().map(|n| n.as_str()).collect();
+        assert_eq!(texts, ["", "keys-test-a", "keys-test-b", "keys-test-c"]);
+        assert_eq!(
+            name("keys-test-a").cmp(&name("keys-test-a")),
+            std::cmp::Ordering::Equal
+        );
+    }
+
+    #[test]
+    fn intern_bound_is_enforced() {
+        let mut t = Interner::new(3, 10);
+        let a = t.intern("aa").unwrap();
+        t.intern("bb").unwrap();
+        assert_eq!(t.intern("").unwrap(), Name::EMPTY);
+        // Names already held are returned at the bound.
+        assert_eq!(t.intern("aa").unwrap(), a);
+        assert_eq!(
+            t.intern("ccccccc"),
+            Err(NameError::TooManyBytes { limit: 10 })
+        );
+        t.intern("cccccc").unwrap();
+        assert_eq!(t.intern("d"), Err(NameError::TooManyNames { limit: 3 }));
+        assert!(t.intern("d").unwrap_err().to_string().contains("limit 3"));
+        assert!(NameError::TooManyBytes { limit: 10 }
+            .to_string()
+            .contains("10 bytes"));
+        assert_eq!(t.names.len(), 3);
+        assert_eq!(t.bytes, 10);
+    }
+
+    #[test]
+    fn object_keys_differ_in_every_field() {
+        use std::collections::HashSet;
+        let base = ObjectKey {
+            chunk_hash: [3; 32],
+            model_name: name("keys-test/m1"),
+            kv_rank: 1,
+            object_group_id: 0,
+            cache_salt: Name::EMPTY,
+        };
+        let mut tail = [3u8; 32];
+        tail[31] = 4;
+        let variants = [
+            base,
+            ObjectKey {
+                chunk_hash: [4; 32],
+                ..base
+            },
+            // Differs only past the hashed prefix: still a distinct key.
+            ObjectKey {
+                chunk_hash: tail,
+                ..base
+            },
+            ObjectKey {
+                model_name: name("keys-test/m2"),
+                ..base
+            },
+            ObjectKey { kv_rank: 2, ..base },
+            ObjectKey {
+                object_group_id: 1,
+                ..base
+            },
+            ObjectKey {
+                cache_salt: name("keys-test/s1"),
+                ..base
+            },
+            ObjectKey {
+                cache_salt: name("keys-test/s2"),
+                ..base
+            },
+        ];
+        for (i, a) in variants.iter().enumerate() {
+            for (j, b) in variants.iter().enumerate() {
+                assert_eq!(a == b, i == j, "{a:?} vs {b:?}");
+            }
+        }
+        let mut std_set: HashSet<ObjectKey> = HashSet::new();
+        let mut fast: KeySet<ObjectKey> = KeySet::default();
+        for k in variants {
+            assert!(std_set.insert(k));
+            assert!(fast.insert(k));
+        }
+        // The same key built from freshly interned names is found again.
+        let again = ObjectKey {
+            model_name: Name::intern(&String::from("keys-test/m1")).unwrap(),
+            cache_salt: Name::intern(&String::from("keys-test/s1")).unwrap(),
+            ..base
+        };
+        assert!(fast.contains(&again));
+        assert!(!fast.insert(again));
+        assert_eq!(fast.len(), variants.len());
+        let h = |k: &ObjectKey| {
+            use std::hash::BuildHasher;
+            KeyBuildHasher::default().hash_one(k)
+        };
+        assert_eq!(h(&again), h(&variants[6]));
+    }
+
+    #[test]
+    fn key_hasher_spreads_low_bits() {
+        use std::hash::BuildHasher;
+        let m = name("keys-test/spread");
+        let mut low: std::collections::HashSet<u64> = std::collections::HashSet::new();
+        for i in 0..256u32 {
+            let mut h = [0u8; 32];
+            h[..4].copy_from_slice(&i.to_le_bytes());
+            let k = ObjectKey {
+                chunk_hash: h,
+                model_name: m,
+                kv_rank: 0,
+                object_group_id: 0,
+                cache_salt: Name::EMPTY,
+            };
+            low.insert(KeyBuildHasher::default().hash_one(k) & 1023);
+        }
+        assert!(
+            low.len() > 200,
+            "only {} distinct low-bit buckets",
+            low.len()
+        );
     }
 }

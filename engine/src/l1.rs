@@ -30,12 +30,12 @@
 //!   on once the read TTL has passed since admission; 0.5.6 leaks them under
 //!   the `noop` policy.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::time::{Duration, Instant};
 
 use crate::eviction::{eviction_target, EvictionPolicy, PolicyKind, Scope};
-use crate::keys::ObjectKey;
+use crate::keys::{KeyMap, KeySet, Name, ObjectKey};
 use crate::slab::{Slab, SlabAllocator};
 
 /// 0.5.6's `MAX_READ_LOCK_COUNT`: the most read locks one call takes or
@@ -494,13 +494,13 @@ pub struct L1Shard {
     alloc: SlabAllocator,
     cfg: L1Config,
     policy: EvictionPolicy,
-    entries: HashMap<ObjectKey, Entry>,
+    entries: KeyMap<ObjectKey, Entry>,
     /// Keys with at least one staging object (what `expire` scans).
-    staged_keys: HashSet<ObjectKey>,
+    staged_keys: KeySet<ObjectKey>,
     /// Keys whose resident object is temporary.
-    temporary_keys: HashSet<ObjectKey>,
+    temporary_keys: KeySet<ObjectKey>,
     /// cache_salt -> bytes held (resident and staging, aligned).
-    bytes_by_salt: HashMap<String, u64>,
+    bytes_by_salt: KeyMap<Name, u64>,
     /// What `status` reports, so it need not walk the table.
     tally: Tally,
     stats: L1Stats,
@@ -512,10 +512,10 @@ impl L1Shard {
             alloc: allocator,
             cfg,
             policy,
-            entries: HashMap::new(),
-            staged_keys: HashSet::new(),
-            temporary_keys: HashSet::new(),
-            bytes_by_salt: HashMap::new(),
+            entries: KeyMap::default(),
+            staged_keys: KeySet::default(),
+            temporary_keys: KeySet::default(),
+            bytes_by_salt: KeyMap::default(),
             tally: Tally::default(),
             stats: L1Stats::default(),
         }
@@ -594,7 +594,8 @@ impl L1Shard {
         let mut out: Vec<Result<Slab, L1Error>> = Vec::with_capacity(keys.len());
         let mut pending: Vec<usize> = Vec::new();
         let mut reserved: Vec<usize> = Vec::new();
-        let mut seen: HashSet<&ObjectKey> = HashSet::with_capacity(keys.len());
+        let mut seen: KeySet<&ObjectKey> =
+            KeySet::with_capacity_and_hasher(keys.len(), Default::default());
         let write_ttl = self.cfg.write_ttl;
 
         for (i, key) in keys.iter().enumerate() {
@@ -658,7 +659,7 @@ impl L1Shard {
             }
             self.tally.enter(entry);
             for slab in freed {
-                self.release(&key.cache_salt, slab);
+                self.release(key.cache_salt, slab);
             }
             self.settle(key);
         }
@@ -680,7 +681,7 @@ impl L1Shard {
                     .saturating_mul(remaining)
                     .saturating_sub(self.alloc.free_bytes())
                     .max(1);
-                if self.relieve(&key.cache_salt, want, now) == 0 {
+                if self.relieve(key.cache_salt, want, now) == 0 {
                     exhausted = true;
                 }
             };
@@ -688,7 +689,7 @@ impl L1Shard {
                 self.stats.allocation_failure_chunks += 1;
                 continue; // out[i] already says OutOfMemory
             };
-            self.account(&key.cache_salt, slab.len);
+            self.account(key.cache_salt, slab.len);
             let mut write_lock = TtlLock::new();
             write_lock.lock(1, now, write_ttl);
             let stage = Stage {
@@ -703,7 +704,7 @@ impl L1Shard {
                 Some(entry) => entry.stages.push(stage),
                 None => {
                     self.entries.insert(
-                        key.clone(),
+                        *key,
                         Entry {
                             resident: None,
                             stages: vec![stage],
@@ -815,7 +816,7 @@ impl L1Shard {
         self.tally.remove_stage(&stage);
         let result = if entry.resident.is_some() {
             let temporary = stage.temporary;
-            self.release(&key.cache_salt, stage.slab);
+            self.release(key.cache_salt, stage.slab);
             (Admission::AlreadyResident, temporary)
         } else {
             let resident = entry.resident.insert(Resident {
@@ -874,7 +875,7 @@ impl L1Shard {
             match stage {
                 Some(stage) => {
                     self.tally.remove_stage(&stage);
-                    self.release(&key.cache_salt, stage.slab);
+                    self.release(key.cache_salt, stage.slab);
                     self.settle(key);
                     out.push(Ok(()));
                 }
@@ -951,7 +952,7 @@ impl L1Shard {
             if r.temporary && !r.read_lock.is_locked(now) {
                 let resident = entry.resident.take().expect("resident checked above");
                 self.tally.remove_resident(&resident);
-                self.release(&key.cache_salt, resident.slab);
+                self.release(key.cache_salt, resident.slab);
                 self.settle(key);
             }
             out.push(Ok(()));
@@ -1090,7 +1091,7 @@ impl L1Shard {
             };
             self.tally.enter(entry);
             for slab in freed {
-                self.release(&key.cache_salt, slab);
+                self.release(key.cache_salt, slab);
             }
             self.settle(key);
             out.push(result);
@@ -1102,7 +1103,7 @@ impl L1Shard {
     /// object; with `force`, everything. Returns the number of objects
     /// (resident and staging) freed.
     pub fn clear(&mut self, force: bool, now: Instant) -> usize {
-        let keys: Vec<ObjectKey> = self.entries.keys().cloned().collect();
+        let keys: Vec<ObjectKey> = self.entries.keys().copied().collect();
         let mut count = 0;
         for key in &keys {
             let entry = self.entries.get_mut(key).expect("key listed above");
@@ -1125,7 +1126,7 @@ impl L1Shard {
             self.tally.enter(entry);
             count += freed.len();
             for slab in freed {
-                self.release(&key.cache_salt, slab);
+                self.release(key.cache_salt, slab);
             }
             self.settle(key);
         }
@@ -1174,11 +1175,8 @@ impl L1Shard {
                 }
             }
             PolicyKind::IsolatedLru => {
-                let mut salts: Vec<(String, u64)> = self
-                    .bytes_by_salt
-                    .iter()
-                    .map(|(s, &b)| (s.clone(), b))
-                    .collect();
+                let mut salts: Vec<(Name, u64)> =
+                    self.bytes_by_salt.iter().map(|(&s, &b)| (s, b)).collect();
                 salts.sort_unstable();
                 for (salt, bytes) in salts {
                     let limit = self.policy.quota(&salt).unwrap_or(0);
@@ -1195,8 +1193,8 @@ impl L1Shard {
                         (ratio, bytes.saturating_sub(keep))
                     };
                     let min_count =
-                        eviction_target(self.policy.tracked_len(Scope::Salt(&salt)), salt_ratio);
-                    let victims = self.victims(Scope::Salt(&salt), min_count, min_bytes, now);
+                        eviction_target(self.policy.tracked_len(Scope::Salt(salt)), salt_ratio);
+                    let victims = self.victims(Scope::Salt(salt), min_count, min_bytes, now);
                     for key in &victims {
                         outcome.evicted_bytes += self.evict_key(key, now);
                     }
@@ -1224,7 +1222,7 @@ impl L1Shard {
                     .iter()
                     .any(|s| !s.write_lock.is_locked(now))
             })
-            .cloned()
+            .copied()
             .collect();
         for key in &stale {
             let entry = self.entries.get_mut(key).expect("staged key has an entry");
@@ -1240,7 +1238,7 @@ impl L1Shard {
             self.tally.enter(entry);
             outcome.stages += freed.len();
             for slab in freed {
-                self.release(&key.cache_salt, slab);
+                self.release(key.cache_salt, slab);
             }
             self.settle(key);
         }
@@ -1255,7 +1253,7 @@ impl L1Shard {
                     .expect("temporary key is resident");
                 !r.read_lock.is_locked(now) && now >= r.admitted_at + read_ttl
             })
-            .cloned()
+            .copied()
             .collect();
         for key in &abandoned {
             let entry = self
@@ -1264,7 +1262,7 @@ impl L1Shard {
                 .expect("temporary key has an entry");
             let resident = entry.resident.take().expect("temporary key is resident");
             self.tally.remove_resident(&resident);
-            self.release(&key.cache_salt, resident.slab);
+            self.release(key.cache_salt, resident.slab);
             self.settle(key);
         }
         outcome.temporaries = abandoned.len();
@@ -1334,9 +1332,9 @@ impl L1Shard {
             self.alloc.live_count(),
             "slab count differs from allocator"
         );
-        let mut by_salt: HashMap<&str, u64> = HashMap::new();
+        let mut by_salt: HashMap<Name, u64> = HashMap::new();
         for (key, _, slab) in self.slabs() {
-            *by_salt.entry(key.cache_salt.as_str()).or_default() += slab.len;
+            *by_salt.entry(key.cache_salt).or_default() += slab.len;
         }
         assert_eq!(
             by_salt.len(),
@@ -1345,7 +1343,7 @@ impl L1Shard {
         );
         for (salt, bytes) in &by_salt {
             assert_eq!(
-                self.bytes_by_salt.get(*salt),
+                self.bytes_by_salt.get(salt),
                 Some(bytes),
                 "salt {salt:?} bytes"
             );
@@ -1427,7 +1425,7 @@ impl L1Shard {
     /// Eviction candidates in policy order.
     fn victims(
         &self,
-        scope: Scope<'_>,
+        scope: Scope,
         min_count: usize,
         min_bytes: u64,
         now: Instant,
@@ -1442,20 +1440,18 @@ impl L1Shard {
     /// LRU takes the least recently used evictable keys; IsolatedLRU takes the
     /// writer's own salt first, then salts over their quota. Returns how many
     /// keys were evicted.
-    fn relieve(&mut self, salt: &str, want: u64, now: Instant) -> usize {
+    fn relieve(&mut self, salt: Name, want: u64, now: Instant) -> usize {
         let victims = match self.policy.kind() {
             PolicyKind::Noop => Vec::new(),
             PolicyKind::Lru => self.victims(Scope::All, 1, want, now),
             PolicyKind::IsolatedLru => {
                 let mut victims = self.victims(Scope::Salt(salt), 1, want, now);
                 if victims.is_empty() {
-                    let mut over: Vec<&str> = self
+                    let mut over: Vec<Name> = self
                         .bytes_by_salt
                         .iter()
-                        .filter(|(s, &b)| {
-                            s.as_str() != salt && b > self.policy.quota(s).unwrap_or(0)
-                        })
-                        .map(|(s, _)| s.as_str())
+                        .filter(|(&s, &b)| s != salt && b > self.policy.quota(&s).unwrap_or(0))
+                        .map(|(&s, _)| s)
                         .collect();
                     over.sort_unstable();
                     for s in over {
@@ -1486,11 +1482,11 @@ impl L1Shard {
         // a reader or writer still uses it.
         let bytes = evictable_bytes(&entry, now).expect("eviction victim is locked");
         if let Some(r) = entry.resident {
-            self.release(&key.cache_salt, r.slab);
+            self.release(key.cache_salt, r.slab);
         }
         self.stats.expired_stages += entry.stages.len() as u64;
         for stage in entry.stages {
-            self.release(&key.cache_salt, stage.slab);
+            self.release(key.cache_salt, stage.slab);
         }
         self.settle(key);
         self.stats.evicted_chunks += 1;
@@ -1499,26 +1495,21 @@ impl L1Shard {
     }
 
     /// Charges `len` bytes to `salt`.
-    fn account(&mut self, salt: &str, len: u64) {
-        match self.bytes_by_salt.get_mut(salt) {
-            Some(b) => *b += len,
-            None => {
-                self.bytes_by_salt.insert(salt.to_owned(), len);
-            }
-        }
+    fn account(&mut self, salt: Name, len: u64) {
+        *self.bytes_by_salt.entry(salt).or_default() += len;
     }
 
     /// Frees a slab held by a `salt` key.
-    fn release(&mut self, salt: &str, slab: Slab) {
+    fn release(&mut self, salt: Name, slab: Slab) {
         self.alloc.free(slab);
         let b = self
             .bytes_by_salt
-            .get_mut(salt)
+            .get_mut(&salt)
             .expect("freed slab's salt is accounted");
         assert!(*b >= slab.len, "salt {salt:?} accounting underflow");
         *b -= slab.len;
         if *b == 0 {
-            self.bytes_by_salt.remove(salt);
+            self.bytes_by_salt.remove(&salt);
         }
     }
 
@@ -1544,11 +1535,9 @@ impl L1Shard {
     }
 }
 
-fn set_membership(set: &mut HashSet<ObjectKey>, key: &ObjectKey, member: bool) {
+fn set_membership(set: &mut KeySet<ObjectKey>, key: &ObjectKey, member: bool) {
     if member {
-        if !set.contains(key) {
-            set.insert(key.clone());
-        }
+        set.insert(*key);
     } else {
         set.remove(key);
     }
@@ -1570,10 +1559,10 @@ mod tests {
     fn salted(i: u8, salt: &str) -> ObjectKey {
         ObjectKey {
             chunk_hash: [i; 32],
-            model_name: "m".into(),
+            model_name: Name::intern("m").unwrap(),
             kv_rank: 0,
             object_group_id: 0,
-            cache_salt: salt.into(),
+            cache_salt: Name::intern(salt).unwrap(),
         }
     }
 
@@ -2305,7 +2294,7 @@ mod tests {
                     .iter()
                     .zip(&r)
                     .filter(|(_, r)| r.is_ok())
-                    .map(|(k, _)| k.clone())
+                    .map(|(k, _)| *k)
                     .collect();
                 sh.finish_write(&ok, T1, now);
             }

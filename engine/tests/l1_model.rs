@@ -18,7 +18,7 @@ use std::panic::{self, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use kvshard_engine::eviction::{EvictionConfig, EvictionPolicy, PolicyKind, Scope};
-use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::keys::{Name, ObjectKey};
 use kvshard_engine::l1::{Admission, L1Config, L1Error, L1Shard, L1Status, WriterTag};
 use kvshard_engine::slab::{Slab, SlabAllocator};
 
@@ -53,10 +53,10 @@ impl Rng {
 fn key(i: u8) -> ObjectKey {
     ObjectKey {
         chunk_hash: [i; 32],
-        model_name: "model".into(),
+        model_name: Name::intern("model").unwrap(),
         kv_rank: 0x0100_0100,
         object_group_id: 0,
-        cache_salt: String::new(),
+        cache_salt: Name::EMPTY,
     }
 }
 

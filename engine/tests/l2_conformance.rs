@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvshard_engine::eviction::{EvictionConfig, PolicyKind};
-use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::keys::{Name, ObjectKey};
 use kvshard_engine::l2::config::{FsConfig, MockConfig, GIB};
 use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::mock::MockAdapter;
@@ -67,10 +67,10 @@ fn key(model: &str, i: u32, salt: &str) -> ObjectKey {
     chunk_hash[..4].copy_from_slice(&i.to_le_bytes());
     ObjectKey {
         chunk_hash,
-        model_name: model.to_owned(),
+        model_name: Name::intern(model).unwrap(),
         kv_rank: 0x0001_0000,
         object_group_id: 0,
-        cache_salt: salt.to_owned(),
+        cache_salt: Name::intern(salt).unwrap(),
     }
 }
 
@@ -80,7 +80,7 @@ async fn store(t: &L2Tier, items: &[(ObjectKey, Vec<u8>)]) -> Vec<StoreResult> {
     let views: Vec<(ObjectKey, ObjectBytes)> = items
         .iter()
         .zip(bufs.iter_mut())
-        .map(|((k, _), b)| (k.clone(), unsafe { ObjectBytes::from_mut_slice(b) }))
+        .map(|((k, _), b)| (*k, unsafe { ObjectBytes::from_mut_slice(b) }))
         .collect();
     let res = t.store(&views).await;
     drop(views);
@@ -89,7 +89,7 @@ async fn store(t: &L2Tier, items: &[(ObjectKey, Vec<u8>)]) -> Vec<StoreResult> {
 }
 
 async fn store_one(t: &L2Tier, k: &ObjectKey, bytes: &[u8]) -> StoreResult {
-    store(t, &[(k.clone(), bytes.to_vec())]).await[0]
+    store(t, &[(*k, bytes.to_vec())]).await[0]
 }
 
 /// Loads each key into a fresh buffer of the given length (filled with a
@@ -100,7 +100,7 @@ async fn load(t: &L2Tier, items: &[(ObjectKey, usize)]) -> Vec<(bool, Vec<u8>)> 
     let views: Vec<(ObjectKey, ObjectBytes)> = items
         .iter()
         .zip(bufs.iter_mut())
-        .map(|((k, _), b)| (k.clone(), unsafe { ObjectBytes::from_mut_slice(b) }))
+        .map(|((k, _), b)| (*k, unsafe { ObjectBytes::from_mut_slice(b) }))
         .collect();
     let ok = t.load(&views).await;
     drop(views);
@@ -108,7 +108,7 @@ async fn load(t: &L2Tier, items: &[(ObjectKey, usize)]) -> Vec<(bool, Vec<u8>)> 
 }
 
 async fn load_one(t: &L2Tier, k: &ObjectKey, len: usize) -> (bool, Vec<u8>) {
-    load(t, &[(k.clone(), len)]).await.remove(0)
+    load(t, &[(*k, len)]).await.remove(0)
 }
 
 /// Looks a key up and unlocks it again: a touch for the tier's LRU.
@@ -149,11 +149,11 @@ async fn store_then_lookup_and_load(s: &Subject<'_>) {
         .map(|(_, b)| StoreResult::Stored(b.len() as u64))
         .collect();
     assert_eq!(res, want, "{}: store", s.kind);
-    let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| k.clone()).collect();
+    let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| *k).collect();
     let found = t.lookup_and_lock(&keys).await;
     let want: Vec<_> = items.iter().map(|(_, b)| Some(b.len() as u64)).collect();
     assert_eq!(found, want, "{}: lookup", s.kind);
-    let sized: Vec<(ObjectKey, usize)> = items.iter().map(|(k, b)| (k.clone(), b.len())).collect();
+    let sized: Vec<(ObjectKey, usize)> = items.iter().map(|(k, b)| (*k, b.len())).collect();
     for ((ok, got), (k, b)) in load(&t, &sized).await.into_iter().zip(&items) {
         assert!(ok, "{}: load {k:?}", s.kind);
         assert!(got == *b, "{}: loaded bytes of {k:?} differ", s.kind);
@@ -172,11 +172,7 @@ async fn missing_and_mixed_batches(s: &Subject<'_>) {
 
     let b1 = payload(11, OBJ);
     let b3 = payload(13, OBJ / 2);
-    let res = store(
-        &t,
-        &[(k[1].clone(), b1.clone()), (k[3].clone(), b3.clone())],
-    )
-    .await;
+    let res = store(&t, &[(k[1], b1.clone()), (k[3], b3.clone())]).await;
     assert_eq!(
         res,
         [
@@ -193,12 +189,7 @@ async fn missing_and_mixed_batches(s: &Subject<'_>) {
     );
     let loaded = load(
         &t,
-        &[
-            (k[0].clone(), OBJ),
-            (k[1].clone(), OBJ),
-            (k[2].clone(), OBJ),
-            (k[3].clone(), OBJ / 2),
-        ],
+        &[(k[0], OBJ), (k[1], OBJ), (k[2], OBJ), (k[3], OBJ / 2)],
     )
     .await;
     let oks: Vec<bool> = loaded.iter().map(|(ok, _)| *ok).collect();
@@ -210,7 +201,7 @@ async fn missing_and_mixed_batches(s: &Subject<'_>) {
     );
     t.unlock(&k);
     assert_eq!(
-        t.delete(&[k[0].clone(), k[1].clone(), k[2].clone()]).await,
+        t.delete(&[k[0], k[1], k[2]]).await,
         [None, Some(OBJ as u64), None],
         "{}: mixed delete",
         s.kind
@@ -291,7 +282,7 @@ async fn locks_guard_against_delete(s: &Subject<'_>) {
     );
     assert_eq!(t.locked_keys(), 1);
     assert_eq!(
-        t.delete(&[k.clone(), other.clone()]).await,
+        t.delete(&[k, other]).await,
         [None, None],
         "{}: locked key deleted",
         s.kind
@@ -394,11 +385,7 @@ async fn partial_failure_in_a_batch(s: &Subject<'_>) {
     let good1 = (key("m", 2, ""), payload(72, OBJ));
     let res = store(
         &t,
-        &[
-            good0.clone(),
-            (bad.clone(), bad_bytes.clone()),
-            good1.clone(),
-        ],
+        &[good0.clone(), (bad, bad_bytes.clone()), good1.clone()],
     )
     .await;
     assert_eq!(
@@ -412,13 +399,12 @@ async fn partial_failure_in_a_batch(s: &Subject<'_>) {
         s.kind
     );
     assert_eq!(
-        t.lookup_and_lock(&[good0.0.clone(), bad.clone(), good1.0.clone()])
-            .await,
+        t.lookup_and_lock(&[good0.0, bad, good1.0]).await,
         [Some(OBJ as u64), None, Some(OBJ as u64)],
         "{}: failed item visible",
         s.kind
     );
-    t.unlock(&[good0.0.clone(), good1.0.clone()]);
+    t.unlock(&[good0.0, good1.0]);
     assert!(!load_one(&t, &bad, bad_bytes.len()).await.0, "{}", s.kind);
     for (k, b) in [&good0, &good1] {
         let (ok, got) = load_one(&t, k, OBJ).await;
@@ -436,9 +422,9 @@ async fn usage_accounting(s: &Subject<'_>) {
     let a2 = key("m", 2, "a");
     let b1 = key("m", 3, "b");
     let items = [
-        (a1.clone(), payload(81, OBJ)),
-        (a2.clone(), payload(82, 1000)),
-        (b1.clone(), payload(83, 3000)),
+        (a1, payload(81, OBJ)),
+        (a2, payload(82, 1000)),
+        (b1, payload(83, 3000)),
     ];
     store(&t, &items).await;
     let u = t.usage();
@@ -651,9 +637,9 @@ async fn list_pages(s: &Subject<'_>) {
     let mut items: Vec<(ObjectKey, Vec<u8>)> = mine
         .iter()
         .enumerate()
-        .map(|(i, k)| (k.clone(), payload(110 + i as u64, 1000 + i)))
+        .map(|(i, k)| (*k, payload(110 + i as u64, 1000 + i)))
         .collect();
-    items.push((theirs.clone(), payload(120, 999)));
+    items.push((theirs, payload(120, 999)));
     store(&t, &items).await;
 
     let mut seen: Vec<(ObjectKey, u64)> = Vec::new();
@@ -678,7 +664,7 @@ async fn list_pages(s: &Subject<'_>) {
     let want: BTreeSet<(ObjectKey, u64)> = mine
         .iter()
         .enumerate()
-        .map(|(i, k)| (k.clone(), 1000 + i as u64))
+        .map(|(i, k)| (*k, 1000 + i as u64))
         .collect();
     assert_eq!(seen.len(), 5, "{}: listed {seen:?}", s.kind);
     assert_eq!(

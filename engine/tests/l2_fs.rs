@@ -8,7 +8,7 @@ use std::fs;
 use std::path::Path;
 use std::slice::from_ref;
 
-use kvshard_engine::keys::{hex, ObjectKey};
+use kvshard_engine::keys::{hex, Name, ObjectKey};
 use kvshard_engine::l2::config::FsConfig;
 use kvshard_engine::l2::fs::FsAdapter;
 use kvshard_engine::l2::naming::{file_name, parse_file_name};
@@ -74,10 +74,10 @@ fn key(model: &str, i: u32, salt: &str) -> ObjectKey {
     chunk_hash[28..].copy_from_slice(&i.to_be_bytes());
     ObjectKey {
         chunk_hash,
-        model_name: model.to_owned(),
+        model_name: Name::intern(model).unwrap(),
         kv_rank: 0x0100_0100,
         object_group_id: 0,
-        cache_salt: salt.to_owned(),
+        cache_salt: Name::intern(salt).unwrap(),
     }
 }
 
@@ -97,7 +97,7 @@ async fn store(a: &FsAdapter, items: &[(ObjectKey, Vec<u8>)]) -> Vec<StoreResult
     let views: Vec<(ObjectKey, ObjectBytes)> = items
         .iter()
         .zip(bufs.iter_mut())
-        .map(|((k, _), b)| (k.clone(), unsafe { ObjectBytes::from_mut_slice(b) }))
+        .map(|((k, _), b)| (*k, unsafe { ObjectBytes::from_mut_slice(b) }))
         .collect();
     a.store(&views).await
 }
@@ -107,7 +107,7 @@ async fn load(a: &FsAdapter, k: &ObjectKey, len: usize) -> (bool, Vec<u8>) {
     let mut buf = vec![0xa5u8; len];
     // SAFETY: `buf` outlives the awaited load and nothing else touches it.
     let view = unsafe { ObjectBytes::from_mut_slice(&mut buf) };
-    let ok = a.load(&[(k.clone(), view)]).await[0];
+    let ok = a.load(&[(*k, view)]).await[0];
     (ok, buf)
 }
 
@@ -140,10 +140,10 @@ fn golden() -> Vec<(ObjectKey, String)> {
             assert_eq!(f.len(), 6, "golden line: {l}");
             let k = ObjectKey {
                 chunk_hash: unhex(f[0]),
-                model_name: f[1].to_owned(),
+                model_name: Name::intern(f[1]).unwrap(),
                 kv_rank: f[2].parse().unwrap(),
                 object_group_id: f[3].parse().unwrap(),
-                cache_salt: f[4].to_owned(),
+                cache_salt: Name::intern(f[4]).unwrap(),
             };
             (k, f[5].to_owned())
         })
@@ -169,7 +169,7 @@ fn store_writes_the_object_under_its_name_once() {
         let k = key("org/model-7B", 1, "tenant");
         let bytes = payload(1, 10_000);
         assert_eq!(
-            store(&a, &[(k.clone(), bytes.clone())]).await,
+            store(&a, &[(k, bytes.clone())]).await,
             vec![StoreResult::Stored(10_000)]
         );
         let path = dir.path().join(file_name(&k));
@@ -178,7 +178,7 @@ fn store_writes_the_object_under_its_name_once() {
 
         // A second store of other bytes under the same key writes nothing.
         assert_eq!(
-            store(&a, &[(k.clone(), payload(2, 10_000))]).await,
+            store(&a, &[(k, payload(2, 10_000))]).await,
             vec![StoreResult::Exists]
         );
         assert_eq!(fs::read(&path).unwrap(), bytes);
@@ -214,7 +214,7 @@ fn odirect_aligned_and_unaligned_read_back_equal() {
             .zip(&srcs)
             .zip(sizes)
             // SAFETY: `srcs` outlives the awaited store; nothing writes it.
-            .map(|((k, s), n)| (k.clone(), unsafe { s.view(n) }))
+            .map(|((k, s), n)| (*k, unsafe { s.view(n) }))
             .collect();
         let res = a.store(&items).await;
         let want: Vec<StoreResult> = sizes
@@ -234,7 +234,7 @@ fn odirect_aligned_and_unaligned_read_back_equal() {
             .zip(sizes)
             // SAFETY: `dsts` outlives the awaited load; nothing else touches
             // it meanwhile.
-            .map(|((k, d), n)| (k.clone(), unsafe { d.view(n) }))
+            .map(|((k, d), n)| (*k, unsafe { d.view(n) }))
             .collect();
         assert_eq!(a.load(&items).await, vec![true; sizes.len()]);
         for ((s, d), n) in srcs.iter().zip(&dsts).zip(sizes) {
@@ -283,14 +283,14 @@ fn read_ahead_load_reads_everything() {
         let k = key("m", 5, "");
         let bytes = payload(5, 70_001);
         assert_eq!(
-            store(&a, &[(k.clone(), bytes.clone())]).await,
+            store(&a, &[(k, bytes.clone())]).await,
             vec![StoreResult::Stored(70_001)]
         );
         assert_eq!(load(&a, &k, 70_001).await, (true, bytes));
         // Smaller than the read-ahead: one read.
         let small = key("m", 6, "");
         assert_eq!(
-            store(&a, &[(small.clone(), vec![7u8; 10])]).await,
+            store(&a, &[(small, vec![7u8; 10])]).await,
             vec![StoreResult::Stored(10)]
         );
         assert_eq!(load(&a, &small, 10).await, (true, vec![7u8; 10]));
@@ -303,7 +303,7 @@ fn wrong_size_and_missing_keys_do_not_load() {
     run(async {
         let a = FsAdapter::new(&cfg(dir.path()), 0, 1).unwrap();
         let k = key("m", 1, "");
-        store(&a, &[(k.clone(), payload(1, 8192))]).await;
+        store(&a, &[(k, payload(1, 8192))]).await;
         let (ok, buf) = load(&a, &k, 8191).await;
         assert!(!ok);
         assert!(
@@ -329,23 +329,13 @@ fn locked_keys_are_not_deleted() {
         let a = FsAdapter::new(&cfg(dir.path()), 0, 1).unwrap();
         let k = key("org/m", 1, "s");
         let other = key("org/m", 2, "s");
-        store(
-            &a,
-            &[
-                (k.clone(), payload(1, 5000)),
-                (other.clone(), payload(2, 6000)),
-            ],
-        )
-        .await;
+        store(&a, &[(k, payload(1, 5000)), (other, payload(2, 6000))]).await;
         let path = dir.path().join(file_name(&k));
 
         // Two lookups: two locks.
         assert_eq!(a.lookup_and_lock(from_ref(&k)).await, vec![Some(5000)]);
         assert_eq!(a.lookup_and_lock(from_ref(&k)).await, vec![Some(5000)]);
-        assert_eq!(
-            a.delete(&[k.clone(), other.clone()]).await,
-            vec![None, Some(6000)]
-        );
+        assert_eq!(a.delete(&[k, other]).await, vec![None, Some(6000)]);
         assert!(path.exists());
         assert!(!dir.path().join(file_name(&other)).exists());
         a.unlock(from_ref(&k));
@@ -353,7 +343,7 @@ fn locked_keys_are_not_deleted() {
         assert!(path.exists());
         a.unlock(from_ref(&k));
         // Unknown and no-longer-locked keys are ignored.
-        a.unlock(&[k.clone(), other.clone()]);
+        a.unlock(&[k, other]);
         assert_eq!(a.delete(from_ref(&k)).await, vec![Some(5000)]);
         assert!(!path.exists());
         assert_eq!(a.delete(from_ref(&k)).await, vec![None]);
@@ -373,10 +363,10 @@ fn one_bad_key_fails_alone() {
         let res = store(
             &a,
             &[
-                (good0.clone(), payload(1, 4096)),
-                (bad.clone(), payload(2, 4096)),
-                (at.clone(), payload(3, 4096)),
-                (good1.clone(), payload(4, 100)),
+                (good0, payload(1, 4096)),
+                (bad, payload(2, 4096)),
+                (at, payload(3, 4096)),
+                (good1, payload(4, 100)),
             ],
         )
         .await;
@@ -390,11 +380,10 @@ fn one_bad_key_fails_alone() {
             ]
         );
         assert_eq!(
-            a.lookup_and_lock(&[good0.clone(), bad.clone(), good1.clone()])
-                .await,
+            a.lookup_and_lock(&[good0, bad, good1]).await,
             vec![Some(4096), None, Some(100)]
         );
-        a.unlock(&[good0.clone(), good1.clone()]);
+        a.unlock(&[good0, good1]);
         assert!(!load(&a, &bad, 4096).await.0);
         assert!(a.status()["io_errors"].as_u64().unwrap() >= 1);
         assert!(tmp_files(dir.path()).is_empty());
@@ -454,7 +443,7 @@ fn reads_a_directory_written_by_lmcache_0_5_6() {
     fs::write(dir.path().join(format!("{stem}.tmp")), b"x").unwrap();
     run(async {
         let a = FsAdapter::new(&cfg(dir.path()), 0, 1).unwrap();
-        let ks: Vec<ObjectKey> = keys.iter().map(|(k, _)| k.clone()).collect();
+        let ks: Vec<ObjectKey> = keys.iter().map(|(k, _)| *k).collect();
         let sizes = a.lookup_and_lock(&ks).await;
         let want: Vec<Option<u64>> = (0..ks.len()).map(|i| Some(4096 + i as u64)).collect();
         assert_eq!(sizes, want);
@@ -486,7 +475,7 @@ fn reads_a_directory_written_by_lmcache_0_5_6() {
         let mut want: Vec<(String, ObjectKey, u64)> = keys
             .iter()
             .enumerate()
-            .map(|(i, (k, n))| (n.clone(), k.clone(), 4096 + i as u64))
+            .map(|(i, (k, n))| (n.clone(), *k, 4096 + i as u64))
             .collect();
         want.sort();
         let want: Vec<(ObjectKey, u64)> = want.into_iter().map(|(_, k, s)| (k, s)).collect();
@@ -527,8 +516,8 @@ fn concurrent_stores_of_one_key_leave_one_complete_object() {
         let k = key("m", 9, "");
         let bytes = payload(9, 1 << 20);
         let (ra, rb) = join2(
-            store(&a, &[(k.clone(), bytes.clone())]),
-            store(&b, &[(k.clone(), bytes.clone())]),
+            store(&a, &[(k, bytes.clone())]),
+            store(&b, &[(k, bytes.clone())]),
         )
         .await;
         let stored = [ra[0], rb[0]]

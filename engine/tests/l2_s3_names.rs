@@ -3,7 +3,7 @@
 //! tools/golden/s3_names.py), so a bucket written by either server is read by
 //! the other.
 
-use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::keys::{Name, ObjectKey};
 use kvshard_engine::l2::naming::{parse_s3_object_name, s3_object_name};
 use kvshard_s3_raw::sigv4::encode_path;
 
@@ -28,10 +28,10 @@ fn object_names_and_paths_match_lmcache_0_5_6() {
         assert_eq!(f.len(), 7, "golden line: {l}");
         let k = ObjectKey {
             chunk_hash: unhex(f[0]),
-            model_name: f[1].to_owned(),
+            model_name: Name::intern(f[1]).unwrap(),
             kv_rank: f[2].parse().unwrap(),
             object_group_id: f[3].parse().unwrap(),
-            cache_salt: f[4].to_owned(),
+            cache_salt: Name::intern(f[4]).unwrap(),
         };
         let name = s3_object_name(&k);
         assert_eq!(name, f[5]);

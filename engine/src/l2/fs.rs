@@ -833,7 +833,7 @@ impl L2Adapter for FsAdapter {
             let mut locks = self.locks.borrow_mut();
             for (key, size) in keys.iter().zip(&sizes) {
                 if size.is_some() {
-                    *locks.entry(key.clone()).or_insert(0) += 1;
+                    *locks.entry(*key).or_insert(0) += 1;
                 }
             }
             sizes

@@ -103,7 +103,7 @@ impl MockAdapter {
             // SAFETY: the caller keeps the object's memory valid and unwritten
             // until this call resolves (ObjectBytes contract); it is copied here.
             let bytes = unsafe { obj.as_slice() }.to_vec();
-            st.objects.insert(key.clone(), Entry { bytes, locks: 0 });
+            st.objects.insert(*key, Entry { bytes, locks: 0 });
             st.used_bytes += size;
             copied += size;
             results.push(StoreResult::Stored(size));
@@ -267,10 +267,7 @@ impl L2Adapter for MockAdapter {
             } else {
                 None
             },
-            keys: found
-                .into_iter()
-                .map(|(_, k, size)| (k.clone(), size))
-                .collect(),
+            keys: found.into_iter().map(|(_, k, size)| (*k, size)).collect(),
             modified: Vec::new(),
         };
         Box::pin(ready(Ok(page)))
@@ -291,6 +288,7 @@ impl L2Adapter for MockAdapter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::keys::Name;
 
     fn run<T>(f: impl std::future::Future<Output = T>) -> T {
         glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
@@ -303,10 +301,10 @@ mod tests {
     fn key(i: u8) -> ObjectKey {
         ObjectKey {
             chunk_hash: [i; 32],
-            model_name: "m".into(),
+            model_name: Name::intern("m").unwrap(),
             kv_rank: 0,
             object_group_id: 0,
-            cache_salt: String::new(),
+            cache_salt: Name::EMPTY,
         }
     }
 

@@ -11,7 +11,7 @@
 //! the same file as the name with `/` in its place. 0.5.6 reads such a file
 //! back as the `/` name, and so does [`parse_file_name`].
 
-use crate::keys::{check_cache_salt, ObjectKey, CHUNK_HASH_LEN};
+use crate::keys::{check_cache_salt, file_stem_of, ChunkHash, Name, ObjectKey, CHUNK_HASH_LEN};
 
 /// Suffix of object files.
 pub const FILE_EXT: &str = ".data";
@@ -71,18 +71,32 @@ pub fn parse_file_name(name: &str) -> Option<ObjectKey> {
     if check_cache_salt(salt).is_err() {
         return None;
     }
-    let key = ObjectKey {
-        chunk_hash,
-        model_name: safe_model.replace(SLASH_REPLACEMENT, "/"),
-        kv_rank,
-        object_group_id,
-        cache_salt: salt.to_string(),
-    };
+    let model_name = safe_model.replace(SLASH_REPLACEMENT, "/");
     // Rejects leading zeros and any other spelling that differs from ours.
-    if file_name(&key) != name {
+    let mut own = file_stem_of(&model_name, kv_rank, object_group_id, &chunk_hash, salt);
+    own.push_str(FILE_EXT);
+    if own != name {
         return None;
     }
-    Some(key)
+    Some(ObjectKey {
+        chunk_hash,
+        model_name: intern_listed(&model_name, name)?,
+        kv_rank,
+        object_group_id,
+        cache_salt: intern_listed(salt, name)?,
+    })
+}
+
+/// Interns a name read from a listed object; `None` (the object is skipped)
+/// when the name table is full.
+fn intern_listed(s: &str, object: &str) -> Option<Name> {
+    match Name::intern(s) {
+        Ok(n) => Some(n),
+        Err(e) => {
+            log::warn!("skipping L2 object {object:?}: {e}");
+            None
+        }
+    }
 }
 
 /// The object name 0.5.6's s3 adapter gives `key`:
@@ -91,16 +105,32 @@ pub fn parse_file_name(name: &str) -> Option<ObjectKey> {
 /// request path is `/` + the name percent-encoded once (`-_.~/` kept), which
 /// the signer does.
 pub fn s3_object_name(key: &ObjectKey) -> String {
-    let mut s = format!(
-        "{}@{:08x}@{:x}@{}",
-        key.model_name,
+    s3_object_name_of(
+        &key.model_name,
         key.kv_rank,
         key.object_group_id,
-        crate::keys::hex(&key.chunk_hash)
+        &key.chunk_hash,
+        &key.cache_salt,
+    )
+}
+
+fn s3_object_name_of(
+    model_name: &str,
+    kv_rank: u32,
+    object_group_id: u32,
+    chunk_hash: &ChunkHash,
+    cache_salt: &str,
+) -> String {
+    let mut s = format!(
+        "{}@{:08x}@{:x}@{}",
+        model_name,
+        kv_rank,
+        object_group_id,
+        crate::keys::hex(chunk_hash)
     );
-    if !key.cache_salt.is_empty() {
+    if !cache_salt.is_empty() {
         s.push(KEY_SEP);
-        s.push_str(&key.cache_salt);
+        s.push_str(cache_salt);
     }
     s
 }
@@ -122,17 +152,21 @@ pub fn parse_s3_object_name(name: &str) -> Option<ObjectKey> {
     if parts.next().is_some() || rank.len() < 8 {
         return None;
     }
-    let key = ObjectKey {
-        chunk_hash: parse_hash(hash)?,
-        model_name: model.to_string(),
-        kv_rank: parse_lower_hex_u32(rank)?,
-        object_group_id: parse_lower_hex_u32(group)?,
-        cache_salt: salt.to_string(),
-    };
-    if check_cache_salt(salt).is_err() || s3_object_name(&key) != name {
+    let chunk_hash = parse_hash(hash)?;
+    let kv_rank = parse_lower_hex_u32(rank)?;
+    let object_group_id = parse_lower_hex_u32(group)?;
+    if check_cache_salt(salt).is_err()
+        || s3_object_name_of(model, kv_rank, object_group_id, &chunk_hash, salt) != name
+    {
         return None;
     }
-    Some(key)
+    Some(ObjectKey {
+        chunk_hash,
+        model_name: intern_listed(model, name)?,
+        kv_rank,
+        object_group_id,
+        cache_salt: intern_listed(salt, name)?,
+    })
 }
 
 fn lower_hex_digit(b: u8) -> Option<u8> {
@@ -178,10 +212,10 @@ mod tests {
         }
         ObjectKey {
             chunk_hash,
-            model_name: model.into(),
+            model_name: Name::intern(model).unwrap(),
             kv_rank,
             object_group_id: group,
-            cache_salt: salt.into(),
+            cache_salt: Name::intern(salt).unwrap(),
         }
     }
 
@@ -195,7 +229,7 @@ mod tests {
             key("model.with.dots", 0x0002_0001, 0, &"z".repeat(128)),
         ] {
             let name = file_name(&k);
-            assert_eq!(parse_file_name(&name), Some(k.clone()), "{name}");
+            assert_eq!(parse_file_name(&name), Some(k), "{name}");
         }
     }
 
@@ -247,7 +281,7 @@ mod tests {
         let h = crate::keys::hex(&k.chunk_hash);
         assert_eq!(s3_object_name(&k), format!("org/model-7B@01000100@a@{h}@t"));
         for k in [
-            k.clone(),
+            k,
             key("org/model-7B", 0, 0, ""),
             key("a//b/", u32::MAX, u32::MAX, "s.t-u_v"),
             key("", 1, 0x10, &"z".repeat(128)),

@@ -251,7 +251,7 @@ impl S3Adapter {
         match self.store.put(&name, body).await {
             Ok(()) => {
                 let size = body.len() as u64;
-                self.sizes.borrow_mut().insert(key.clone(), size);
+                self.sizes.borrow_mut().insert(*key, size);
                 StoreResult::Stored(size)
             }
             Err(e) => {
@@ -270,7 +270,7 @@ impl S3Adapter {
         self.counters.heads.set(self.counters.heads.get() + 1);
         match self.store.head(&name).await {
             Ok(Some(size)) if size > 0 => {
-                self.sizes.borrow_mut().insert(key.clone(), size);
+                self.sizes.borrow_mut().insert(*key, size);
                 Some(size)
             }
             Ok(_) => None,
@@ -359,7 +359,7 @@ impl L2Adapter for S3Adapter {
             let mut locks = self.locks.borrow_mut();
             for (key, size) in keys.iter().zip(&sizes) {
                 if size.is_some() {
-                    *locks.entry(key.clone()).or_insert(0) += 1;
+                    *locks.entry(*key).or_insert(0) += 1;
                 }
             }
             sizes
@@ -730,7 +730,7 @@ mod tests {
 
     use super::*;
     use crate::eviction::{EvictionConfig, PolicyKind};
-    use crate::keys::compute_kv_rank;
+    use crate::keys::{compute_kv_rank, Name};
     use crate::l2::config::Secret;
     use crate::l2::tier::L2Tier;
 
@@ -766,10 +766,10 @@ mod tests {
     fn key(model: &str, world_size: u32, i: u8) -> ObjectKey {
         ObjectKey {
             chunk_hash: [i; 32],
-            model_name: model.into(),
+            model_name: Name::intern(model).unwrap(),
             kv_rank: compute_kv_rank(world_size, 0, world_size, 0),
             object_group_id: 0,
-            cache_salt: String::new(),
+            cache_salt: Name::EMPTY,
         }
     }
 

@@ -8,10 +8,10 @@
 //! eviction can reach it.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use crate::eviction::{eviction_target, EvictionConfig, EvictionPolicy, PolicyKind, Scope};
-use crate::keys::ObjectKey;
+use crate::keys::{KeyMap, Name, ObjectKey};
 
 use super::{KeyPage, L2Adapter, ObjectBytes, StoreResult};
 
@@ -60,9 +60,12 @@ impl TierUsage {
 
 #[derive(Default)]
 struct Book {
-    sizes: HashMap<ObjectKey, u64>,
-    locks: HashMap<ObjectKey, u32>,
+    sizes: KeyMap<ObjectKey, u64>,
+    locks: KeyMap<ObjectKey, u32>,
+    /// Everything but `bytes_by_salt`, which `salt_bytes` holds.
     usage: TierUsage,
+    /// cache_salt -> bytes held.
+    salt_bytes: BTreeMap<Name, u64>,
     stats: TierStats,
 }
 
@@ -71,14 +74,10 @@ impl Book {
         if self.sizes.contains_key(key) {
             return false;
         }
-        self.sizes.insert(key.clone(), size);
+        self.sizes.insert(*key, size);
         self.usage.used_bytes += size;
         self.usage.keys += 1;
-        *self
-            .usage
-            .bytes_by_salt
-            .entry(key.cache_salt.clone())
-            .or_default() += size;
+        *self.salt_bytes.entry(key.cache_salt).or_default() += size;
         true
     }
 
@@ -86,10 +85,10 @@ impl Book {
         let size = self.sizes.remove(key)?;
         self.usage.used_bytes -= size;
         self.usage.keys -= 1;
-        if let Some(b) = self.usage.bytes_by_salt.get_mut(&key.cache_salt) {
+        if let Some(b) = self.salt_bytes.get_mut(&key.cache_salt) {
             *b -= size;
             if *b == 0 {
-                self.usage.bytes_by_salt.remove(&key.cache_salt);
+                self.salt_bytes.remove(&key.cache_salt);
             }
         }
         Some(size)
@@ -152,7 +151,7 @@ impl L2Tier {
                     book.stats.stored_keys += 1;
                     book.stats.stored_bytes += size;
                     if book.add(key, *size) {
-                        created.push(key.clone());
+                        created.push(*key);
                     }
                 }
                 StoreResult::Exists => book.stats.store_existing_keys += 1,
@@ -177,11 +176,11 @@ impl L2Tier {
         for (key, r) in keys.iter().zip(&res) {
             if let Some(size) = r {
                 book.stats.lookup_hit_keys += 1;
-                *book.locks.entry(key.clone()).or_default() += 1;
+                *book.locks.entry(*key).or_default() += 1;
                 if book.add(key, *size) {
-                    adopted.push(key.clone());
+                    adopted.push(*key);
                 } else {
-                    touched.push(key.clone());
+                    touched.push(*key);
                 }
             }
         }
@@ -281,8 +280,8 @@ impl L2Tier {
                     }
                 }
                 PolicyKind::IsolatedLru => {
-                    for (salt, &bytes) in &book.usage.bytes_by_salt {
-                        let limit = policy.quota(salt).unwrap_or(0);
+                    for (&salt, &bytes) in &book.salt_bytes {
+                        let limit = policy.quota(&salt).unwrap_or(0);
                         let threshold = cfg.trigger_watermark * limit as f64;
                         if bytes == 0 || (bytes as f64) < threshold {
                             continue;
@@ -410,7 +409,15 @@ impl L2Tier {
     }
 
     pub fn usage(&self) -> TierUsage {
-        self.book.borrow().usage.clone()
+        let book = self.book.borrow();
+        TierUsage {
+            bytes_by_salt: book
+                .salt_bytes
+                .iter()
+                .map(|(s, &b)| (s.to_string(), b))
+                .collect(),
+            ..book.usage.clone()
+        }
     }
 
     pub fn stats(&self) -> TierStats {

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvshard_engine::keys::{self, ObjectKey};
+use kvshard_engine::keys::{self, Name, ObjectKey};
 use kvshard_engine::slab::Slab;
 use kvshard_gds::device::worker::{ChunkCopy, CopyDir, DeviceJob};
 use kvshard_io::log_limit::Level;
@@ -1378,8 +1378,8 @@ impl Front {
 
     /// Object keys of chunks `hashes` for `ranks`, chunk-major and rank-minor.
     fn object_keys(
-        model: &str,
-        salt: &str,
+        model: Name,
+        salt: Name,
         hashes: &[keys::ChunkHash],
         ranks: &[u32],
     ) -> Vec<ObjectKey> {
@@ -1388,14 +1388,21 @@ impl Front {
             for r in ranks {
                 out.push(ObjectKey {
                     chunk_hash: *h,
-                    model_name: model.to_owned(),
+                    model_name: model,
                     kv_rank: *r,
                     object_group_id: 0,
-                    cache_salt: salt.to_owned(),
+                    cache_salt: salt,
                 });
             }
         }
         out
+    }
+
+    /// Interned (model_name, cache_salt) of a request, once per request.
+    fn key_names(model: &str, salt: &str) -> Result<(Name, Name), String> {
+        let model = Name::intern(model).map_err(|e| format!("model_name: {e}"))?;
+        let salt = Name::intern(salt).map_err(|e| format!("cache_salt: {e}"))?;
+        Ok((model, salt))
     }
 
     /// kv_ranks a key addresses: one worker's, or every worker's for a scheduler key.
@@ -1499,6 +1506,14 @@ impl Front {
                 return early(self, "bad_request");
             }
         };
+        let (model, salt) = match Self::key_names(&key.model_name, &key.cache_salt) {
+            Ok(n) => n,
+            Err(e) => {
+                log_limited!(Level::Error, "lookup {rid}: {e}");
+                self.metrics.bad_requests += 1;
+                return early(self, "bad_request");
+            }
+        };
         if let Some(s) = self.sessions.get_mut(&rid) {
             s.lookup = Some(LookupScope {
                 model_name: key.model_name.clone(),
@@ -1527,7 +1542,7 @@ impl Front {
         }
         self.metrics.lookup_requested_tokens += (hashes.len() * self.cfg.chunk_size) as u64;
         let num_ranks = ranks.len();
-        let objs = Self::object_keys(&key.model_name, &key.cache_salt, &hashes, &ranks);
+        let objs = Self::object_keys(model, salt, &hashes, &ranks);
         let parts = self.split(&objs);
         if self.refused(&to, involved(&parts)) {
             return early(self, "shard_unavailable");
@@ -1537,7 +1552,7 @@ impl Front {
         let sent: Vec<Vec<ObjectKey>> = parts
             .iter()
             .filter(|idx| !idx.is_empty())
-            .map(|idx| idx.iter().map(|i| objs[*i].clone()).collect())
+            .map(|idx| idx.iter().map(|i| objs[*i]).collect())
             .collect();
         let size = layout.bytes;
         let kind = InflightKind::Lookup {
@@ -1641,8 +1656,8 @@ impl Front {
         for (k, f) in keys.iter().zip(found) {
             match *f {
                 FOUND_MISS => {}
-                FOUND_L1 => l1.push(k.clone()),
-                code => l2[k.shard(n)].push((k.clone(), code)),
+                FOUND_L1 => l1.push(*k),
+                code => l2[k.shard(n)].push((*k, code)),
             }
         }
         self.post(l1, |keys| ShardOp::Release {
@@ -1672,10 +1687,8 @@ impl Front {
         let loading: Vec<usize> = (0..p.keys.len())
             .filter(|&i| p.found[i] >= FOUND_L2)
             .collect();
-        let lkeys: Vec<(ObjectKey, u8)> = loading
-            .iter()
-            .map(|&i| (p.keys[i].clone(), p.found[i]))
-            .collect();
+        let lkeys: Vec<(ObjectKey, u8)> =
+            loading.iter().map(|&i| (p.keys[i], p.found[i])).collect();
         let n = self.shards.len();
         let mut parts = vec![Vec::new(); n];
         for (j, (k, _)) in lkeys.iter().enumerate() {
@@ -1690,7 +1703,7 @@ impl Front {
             loading,
         };
         let immediate = self.fan_out(parts, kind, |idx| ShardOp::Load {
-            keys: idx.iter().map(|&j| lkeys[j].clone()).collect(),
+            keys: idx.iter().map(|&j| lkeys[j]).collect(),
             size,
             readers,
             tag,
@@ -1734,7 +1747,7 @@ impl Front {
             .iter()
             .zip(&ok[keep..])
             .filter(|(_, ok)| **ok)
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| *k)
             .collect();
         self.post(release, |keys| ShardOp::Release {
             keys,
@@ -1873,7 +1886,11 @@ impl Front {
             Ok(h) => h,
             Err(e) => return log_limited!(Level::Error, "free_lookup_locks {rid}: {e}"),
         };
-        let objs = Self::object_keys(&key.model_name, &key.cache_salt, &hashes, &ranks);
+        let (model, salt) = match Self::key_names(&key.model_name, &key.cache_salt) {
+            Ok(n) => n,
+            Err(e) => return log_limited!(Level::Error, "free_lookup_locks {rid}: {e}"),
+        };
+        let objs = Self::object_keys(model, salt, &hashes, &ranks);
         let (first, nr) = (start_chunk as usize, ranks.len());
         let chunks = objs.iter().enumerate().map(|(i, k)| (first + i / nr, k));
         self.leases.released(&rid, chunks, readers, None);
@@ -1904,7 +1921,11 @@ impl Front {
                 .collect(),
             Some(w) => vec![keys::worker_kv_rank(scope.world_size, w)],
         };
-        let objs = Self::object_keys(&scope.model_name, &scope.cache_salt, s.all_hashes(), &ranks);
+        let (model, salt) = match Self::key_names(&scope.model_name, &scope.cache_salt) {
+            Ok(n) => n,
+            Err(e) => return log_limited!(Level::Error, "end_session {rid}: {e}"),
+        };
+        let objs = Self::object_keys(model, salt, s.all_hashes(), &ranks);
         self.post(objs, |keys| ShardOp::Touch { keys });
     }
 
@@ -2032,12 +2053,8 @@ impl Front {
             self.registry.note_rank(iid, rank);
         }
         let hashes = self.key_hashes(key, false, ranks.len(), now)?;
-        Ok(Self::object_keys(
-            &key.model_name,
-            &key.cache_salt,
-            &hashes,
-            &ranks,
-        ))
+        let (model, salt) = Self::key_names(&key.model_name, &key.cache_salt)?;
+        Ok(Self::object_keys(model, salt, &hashes, &ranks))
     }
 
     fn prepare_store(&mut self, to: ReplyTo, key: IpcKey, iid: i64, now: Instant) {
@@ -2078,7 +2095,7 @@ impl Front {
         }
         let tag = writer_tag(iid);
         if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReserveWrite {
-            keys: idx.iter().map(|i| keys[*i].clone()).collect(),
+            keys: idx.iter().map(|i| keys[*i]).collect(),
             size,
             tag,
         }) {
@@ -2155,7 +2172,7 @@ impl Front {
             slabs: vec![None; n],
         };
         if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReadLocked {
-            keys: idx.iter().map(|i| keys_ref[*i].clone()).collect(),
+            keys: idx.iter().map(|i| keys_ref[*i]).collect(),
         }) {
             self.complete(0, kind);
         }
@@ -2584,7 +2601,7 @@ impl Front {
             .zip(&slabs)
             .enumerate()
             .filter(|(_, (_, s))| s.is_some())
-            .map(|(i, (k, _))| (first_chunk + i, k.clone()))
+            .map(|(i, (k, _))| (first_chunk + i, *k))
             .collect();
         let missing = keys.len() - locked.len();
         let target = match (
@@ -2849,10 +2866,7 @@ impl Front {
         };
         if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::Store {
             reg: reg.clone(),
-            items: idx
-                .iter()
-                .map(|i| (objs[*i].clone(), blocks[*i].clone()))
-                .collect(),
+            items: idx.iter().map(|i| (objs[*i], blocks[*i].clone())).collect(),
             size,
             tag: writer_tag(iid),
         }) {
@@ -2910,7 +2924,7 @@ impl Front {
                     slabs: vec![None; n],
                 };
                 if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReadLocked {
-                    keys: idx.iter().map(|i| objs[*i].clone()).collect(),
+                    keys: idx.iter().map(|i| objs[*i]).collect(),
                 }) {
                     self.complete(0, kind);
                 }
@@ -2931,7 +2945,7 @@ impl Front {
                 .iter()
                 .map(|i| {
                     (
-                        objs[*i].clone(),
+                        objs[*i],
                         blocks[*i].clone(),
                         kvshard_dataplane::cpu_shm::chunk_skip_tokens(skip, *i, cs),
                     )

@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvshard_engine::keys::{ChunkHash, ObjectKey};
+use kvshard_engine::keys::{ChunkHash, Name, ObjectKey};
 use kvshard_engine::l1::MAX_READ_LOCK_COUNT;
 
 /// Locks one call takes or releases per key, as the shard clamps it.
@@ -36,8 +36,8 @@ fn clamped(count: u32) -> u32 {
 /// What one request's lookup holds.
 #[derive(Debug, Clone)]
 struct Lease {
-    model: String,
-    salt: String,
+    model: Name,
+    salt: Name,
     world_size: u32,
     /// kv ranks of one chunk, in key order.
     ranks: Vec<u32>,
@@ -55,10 +55,10 @@ impl Lease {
     fn key(&self, chunk: usize, rank: u32) -> ObjectKey {
         ObjectKey {
             chunk_hash: self.hashes[chunk],
-            model_name: self.model.clone(),
+            model_name: self.model,
             kv_rank: rank,
             object_group_id: 0,
-            cache_salt: self.salt.clone(),
+            cache_salt: self.salt,
         }
     }
 
@@ -129,8 +129,8 @@ impl LeaseBook {
         }
         let first = &g.keys[0];
         let mut lease = Lease {
-            model: first.model_name.clone(),
-            salt: first.cache_salt.clone(),
+            model: first.model_name,
+            salt: first.cache_salt,
             world_size: g.world_size,
             ranks: g.ranks.to_vec(),
             hashes: g.keys.iter().step_by(nr).map(|k| k.chunk_hash).collect(),
@@ -263,10 +263,10 @@ mod tests {
     fn key(chunk: u8, rank: u32) -> ObjectKey {
         ObjectKey {
             chunk_hash: [chunk; 32],
-            model_name: "m".into(),
+            model_name: Name::intern("m").unwrap(),
             kv_rank: rank,
             object_group_id: 0,
-            cache_salt: String::new(),
+            cache_salt: Name::EMPTY,
         }
     }
 
@@ -392,7 +392,7 @@ mod tests {
         grant(&mut b, "s", &[0], 2, 1, t);
         // Another model under the same request id: the old lease is forgotten.
         let mut other = keys(1, &[0]);
-        other[0].model_name = "n".into();
+        other[0].model_name = Name::intern("n").unwrap();
         b.grant(Grant {
             request_id: "s",
             world_size: 1,
@@ -402,7 +402,7 @@ mod tests {
             sent_at: t,
         });
         assert!(b.orphaned("m", 1, |_, _| 0).is_empty());
-        assert_eq!(b.orphaned("n", 1, |_, _| 0), vec![(other[0].clone(), 1)]);
+        assert_eq!(b.orphaned("n", 1, |_, _| 0), vec![(other[0], 1)]);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use glommio::sync::Semaphore;
 use glommio::{Latency, Shares, TaskQueueHandle};
-use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::keys::{Name, ObjectKey};
 use kvshard_engine::l1::{L1Error, WriterTag};
 use kvshard_engine::l2::config::{AdapterKind, AdapterSpec};
 use kvshard_engine::l2::fs::FsAdapter;
@@ -52,7 +52,7 @@ pub struct L2Shard {
     size_mismatch_logged: Cell<bool>,
     /// Full-chunk object sizes the adapters were told, by model name and
     /// world size.
-    layouts: RefCell<HashMap<String, HashMap<u32, u64>>>,
+    layouts: RefCell<HashMap<Name, HashMap<u32, u64>>>,
 }
 
 /// Tier names: `<type>#<flag position>`, e.g. `fs#1`.
@@ -116,10 +116,10 @@ impl L2Shard {
         if self.tiers.is_empty() {
             return;
         }
-        let mut last: Option<(&str, u32)> = None;
+        let mut last: Option<(Name, u32)> = None;
         for key in keys {
             let ws = kv_rank_world_size(key.kv_rank);
-            let this = (key.model_name.as_str(), ws);
+            let this = (key.model_name, ws);
             if last == Some(this) {
                 continue;
             }
@@ -127,7 +127,7 @@ impl L2Shard {
             let known = self
                 .layouts
                 .borrow()
-                .get(this.0)
+                .get(&this.0)
                 .and_then(|m| m.get(&ws))
                 .copied();
             if known == Some(size) {
@@ -135,7 +135,7 @@ impl L2Shard {
             }
             self.layouts
                 .borrow_mut()
-                .entry(key.model_name.clone())
+                .entry(key.model_name)
                 .or_default()
                 .insert(ws, size);
             for t in &self.tiers {
@@ -392,7 +392,7 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
                 .map(|(k, _)| k)
                 .zip(&stored_anywhere)
                 .filter(|(_, s)| **s)
-                .map(|(k, _)| k.clone())
+                .map(|(k, _)| *k)
                 .collect();
             let res = st.l1.delete(&done, false, now);
             let n = res.iter().filter(|r| r.is_ok()).count() as u64;
@@ -427,7 +427,7 @@ pub async fn lookup(l2: &L2Shard, keys: &[ObjectKey], size: u64) -> Vec<u8> {
         if pending.is_empty() {
             break;
         }
-        let ask: Vec<ObjectKey> = pending.iter().map(|&i| keys[i].clone()).collect();
+        let ask: Vec<ObjectKey> = pending.iter().map(|&i| keys[i]).collect();
         let res = tier.lookup_and_lock(&ask).await;
         let mut wrong = Vec::new();
         let mut still = Vec::new();
@@ -460,7 +460,7 @@ pub fn unlock(l2: &L2Shard, keys: &[(ObjectKey, u8)]) {
         let mine: Vec<ObjectKey> = keys
             .iter()
             .filter(|(_, f)| *f == FOUND_L2 + t as u8)
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| *k)
             .collect();
         tier.unlock(&mine);
     }
@@ -480,7 +480,7 @@ pub(crate) async fn load(
     let now = Instant::now();
     let tag = WriterTag(tag);
     let temporary = l2.prefetch_policy == L2PrefetchPolicy::Default;
-    let plain: Vec<ObjectKey> = keys.iter().map(|(k, _)| k.clone()).collect();
+    let plain: Vec<ObjectKey> = keys.iter().map(|(k, _)| *k).collect();
     l2.bump(|s| {
         s.prefetch_load_submitted_requests += 1;
         s.prefetch_load_submitted_objects += keys.len() as u64;
@@ -509,7 +509,7 @@ pub(crate) async fn load(
         .iter()
         .zip(&slabs)
         .filter(|(_, s)| s.is_ok())
-        .map(|(k, _)| k.clone())
+        .map(|(k, _)| *k)
         .collect();
     let work = async {
         for (t, tier) in l2.tiers.iter().enumerate() {
@@ -537,7 +537,7 @@ pub(crate) async fn load(
                             // the load). The load awaits every adapter call.
                             let b = unsafe { ObjectBytes::new(ptr, size as usize) };
                             idx.push(i);
-                            items.push((key.clone(), b));
+                            items.push((*key, b));
                         }
                         Err(L1Error::KeyNotWritable) => resident.push(i),
                         Err(_) => {}
@@ -562,7 +562,7 @@ pub(crate) async fn load(
             }
             // Only into stages that are still ours: a lapsed one may hold
             // another writer's object by now.
-            let wkeys: Vec<ObjectKey> = idx.iter().map(|&i| plain[i].clone()).collect();
+            let wkeys: Vec<ObjectKey> = idx.iter().map(|&i| plain[i]).collect();
             let live = state
                 .borrow_mut()
                 .l1
@@ -619,13 +619,13 @@ pub(crate) async fn load(
     for (i, key) in plain.iter().enumerate() {
         if slabs[i].is_ok() {
             if ok[i] {
-                done.push((i, key.clone()));
+                done.push((i, *key));
             } else {
-                failed.push(key.clone());
+                failed.push(*key);
             }
         }
     }
-    let done_keys: Vec<ObjectKey> = done.iter().map(|(_, k)| k.clone()).collect();
+    let done_keys: Vec<ObjectKey> = done.iter().map(|(_, k)| *k).collect();
     let res = st
         .l1
         .finish_write_and_reserve_read(&done_keys, tag, readers, now);
@@ -648,7 +648,7 @@ pub(crate) async fn load(
         st.l1.abort_write(&failed, tag);
     }
     if !resident.is_empty() {
-        let rk: Vec<ObjectKey> = resident.iter().map(|&i| plain[i].clone()).collect();
+        let rk: Vec<ObjectKey> = resident.iter().map(|&i| plain[i]).collect();
         for (&i, r) in resident.iter().zip(st.l1.reserve_read(&rk, readers, now)) {
             ok[i] = r.is_ok();
         }

@@ -205,7 +205,7 @@ impl ShardState {
             .iter()
             .zip(&found)
             .filter(|(_, f)| **f == FOUND_L1)
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| *k)
             .collect();
         if !hit_keys.is_empty() {
             self.l1.touch(&hit_keys, now);
@@ -232,7 +232,7 @@ impl ShardState {
         tag: WriterTag,
         now: Instant,
     ) -> (Vec<StoreOutcome>, Vec<StagedStore>) {
-        let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| k.clone()).collect();
+        let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| *k).collect();
         self.maybe_grow(size * keys.len() as u64, None);
         let reserved = self.l1.reserve_write(&keys, size, tag, false, now);
         let oom = count_oom(&reserved);
@@ -682,7 +682,7 @@ pub async fn run_shard(
                     let misses: Vec<usize> = (0..keys.len())
                         .filter(|&i| found[i] == FOUND_MISS)
                         .collect();
-                    let ask: Vec<ObjectKey> = misses.iter().map(|&i| keys[i].clone()).collect();
+                    let ask: Vec<ObjectKey> = misses.iter().map(|&i| keys[i]).collect();
                     let codes = l2::lookup(&l2, &ask, size).await;
                     let mut found = found;
                     for (i, c) in misses.into_iter().zip(codes) {
