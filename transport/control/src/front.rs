@@ -32,10 +32,13 @@ use kvshard_dataplane::messages::{
 };
 
 use crate::lookup_leases::{Grant, LeaseBook};
-use crate::lookup_log::LookupHashLog;
+use crate::lookup_log::{
+    LookupHashLog, LookupLogWriter, LookupRecord, SendOutcome, WRITER_QUEUE_RECORDS,
+};
 use crate::metrics::{FrontGauges, Metrics, PromText};
 use crate::registry::{EngineEntry, Layouts, LmcEntry, LmcTransfer, Registry, TransferKey};
 use crate::session::{LookupScope, Sessions};
+use crate::status::StatusSnapshot;
 
 /// Writer tags of L2 loads (staged objects of a prefetch): `LOAD_TAG_BIT | n`.
 /// Worker instance ids are writer tags too (`iid as u64`), so the ids whose
@@ -316,6 +319,7 @@ impl FrontLoop {
             let now = self.front.clock.now();
             self.front.on_timers(now);
         }
+        self.front.finish_lookup_log();
     }
 
     /// Receives one multipart message, its frames left in ZeroMQ's own buffers
@@ -388,7 +392,8 @@ pub struct Front {
     next_seq: Seq,
     metrics: Metrics,
     unsupported_logged: HashSet<&'static str>,
-    lookup_log: Option<LookupHashLog>,
+    /// The lookup-hash log's writer thread (`--lookup-hash-log-dir`).
+    lookup_log: Option<LookupLogWriter>,
     quotas: HashMap<String, f64>,
     /// Lookups whose L2 loads are running, and those waiting for a slot
     /// (`--l2-prefetch-max-in-flight`).
@@ -417,11 +422,11 @@ impl Front {
         shards: Vec<MailboxSender<ShardMsg>>,
     ) -> Self {
         let now = clock.now();
-        let lookup_log = cfg
-            .lookup_hash_log
-            .as_ref()
-            .and_then(|s| match LookupHashLog::open(s) {
-                Ok(l) => Some(l),
+        let lookup_log = cfg.lookup_hash_log.as_ref().and_then(|s| {
+            let started = LookupHashLog::open(s)
+                .and_then(|l| LookupLogWriter::start(l, WRITER_QUEUE_RECORDS));
+            match started {
+                Ok(w) => Some(w),
                 Err(e) => {
                     log::error!(
                         "lookup hash logging disabled: cannot open {}: {e}",
@@ -429,7 +434,8 @@ impl Front {
                     );
                     None
                 }
-            });
+            }
+        });
         let n = shards.len();
         let test_stop_shard = std::env::var(TEST_STOP_SHARD_ENV)
             .ok()
@@ -474,6 +480,14 @@ impl Front {
             port,
             clock,
             shards,
+        }
+    }
+
+    /// Stops the lookup-hash log's writer once it wrote and flushed what is
+    /// queued (the server is stopping).
+    pub fn finish_lookup_log(&mut self) {
+        if let Some(mut writer) = self.lookup_log.take() {
+            writer.finish();
         }
     }
 
@@ -1368,7 +1382,7 @@ impl Front {
                 reports,
             } => {
                 let reports: Vec<ShardReport> = reports.into_iter().flatten().collect();
-                let resp = self.answer_reports(&request, &reports);
+                let resp = self.answer_reports(&request, reports);
                 responder.send(resp);
             }
         }
@@ -1524,18 +1538,31 @@ impl Front {
             });
             s.prefetch_hit_chunks = -1;
         }
-        if let Some(log) = self.lookup_log.as_mut() {
-            // 0.5.6 writes `str(torch dtype)`; a write error disables the log (it says so once).
-            let _ = log.record(
-                std::time::SystemTime::now(),
-                &rid,
-                &key.model_name,
-                self.cfg.chunk_size,
-                key.token_ids.len(),
-                &[format!("torch.{}", layout.dtype)],
-                std::slice::from_ref(&layout.shape),
-                &hashes,
-            );
+        if let Some(writer) = self.lookup_log.as_ref() {
+            // Formatted and written on the writer thread; never waited for.
+            let outcome = writer.send(LookupRecord {
+                at: std::time::SystemTime::now(),
+                request_id: rid.clone(),
+                model_name: key.model_name.clone(),
+                chunk_size: self.cfg.chunk_size,
+                seq_len: key.token_ids.len(),
+                dtype: layout.dtype.clone(),
+                shape: layout.shape.clone(),
+                chunk_hashes: hashes.clone(),
+            });
+            match outcome {
+                SendOutcome::Queued => {}
+                SendOutcome::Full => {
+                    self.metrics.lookup_hash_log_dropped += 1;
+                    log_limited!(
+                        Level::Warn,
+                        "lookup hash log: the writer is {WRITER_QUEUE_RECORDS} records behind; \
+                         the line of lookup {rid} was dropped"
+                    );
+                }
+                // An I/O error disabled the log (the writer said so).
+                SendOutcome::Closed => self.lookup_log = None,
+            }
         }
         if hashes.is_empty() {
             return early(self, "empty_chunk_hashes");
@@ -3158,30 +3185,31 @@ impl Front {
         }
     }
 
-    fn answer_reports(&self, req: &ControlRequest, reports: &[ShardReport]) -> ControlResponse {
+    fn answer_reports(&self, req: &ControlRequest, reports: Vec<ShardReport>) -> ControlResponse {
         match req {
-            ControlRequest::Status => ControlResponse::json(self.status_json(reports)),
+            // Both are rendered by the HTTP side from a snapshot taken here.
+            ControlRequest::Status => {
+                let snapshot = self.status_snapshot(reports);
+                ControlResponse::render(move || ControlBody::Json(snapshot.render()))
+            }
             ControlRequest::Metrics => {
-                let mut t = PromText::default();
-                self.metrics.render(
-                    &mut t,
-                    reports,
-                    FrontGauges {
-                        sessions: self.sessions.len(),
-                        jobs: self.jobs.len(),
-                        leases: self.leases.len(),
-                        refused_gpu_instances: self.refused.len(),
-                        dead_shards: self.dead.iter().filter(|d| **d).count(),
-                        overflow_queued: self.overflow.iter().map(VecDeque::len).sum(),
-                    },
-                );
-                ControlResponse {
-                    status: 200,
-                    body: ControlBody::Text(t.finish()),
-                }
+                let metrics = self.metrics.clone();
+                let gauges = FrontGauges {
+                    sessions: self.sessions.len(),
+                    jobs: self.jobs.len(),
+                    leases: self.leases.len(),
+                    refused_gpu_instances: self.refused.len(),
+                    dead_shards: self.dead.iter().filter(|d| **d).count(),
+                    overflow_queued: self.overflow.iter().map(VecDeque::len).sum(),
+                };
+                ControlResponse::render(move || {
+                    let mut t = PromText::default();
+                    metrics.render(&mut t, &reports, gauges);
+                    ControlBody::Text(t.finish())
+                })
             }
             ControlRequest::QuotaGet { cache_salt } => {
-                let usage = self.salt_usage(reports, cache_salt);
+                let usage = self.salt_usage(&reports, cache_salt);
                 let limit = self.quotas.get(cache_salt);
                 ControlResponse::json(serde_json::json!({
                     "cache_salt": cache_salt,
@@ -3193,7 +3221,7 @@ impl Front {
             ControlRequest::QuotaList => {
                 let mut users = serde_json::Map::new();
                 for (salt, limit) in &self.quotas {
-                    let usage = self.salt_usage(reports, salt);
+                    let usage = self.salt_usage(&reports, salt);
                     users.insert(salt.clone(), serde_json::json!({"limit_gb": limit, "current_usage_gb": usage as f64 / GIB}));
                 }
                 ControlResponse::json(serde_json::json!({ "users": users }))
@@ -3220,163 +3248,32 @@ impl Front {
             .sum()
     }
 
-    /// One entry per adapter, summed over shards, with the keys
-    /// `lmcache describe kvcache` shows.
-    fn l2_status(&self, reports: &[ShardReport]) -> Vec<serde_json::Value> {
-        let mut out = Vec::new();
-        for (i, spec) in self.cfg.l2.adapters.iter().enumerate() {
-            let tiers: Vec<_> = reports.iter().filter_map(|r| r.l2.get(i)).collect();
-            let used: u64 = tiers.iter().map(|t| t.usage.used_bytes).sum();
-            let keys: u64 = tiers.iter().map(|t| t.usage.keys).sum();
-            let healthy = tiers
-                .iter()
-                .all(|t| t.status["adapter"]["is_healthy"].as_bool().unwrap_or(true));
-            let mut v = serde_json::json!({
-                "name": kvshard_dataplane::shard::l2::tier_name(spec, i),
-                "type": spec.type_name(),
-                "is_healthy": healthy,
-                "stored_object_count": keys,
-                "current_size_bytes": used,
-                "max_capacity_bytes": spec.capacity_bytes(),
-                "eviction_policy": spec.eviction.as_ref().map(|e| e.policy.name()),
-                "shards": tiers.iter().map(|t| t.status.clone()).collect::<Vec<_>>(),
-            });
-            match &spec.kind {
-                kvshard_engine::l2::config::AdapterKind::Fs(f) => {
-                    v["base_path"] = serde_json::Value::String(f.base_path.clone());
-                }
-                kvshard_engine::l2::config::AdapterKind::S3(c) => {
-                    // 0.5.6's report_status keys, summed over shards.
-                    let shard_client = |k: &str| {
-                        tiers
-                            .iter()
-                            .filter_map(|t| t.status["adapter"]["client"][k].as_u64())
-                            .sum::<u64>()
-                    };
-                    let disabled = tiers
-                        .iter()
-                        .any(|t| t.status["adapter"]["client"]["breaker_open"] == true);
-                    v["endpoint"] = serde_json::Value::String(c.endpoint.clone());
-                    v["region"] = serde_json::Value::String(c.region.clone());
-                    v["connection_failures"] = shard_client("connection_failures").into();
-                    v["connection_disabled"] = disabled.into();
-                    if disabled {
-                        v["is_healthy"] = false.into();
-                    }
-                }
-                kvshard_engine::l2::config::AdapterKind::Mock(_) => {}
-            }
-            out.push(v);
-        }
-        out
-    }
-
-    /// The L1 backing; a slab-backed L1 adds each shard's slab file.
-    fn arena_json(&self, reports: &[ShardReport]) -> serde_json::Value {
-        let mut arena = self.setup.arena.clone();
-        let slabs: Vec<serde_json::Value> =
-            reports.iter().filter_map(|r| r.l1_slab.clone()).collect();
-        if !slabs.is_empty() {
-            arena["slabs"] = slabs.into();
-        }
-        arena
-    }
-
-    fn status_json(&self, reports: &[ShardReport]) -> serde_json::Value {
-        use serde_json::json;
-        let sum = |f: &dyn Fn(&ShardReport) -> u64| reports.iter().map(f).sum::<u64>();
-        let used = sum(&|r| r.status.memory_used_bytes);
-        let total = sum(&|r| r.status.memory_total_bytes);
-        let configured = self.cfg.l1.size_bytes;
-        let usage_ratio = if total > 0 {
-            used as f64 / total as f64
-        } else {
-            0.0
-        };
-        let l1_manager = json!({
-            "total_object_count": sum(&|r| r.status.total_object_count as u64),
-            "write_locked_count": sum(&|r| r.status.write_locked_count as u64),
-            "read_locked_count": sum(&|r| r.status.read_locked_count as u64),
-            "temporary_count": sum(&|r| r.status.temporary_count as u64),
-            "staging_object_count": sum(&|r| r.status.staging_object_count as u64),
-            "staging_bytes": sum(&|r| r.status.staging_bytes),
-            "memory_used_bytes": used,
-            "memory_total_bytes": total,
-            "memory_configured_bytes": configured,
-            // `lmcache describe kvcache` shows L1 use only when this is present.
-            "memory_usage_ratio": usage_ratio,
-            "capacity_bytes_by_backend": {"cpu": configured},
-            "num_shards": self.shards.len(),
-            "huge_pages": self.setup.huge_pages.as_str(),
-            "huge_page_bytes_at_start": self.setup.huge_page_bytes,
-            "arena": self.arena_json(reports),
-        });
-        let mut worker_liveness = serde_json::Map::new();
+    /// What `/status` shows, as of now.
+    fn status_snapshot(&self, reports: Vec<ShardReport>) -> StatusSnapshot {
         let now = self.clock.now();
-        for (iid, mode, last_seen, pinged) in self.registry.liveness() {
-            worker_liveness.insert(
-                iid.to_string(),
-                json!({"transfer_mode": mode, "seconds_since_last_seen": now.duration_since(last_seen).as_secs_f64(), "has_liveness_signal": pinged}),
-            );
+        StatusSnapshot {
+            taken_at: now,
+            started: self.started,
+            cfg: self.cfg.clone(),
+            reports,
+            num_shards: self.shards.len(),
+            huge_pages: self.setup.huge_pages.as_str(),
+            huge_page_bytes: self.setup.huge_page_bytes,
+            arena: self.setup.arena.clone(),
+            active_sessions: self.sessions.len(),
+            active_prefetch_jobs: self.jobs.len(),
+            inflight_loads: self.loads_inflight,
+            queued_loads: self.load_queue.len(),
+            lmc_ids: self.registry.lmc_ids(),
+            lmc_meta: self.registry.lmc_meta(),
+            engine_ids: self.registry.engine_ids(),
+            engine_meta: self.registry.engine_meta(),
+            liveness: self.registry.liveness(),
+            refused_gpu_instances: self.refused.to_json(now),
+            dead: self.dead.clone(),
+            overflow_bound: self.overflow_bound,
+            overflow_queued: self.overflow.iter().map(VecDeque::len).collect(),
         }
-        let dead: Vec<usize> = (0..self.dead.len()).filter(|s| self.dead[*s]).collect();
-        let mut status = json!({
-            "is_healthy": dead.is_empty(),
-            "engine_type": "MPCacheServer",
-            "server": "kvshard",
-            "chunk_size": self.cfg.chunk_size,
-            "hash_algorithm": "blake3",
-            "active_sessions": self.sessions.len(),
-            "uptime_seconds": self.started.elapsed().as_secs_f64(),
-            "storage_manager": {
-                "is_healthy": true,
-                "num_l2_adapters": self.cfg.l2.adapters.len(),
-                "l2_adapters": self.l2_status(reports),
-                "l2_store_policy": self.cfg.l2.store_policy,
-                "l2_prefetch_policy": self.cfg.l2.prefetch_policy,
-                "prefetch_controller": {
-                    "max_in_flight": self.cfg.l2.prefetch_max_in_flight,
-                    "inflight_loads": self.loads_inflight,
-                    "queued_loads": self.load_queue.len(),
-                },
-                "l1_usage": usage_ratio,
-                "l1_capacity_bytes_by_backend": {"cpu": configured},
-                "l1_manager": l1_manager,
-                "l1_eviction_controller": {
-                    "eviction_policy": self.cfg.l1.eviction_policy.as_str(),
-                    "trigger_watermark": self.cfg.l1.trigger_watermark,
-                    "eviction_ratio": self.cfg.l1.eviction_ratio,
-                    "evicted_chunks": sum(&|r| r.stats.evicted_chunks),
-                },
-                // Read by `lmcache describe kvcache` (0.5.6 itself never reports it).
-                "eviction_controller": {"eviction_policy": self.cfg.l1.eviction_policy.as_str()},
-            },
-            "active_prefetch_jobs": self.jobs.len(),
-            "registered_gpu_ids": self.registry.lmc_ids(),
-            "cache_context_meta": self.registry.lmc_meta(),
-            "registered_non_cuda_instance_ids": self.registry.engine_ids(),
-            "non_cuda_context_meta": self.registry.engine_meta(),
-            "worker_liveness": worker_liveness,
-            // GPU workers whose CUDA registrations were refused, and why.
-            "refused_gpu_instances": self.refused.to_json(now),
-            // kvshard only: shards whose thread ended, and the overflow
-            // queues of shards whose mailbox is full.
-            "shards": {
-                "num_shards": self.shards.len(),
-                "dead_shards": dead,
-                "mailbox_depth": self.cfg.shard_queue_depth,
-                "overflow_bound": self.overflow_bound,
-                "overflow_queued": self.overflow.iter().map(VecDeque::len).collect::<Vec<_>>(),
-            },
-        });
-        if !dead.is_empty() {
-            // /healthcheck's reason.
-            status["unhealthy_reason"] = format!(
-                "shard(s) {dead:?} stopped: requests that need them are answered with failure replies"
-            )
-            .into();
-        }
-        status
     }
 }
 

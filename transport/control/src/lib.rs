@@ -1,6 +1,7 @@
 //! kvshard-control: the control plane. The front thread (the ZeroMQ ROUTER,
-//! RPC handlers, sessions, lookup leases, the worker registry), the metrics it
-//! renders, the lookup-hash log, and the handle the HTTP API calls it through.
+//! RPC handlers, sessions, lookup leases, the worker registry), the metrics and
+//! `/status` snapshot it answers with, the lookup-hash log, and the handle the
+//! HTTP API calls it through.
 
 pub mod control;
 pub mod front;
@@ -11,3 +12,4 @@ pub mod lookup_log;
 pub mod metrics;
 pub mod registry;
 pub mod session;
+pub mod status;

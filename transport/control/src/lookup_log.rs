@@ -16,12 +16,18 @@
 //! opened or it has reached the size limit (so a file may exceed the limit by one line).
 //! At most `max_files` matching files are kept; the oldest (by modification time for
 //! files of earlier runs, by creation order for ours) are deleted.
+//!
+//! In the server the log belongs to a writer thread ([`LookupLogWriter`]): the front
+//! queues a [`LookupRecord`] per lookup on a bounded channel and never waits for it;
+//! a record that finds the channel full is dropped and the front counts it.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::fs::{self, File};
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvshard_dataplane::config::LookupHashLogSettings;
@@ -38,7 +44,7 @@ struct OpenFile {
     size: u64,
 }
 
-/// The rotating lookup-hash log. Owned by one thread (the front); not shared.
+/// The rotating lookup-hash log. Owned by one thread (the writer); not shared.
 pub struct LookupHashLog {
     settings: LookupHashLogSettings,
     current: Option<OpenFile>,
@@ -49,6 +55,8 @@ pub struct LookupHashLog {
     /// Set after an I/O error: logging stops, lookups go on.
     disabled: bool,
     line: String,
+    /// `torch.<dtype>` of the record being written.
+    dtype: String,
 }
 
 impl LookupHashLog {
@@ -73,6 +81,7 @@ impl LookupHashLog {
             files: files.into(),
             disabled: false,
             line: String::with_capacity(4096),
+            dtype: String::new(),
         })
     }
 
@@ -98,6 +107,69 @@ impl LookupHashLog {
         shapes: &[Vec<u64>],
         chunk_hashes: &[[u8; 32]],
     ) -> io::Result<()> {
+        self.append(
+            now,
+            request_id,
+            model_name,
+            chunk_size,
+            seq_len,
+            dtypes,
+            shapes,
+            chunk_hashes,
+            true,
+        )
+    }
+
+    /// Writes the line of a queued lookup, leaving it in the file's buffer until
+    /// [`LookupHashLog::flush`] (or a rotation). Errors as [`LookupHashLog::record`].
+    pub fn write_record(&mut self, rec: &LookupRecord) -> io::Result<()> {
+        let mut dtype = std::mem::take(&mut self.dtype);
+        dtype.clear();
+        dtype.push_str("torch.");
+        dtype.push_str(&rec.dtype);
+        let result = self.append(
+            rec.at,
+            &rec.request_id,
+            &rec.model_name,
+            rec.chunk_size,
+            rec.seq_len,
+            std::slice::from_ref(&dtype),
+            std::slice::from_ref(&rec.shape),
+            &rec.chunk_hashes,
+            false,
+        );
+        self.dtype = dtype;
+        result
+    }
+
+    /// Flushes the current file. Errors as [`LookupHashLog::record`].
+    pub fn flush(&mut self) -> io::Result<()> {
+        if self.disabled {
+            return Ok(());
+        }
+        let Some(file) = self.current.as_mut() else {
+            return Ok(());
+        };
+        let result = file
+            .writer
+            .flush()
+            .map_err(|e| with_path(e, "flush", &file.path));
+        result.map_err(|e| self.disable(e))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn append(
+        &mut self,
+        now: SystemTime,
+        request_id: &str,
+        model_name: &str,
+        chunk_size: usize,
+        seq_len: usize,
+        dtypes: &[String],
+        shapes: &[Vec<u64>],
+        chunk_hashes: &[[u8; 32]],
+        flush: bool,
+    ) -> io::Result<()> {
         if self.disabled {
             return Ok(());
         }
@@ -115,25 +187,27 @@ impl LookupHashLog {
             shapes,
             chunk_hashes,
         );
-        let result = self.write_line(ts, &line);
+        let result = self.write_line(ts, &line, flush);
         self.line = line;
-        if let Err(e) = result {
-            self.disabled = true;
-            self.current = None;
-            log::error!("lookup hash log disabled after an I/O error: {e}");
-            return Err(e);
-        }
-        Ok(())
+        result.map_err(|e| self.disable(e))
     }
 
-    fn write_line(&mut self, ts: f64, line: &str) -> io::Result<()> {
+    /// Switches logging off after an I/O error (one error line); gives the error back.
+    fn disable(&mut self, e: io::Error) -> io::Error {
+        self.disabled = true;
+        self.current = None;
+        log::error!("lookup hash log disabled after an I/O error: {e}");
+        e
+    }
+
+    fn write_line(&mut self, ts: f64, line: &str, flush: bool) -> io::Result<()> {
         if self.needs_rotation(ts) {
             self.rotate(ts)?;
         }
         let file = self.current.as_mut().expect("rotate leaves a file open");
         file.writer
             .write_all(line.as_bytes())
-            .and_then(|()| file.writer.flush())
+            .and_then(|()| if flush { file.writer.flush() } else { Ok(()) })
             .map_err(|e| with_path(e, "write", &file.path))?;
         file.size += line.len() as u64;
         Ok(())
@@ -181,6 +255,122 @@ impl LookupHashLog {
             }
         }
         Ok(())
+    }
+}
+
+/// One lookup's line, as the front queues it for the writer thread.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LookupRecord {
+    /// When the lookup arrived (the line's `timestamp`).
+    pub at: SystemTime,
+    pub request_id: String,
+    pub model_name: String,
+    pub chunk_size: usize,
+    /// Tokens in the request.
+    pub seq_len: usize,
+    /// The layout's dtype name without `torch.` (the line says `torch.<dtype>`).
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    pub chunk_hashes: Vec<[u8; 32]>,
+}
+
+/// Records the writer thread's channel holds.
+pub const WRITER_QUEUE_RECORDS: usize = 4096;
+
+/// Records the writer thread writes between two flushes when more are queued.
+const WRITER_BATCH: usize = 256;
+
+/// What became of a record handed to [`LookupLogWriter::send`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOutcome {
+    Queued,
+    /// The channel was full: the record was dropped.
+    Full,
+    /// The writer has stopped (an I/O error disabled the log): the record was dropped.
+    Closed,
+}
+
+/// The front's end of the lookup-hash log: a bounded channel to the thread that
+/// owns the [`LookupHashLog`] and does the formatting, writing, rotation and pruning.
+/// Dropping it closes the channel and joins the thread once it has written and
+/// flushed every queued record.
+pub struct LookupLogWriter {
+    tx: Option<SyncSender<LookupRecord>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl LookupLogWriter {
+    /// Starts the writer thread with a channel of `capacity` records.
+    pub fn start(log: LookupHashLog, capacity: usize) -> io::Result<Self> {
+        let (tx, rx) = mpsc::sync_channel(capacity);
+        let mut writer = LookupLogWriter::queue_only(tx);
+        writer.run(log, rx)?;
+        Ok(writer)
+    }
+
+    fn queue_only(tx: SyncSender<LookupRecord>) -> Self {
+        LookupLogWriter {
+            tx: Some(tx),
+            thread: None,
+        }
+    }
+
+    fn run(&mut self, log: LookupHashLog, rx: Receiver<LookupRecord>) -> io::Result<()> {
+        let thread = std::thread::Builder::new()
+            .name("kvshard-lookup-log".into())
+            .spawn(move || write_records(log, rx))?;
+        self.thread = Some(thread);
+        Ok(())
+    }
+
+    /// Queues `rec` without waiting: a full channel drops it.
+    pub fn send(&self, rec: LookupRecord) -> SendOutcome {
+        let Some(tx) = &self.tx else {
+            return SendOutcome::Closed;
+        };
+        match tx.try_send(rec) {
+            Ok(()) => SendOutcome::Queued,
+            Err(TrySendError::Full(_)) => SendOutcome::Full,
+            Err(TrySendError::Disconnected(_)) => SendOutcome::Closed,
+        }
+    }
+
+    /// Closes the channel and waits for the writer to write and flush what was queued.
+    pub fn finish(&mut self) {
+        drop(self.tx.take());
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                log::error!("the lookup hash log writer thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for LookupLogWriter {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// The writer thread: writes records in queue order, flushing whenever the queue
+/// runs dry (or after [`WRITER_BATCH`] records), until the channel closes and is
+/// empty or an I/O error disables the log.
+fn write_records(mut log: LookupHashLog, rx: Receiver<LookupRecord>) {
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        let mut written = 0;
+        while let Some(rec) = next.take() {
+            // An error disables the log; it has said so.
+            let _ = log.write_record(&rec);
+            written += 1;
+            if written < WRITER_BATCH {
+                next = rx.try_recv().ok();
+            }
+        }
+        let _ = log.flush();
+        if !log.is_enabled() {
+            return;
+        }
     }
 }
 
@@ -606,6 +796,133 @@ mod tests {
         fs::create_dir_all(&dir.0).unwrap();
         assert!(log.record(at(30.0), "c", "m", 1, 1, &[], &[], &[]).is_ok());
         assert!(log_files(&dir.0).is_empty());
+    }
+
+    fn queued(i: usize, secs: f64) -> LookupRecord {
+        let mut h = [0u8; 32];
+        h[..8].copy_from_slice(&(i as u64).to_be_bytes());
+        LookupRecord {
+            at: at(secs),
+            request_id: format!("req-{i}"),
+            model_name: "m".into(),
+            chunk_size: 256,
+            seq_len: 256 * (i % 5),
+            dtype: "bfloat16".into(),
+            shape: vec![2, 16, i as u64],
+            chunk_hashes: vec![h; i % 5],
+        }
+    }
+
+    /// Every log file of `dir`, concatenated in name order.
+    fn all_lines(dir: &Path) -> String {
+        log_files(dir)
+            .iter()
+            .map(|n| fs::read_to_string(dir.join(n)).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn writer_thread_writes_what_record_writes_in_order() {
+        let (direct, threaded) = (TempDir::new("direct"), TempDir::new("threaded"));
+        // Small files: the writer rotates (and prunes) as the direct log does.
+        let recs: Vec<LookupRecord> = (0..500)
+            .map(|i| queued(i, 1_000.0 + i as f64 * 0.25))
+            .collect();
+        let mut log = LookupHashLog::open(&settings(&direct.0, 30, 4096, 20)).unwrap();
+        for r in &recs {
+            log.record(
+                r.at,
+                &r.request_id,
+                &r.model_name,
+                r.chunk_size,
+                r.seq_len,
+                &[format!("torch.{}", r.dtype)],
+                std::slice::from_ref(&r.shape),
+                &r.chunk_hashes,
+            )
+            .unwrap();
+        }
+        let log = LookupHashLog::open(&settings(&threaded.0, 30, 4096, 20)).unwrap();
+        let writer = LookupLogWriter::start(log, recs.len()).unwrap();
+        for r in &recs {
+            assert_eq!(writer.send(r.clone()), SendOutcome::Queued);
+        }
+        // Dropping it drains the channel and joins the thread.
+        drop(writer);
+        assert_eq!(log_files(&threaded.0), log_files(&direct.0));
+        assert_eq!(log_files(&threaded.0).len(), 20);
+        let text = all_lines(&threaded.0);
+        assert_eq!(text, all_lines(&direct.0));
+        let ids: Vec<String> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["request_id"].to_string()
+            })
+            .collect();
+        let first = recs.len() - ids.len();
+        let want: Vec<String> = (first..recs.len())
+            .map(|i| format!("\"req-{i}\""))
+            .collect();
+        assert_eq!(ids, want);
+    }
+
+    #[test]
+    fn full_channel_drops_records() {
+        let dir = TempDir::new("full");
+        let (tx, rx) = mpsc::sync_channel(3);
+        let mut writer = LookupLogWriter::queue_only(tx);
+        // No thread reads yet: the fourth and fifth find the channel full.
+        let outcomes: Vec<SendOutcome> = (0..5).map(|i| writer.send(queued(i, 10.0))).collect();
+        assert_eq!(
+            outcomes,
+            [
+                SendOutcome::Queued,
+                SendOutcome::Queued,
+                SendOutcome::Queued,
+                SendOutcome::Full,
+                SendOutcome::Full
+            ]
+        );
+        let dropped = outcomes.iter().filter(|o| **o == SendOutcome::Full).count();
+        assert_eq!(dropped, 2);
+        let log = LookupHashLog::open(&settings(&dir.0, 3600, 1 << 20, 10)).unwrap();
+        writer.run(log, rx).unwrap();
+        writer.finish();
+        assert_eq!(writer.send(queued(9, 11.0)), SendOutcome::Closed);
+        let text = all_lines(&dir.0);
+        let ids: Vec<&str> = text
+            .lines()
+            .map(|l| {
+                l.split("\"request_id\": \"")
+                    .nth(1)
+                    .unwrap()
+                    .split('"')
+                    .next()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(ids, ["req-0", "req-1", "req-2"]);
+        assert!(text.contains("\"dtypes\": [\"torch.bfloat16\"], \"shapes\": [[2, 16, 0]]"));
+    }
+
+    #[test]
+    fn writer_stops_after_an_io_error() {
+        let dir = TempDir::new("writer-err");
+        let log = LookupHashLog::open(&settings(&dir.0, 3600, 1 << 20, 10)).unwrap();
+        // The first rotation's create fails: the log disables and the thread ends.
+        fs::remove_dir_all(&dir.0).unwrap();
+        let writer = LookupLogWriter::start(log, 16).unwrap();
+        assert_eq!(writer.send(queued(0, 10.0)), SendOutcome::Queued);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while writer.send(queued(1, 11.0)) != SendOutcome::Closed {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the writer did not stop"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(writer);
+        assert!(!dir.0.exists());
     }
 
     #[test]

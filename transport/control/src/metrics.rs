@@ -67,6 +67,8 @@ pub struct Metrics {
     /// Lookup read locks released because no live instance could release them.
     pub orphaned_read_locks: u64,
     pub block_allocation_records: u64,
+    /// Lookup-hash log records dropped because the writer's channel was full.
+    pub lookup_hash_log_dropped: u64,
 }
 
 impl Metrics {
@@ -317,6 +319,11 @@ impl Metrics {
             "kvshard_orphaned_read_locks_released_total",
             "Lookup read locks released when the last worker that could read them was reaped or unregistered",
             self.orphaned_read_locks,
+        );
+        t.counter(
+            "kvshard_lookup_hash_log_dropped_total",
+            "Lookup hash log lines dropped because the log writer's queue was full",
+            self.lookup_hash_log_dropped,
         );
         t.counter(
             "kvshard_expired_stages_total",
@@ -699,5 +706,33 @@ mod tests {
         assert_eq!(s.matches("# TYPE b_total").count(), 1);
         assert!(s.contains("b_total{reason=\"x\\\"y\"} 1"));
         assert!(s.contains("c 0.5"));
+    }
+
+    #[test]
+    fn lookup_hash_log_drops_are_a_counter() {
+        let m = Metrics {
+            lookup_hash_log_dropped: 7,
+            ..Metrics::default()
+        };
+        let mut t = PromText::default();
+        m.render(
+            &mut t,
+            &[],
+            FrontGauges {
+                sessions: 0,
+                jobs: 0,
+                leases: 0,
+                refused_gpu_instances: 0,
+                dead_shards: 0,
+                overflow_queued: 0,
+            },
+        );
+        let s = t.finish();
+        assert!(s.contains(
+            "# HELP kvshard_lookup_hash_log_dropped_total Lookup hash log lines dropped because \
+             the log writer's queue was full\n\
+             # TYPE kvshard_lookup_hash_log_dropped_total counter\n\
+             kvshard_lookup_hash_log_dropped_total 7\n"
+        ));
     }
 }

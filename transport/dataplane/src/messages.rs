@@ -236,19 +236,67 @@ pub enum ControlRequest {
     Config,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+/// Builds a body from a snapshot the front took, away from the front's thread.
+pub type RenderBody = Box<dyn FnOnce() -> ControlBody + Send>;
+
 pub enum ControlBody {
     Json(serde_json::Value),
     Text(String),
+    /// To be rendered by the receiver ([`ControlResponse::rendered`]); never itself
+    /// a `Render`.
+    Render(RenderBody),
 }
 
-#[derive(Debug, Clone, PartialEq)]
+impl std::fmt::Debug for ControlBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ControlBody::Json(v) => f.debug_tuple("Json").field(v).finish(),
+            ControlBody::Text(t) => f.debug_tuple("Text").field(t).finish(),
+            ControlBody::Render(_) => f.write_str("Render(..)"),
+        }
+    }
+}
+
+/// Rendered bodies compare by content; a `Render` equals nothing.
+impl PartialEq for ControlBody {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (ControlBody::Json(a), ControlBody::Json(b)) => a == b,
+            (ControlBody::Text(a), ControlBody::Text(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+#[derive(Debug, PartialEq)]
 pub struct ControlResponse {
     pub status: u16,
     pub body: ControlBody,
 }
 
 impl ControlResponse {
+    /// A 200 whose body `render` builds on the receiving side.
+    pub fn render(render: impl FnOnce() -> ControlBody + Send + 'static) -> Self {
+        ControlResponse {
+            status: 200,
+            body: ControlBody::Render(Box::new(render)),
+        }
+    }
+
+    /// The response with a [`ControlBody::Render`] body rendered, on the calling thread.
+    pub fn rendered(self) -> Self {
+        match self.body {
+            ControlBody::Render(render) => ControlResponse {
+                status: self.status,
+                body: render(),
+            },
+            body => ControlResponse {
+                status: self.status,
+                body,
+            },
+        }
+    }
+
     pub fn json(value: serde_json::Value) -> Self {
         ControlResponse {
             status: 200,

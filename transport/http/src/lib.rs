@@ -590,7 +590,9 @@ fn detail(status: StatusCode, msg: &str) -> Response<Full<Bytes>> {
 
 fn control_response(r: ControlResponse, style: JsonStyle) -> Response<Full<Bytes>> {
     let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    match r.body {
+    // `ControlHandle::call` has rendered it already; a body still to render
+    // would be rendered here.
+    match r.rendered().body {
         ControlBody::Json(v) => {
             let bytes = match style {
                 JsonStyle::Compact => serde_json::to_vec(&v),
@@ -599,6 +601,10 @@ fn control_response(r: ControlResponse, style: JsonStyle) -> Response<Full<Bytes
             json_bytes(status, bytes.unwrap_or_default())
         }
         ControlBody::Text(t) => text_response(status, &t, TEXT),
+        ControlBody::Render(_) => detail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "a control answer rendered to another answer to render",
+        ),
     }
 }
 
@@ -614,7 +620,9 @@ fn failure_reason(r: &ControlResponse) -> String {
                 s => format!("status request failed with HTTP {s}"),
             }),
         ControlBody::Text(t) if !t.is_empty() => t.clone(),
-        ControlBody::Text(_) => format!("status request failed with HTTP {}", r.status),
+        ControlBody::Text(_) | ControlBody::Render(_) => {
+            format!("status request failed with HTTP {}", r.status)
+        }
     }
 }
 
@@ -1052,15 +1060,20 @@ mod tests {
     fn answer(req: ControlRequest) -> Option<ControlResponse> {
         let j = ControlResponse::json;
         Some(match req {
-            ControlRequest::Status => {
-                j(json!({"is_healthy": true, "engine_type": "MPCacheServer"}))
-            }
+            // Rendered by the receiver, as the front answers these two; the
+            // status says which thread rendered it.
+            ControlRequest::Status => ControlResponse::render(|| {
+                ControlBody::Json(json!({
+                    "is_healthy": true,
+                    "engine_type": "MPCacheServer",
+                    "rendered_on": std::thread::current().name(),
+                }))
+            }),
             ControlRequest::Config => j(json!({"mp": {"port": 5555}})),
             ControlRequest::ConfigAdapters => j(json!({"adapters": []})),
-            ControlRequest::Metrics => ControlResponse {
-                status: 200,
-                body: ControlBody::Text("# TYPE x counter\nx_total 1\n".into()),
-            },
+            ControlRequest::Metrics => ControlResponse::render(|| {
+                ControlBody::Text("# TYPE x counter\nx_total 1\n".into())
+            }),
             ControlRequest::ResetMetrics => j(json!({"status": "ok"})),
             ControlRequest::Clear { force } => {
                 j(json!({"status": "ok", "cleared": {"tier": "l1"}, "force": force}))
@@ -1260,6 +1273,8 @@ mod tests {
         let r = req("GET", "/status", None);
         assert_eq!(r.status, 200);
         assert_eq!(r.json()["engine_type"], "MPCacheServer");
+        // The front's snapshot is rendered on the HTTP executor's thread.
+        assert_eq!(r.json()["rendered_on"], "kvs-http-api-test");
         let r = req("GET", "/config", None);
         assert_eq!(r.json(), json!({"mp": {"port": 5555}}));
         assert!(
