@@ -7,5 +7,6 @@ pub mod front;
 pub mod lookup_leases;
 pub mod lookup_log;
 pub mod metrics;
+pub mod prefetch;
 pub mod registry;
 pub mod session;
