@@ -36,6 +36,7 @@ use crate::lookup_log::{
     LookupHashLog, LookupLogWriter, LookupRecord, SendOutcome, WRITER_QUEUE_RECORDS,
 };
 use crate::metrics::{FrontGauges, Metrics, PromText};
+use crate::prefetch::{Job, PrefetchJobs, Waiter};
 use crate::registry::{EngineEntry, Layouts, LmcEntry, LmcTransfer, Registry, TransferKey};
 use crate::session::{LookupScope, Sessions};
 use crate::status::StatusSnapshot;
@@ -175,17 +176,6 @@ struct PendingLoad {
     size: u64,
     /// When the lookup was sent to the shards (its read locks' TTL starts after).
     sent_at: Instant,
-}
-
-/// A lookup's result as `query_prefetch_status` sees it.
-enum Job {
-    Pending {
-        seq: Seq,
-        waiters: Vec<(ReplyTo, Instant)>,
-    },
-    Done {
-        hit_chunks: i64,
-    },
 }
 
 /// Limits and facts the front needs beyond the config.
@@ -352,7 +342,11 @@ pub struct Front {
     clock: Box<dyn Clock>,
     shards: Vec<MailboxSender<ShardMsg>>,
     sessions: Sessions,
-    jobs: HashMap<String, Job>,
+    /// Prefetch jobs and the wait_prefetch_status callers parked on them.
+    jobs: PrefetchJobs,
+    /// `set_job` drops orphan results once the jobs outnumber this (at least
+    /// twice `--max-sessions`, and twice what the last sweep kept).
+    jobs_sweep_above: usize,
     /// Read locks concluded lookups still hold, per request.
     leases: LeaseBook,
     registry: Registry,
@@ -386,9 +380,6 @@ pub struct Front {
     /// `/cache/checksums` threads running.
     checksum_threads: Arc<AtomicUsize>,
     inflight: HashMap<Seq, Inflight>,
-    /// wait_prefetch_status callers parked on pending jobs (0 lets the loop skip
-    /// scanning the jobs for deadlines).
-    num_waiters: usize,
     next_seq: Seq,
     metrics: Metrics,
     unsupported_logged: HashSet<&'static str>,
@@ -460,9 +451,9 @@ impl Front {
             cuda_regs: HashMap::new(),
             cuda_ops: HashMap::new(),
             layouts: Layouts::default(),
-            jobs: HashMap::new(),
+            jobs: PrefetchJobs::default(),
+            jobs_sweep_above: 2 * cfg.max_sessions,
             inflight: HashMap::new(),
-            num_waiters: 0,
             next_seq: 1,
             metrics: Metrics::default(),
             unsupported_logged: HashSet::new(),
@@ -500,14 +491,8 @@ impl Front {
         }
         let now = self.clock.now();
         let mut next = self.next_session_sweep.min(self.next_reap);
-        if self.num_waiters > 0 {
-            for job in self.jobs.values() {
-                if let Job::Pending { waiters, .. } = job {
-                    for (_, d) in waiters {
-                        next = next.min(*d);
-                    }
-                }
-            }
+        if let Some(d) = self.jobs.next_deadline() {
+            next = next.min(d);
         }
         let ms = next.saturating_duration_since(now).as_millis();
         ms.clamp(1, 1000) as i64
@@ -559,40 +544,25 @@ impl Front {
             }
         }
         // wait_prefetch_status deadlines: answer with no payload (still running).
-        if self.num_waiters == 0 {
-            return;
-        }
-        let mut expired = Vec::new();
-        for job in self.jobs.values_mut() {
-            if let Job::Pending { waiters, .. } = job {
-                waiters.retain(|(to, d)| {
-                    if *d <= now {
-                        expired.push(to.clone());
-                        false
-                    } else {
-                        true
-                    }
-                });
-            }
-        }
-        self.num_waiters -= expired.len();
-        for to in expired {
+        for to in self.jobs.expire_waiters(now) {
             self.reply(&to, None);
         }
     }
 
-    /// Replaces the job of `rid`. Callers waiting on a pending job it replaces
-    /// keep waiting on the new one (they asked about the request, not the lookup).
-    fn set_job(&mut self, rid: String, mut job: Job) {
-        if let Some(Job::Pending { waiters: old, .. }) = self.jobs.remove(&rid) {
-            match &mut job {
-                Job::Pending { waiters, .. } => waiters.extend(old),
-                Job::Done { .. } => self.answer_waiters(old, 0),
+    /// Sets the job of `rid`: a pending lookup (`Some(seq)`) or a miss (`None`).
+    /// Callers waiting on a pending job it replaces keep waiting on a new
+    /// pending one (they asked about the request, not the lookup), and get 0
+    /// from a miss.
+    fn set_job(&mut self, rid: String, pending: Option<Seq>) {
+        match pending {
+            Some(seq) => self.jobs.start(rid, seq),
+            None => {
+                let old = self.jobs.finish(rid, 0);
+                self.answer_waiters(old, 0);
             }
         }
-        self.jobs.insert(rid, job);
         // Bound the results nobody asks for between periodic sweeps.
-        if self.jobs.len() > 2 * self.cfg.max_sessions {
+        if self.jobs.len() > self.jobs_sweep_above {
             self.drop_orphan_jobs();
         }
     }
@@ -600,19 +570,19 @@ impl Front {
     /// Drops finished lookup results whose session is gone: no live request can
     /// ask for them. Returns how many.
     fn drop_orphan_jobs(&mut self) -> usize {
-        let before = self.jobs.len();
         let sessions = &self.sessions;
-        self.jobs
-            .retain(|rid, j| matches!(j, Job::Pending { .. }) || sessions.contains(rid));
-        before - self.jobs.len()
+        let dropped = self.jobs.retain_done(|rid| sessions.contains(rid));
+        // Pending jobs and live sessions' results stay: sweep again only once
+        // the jobs have doubled, so a sweep costs O(1) per job set.
+        self.jobs_sweep_above = (2 * self.cfg.max_sessions).max(2 * self.jobs.len());
+        dropped
     }
 
     /// Answers parked wait_prefetch_status callers: the first gets `hits` (a result
     /// is handed out once), the rest 0.
-    fn answer_waiters(&mut self, waiters: Vec<(ReplyTo, Instant)>, hits: i64) {
-        self.num_waiters -= waiters.len();
+    fn answer_waiters(&mut self, waiters: Vec<Waiter>, hits: i64) {
         let mut first = true;
-        for (to, _) in waiters {
+        for Waiter { to, .. } in waiters {
             let v = if first { hits } else { 0 };
             first = false;
             self.reply(&to, Some(wire::encode_int(v)));
@@ -1477,7 +1447,7 @@ impl Front {
         let rid = key.request_id.clone();
         let early = |front: &mut Front, reason: &'static str| {
             front.metrics.count_early_exit(reason);
-            front.set_job(rid.clone(), Job::Done { hit_chunks: 0 });
+            front.set_job(rid.clone(), None);
             front.reply(&to, None);
         };
         let Some(layout) = u32::try_from(key.world_size)
@@ -1606,23 +1576,13 @@ impl Front {
             immediate.is_none(),
             "a non-empty lookup always involves a shard"
         );
-        self.set_job(
-            rid,
-            Job::Pending {
-                seq,
-                waiters: Vec::new(),
-            },
-        );
+        self.set_job(rid, Some(seq));
     }
 
     /// First half of a finished lookup: plans the prefix from L1 and L2 hits,
     /// releases every lock beyond it, and either concludes or starts loading
     /// the prefix's L2 hits into L1.
-    fn finish_lookup(
-        &mut self,
-        seq: Seq,
-        mut p: PendingLoad,
-    ) -> Option<(Vec<(ReplyTo, Instant)>, i64)> {
+    fn finish_lookup(&mut self, seq: Seq, mut p: PendingLoad) -> Option<(Vec<Waiter>, i64)> {
         let nr = p.num_ranks;
         let num_chunks = p.keys.len() / nr;
         let prefix = (0..num_chunks)
@@ -1671,7 +1631,7 @@ impl Front {
     }
 
     fn is_current(&self, rid: &str, seq: Seq) -> bool {
-        matches!(self.jobs.get(rid), Some(Job::Pending { seq: s, .. }) if *s == seq)
+        self.jobs.is_current(rid, seq)
     }
 
     /// Releases what a lookup holds on `keys`: `readers` L1 read locks on L1
@@ -1756,7 +1716,7 @@ impl Front {
         mut p: PendingLoad,
         loading: &[usize],
         loaded: &[bool],
-    ) -> Option<(Vec<(ReplyTo, Instant)>, i64)> {
+    ) -> Option<(Vec<Waiter>, i64)> {
         self.loads_inflight -= 1;
         let nr = p.num_ranks;
         // Per key: readable in L1 now (holding `readers` locks).
@@ -1807,7 +1767,7 @@ impl Front {
         prefix: usize,
         num_ranks: usize,
         l2_chunks: usize,
-    ) -> Option<(Vec<(ReplyTo, Instant)>, i64)> {
+    ) -> Option<(Vec<Waiter>, i64)> {
         let cs = self.cfg.chunk_size as u64;
         self.metrics.lookup_hit_tokens += prefix as u64 * cs;
         self.metrics.lookup_hit_keys += (prefix * num_ranks) as u64;
@@ -1816,17 +1776,9 @@ impl Front {
         if let Some(s) = self.sessions.get_mut(rid) {
             s.prefetch_hit_chunks = prefix as i64;
         }
-        let waiters = match self.jobs.remove(rid) {
-            Some(Job::Pending { waiters, .. }) => waiters,
-            _ => Vec::new(),
-        };
+        let waiters = self.jobs.take_waiters(rid);
         if waiters.is_empty() {
-            self.jobs.insert(
-                rid.to_owned(),
-                Job::Done {
-                    hit_chunks: prefix as i64,
-                },
-            );
+            self.jobs.finish(rid.to_owned(), prefix as i64);
             None
         } else {
             // The first waiter consumes the result.
@@ -1852,12 +1804,11 @@ impl Front {
         } else {
             Duration::ZERO
         };
-        match self.jobs.get_mut(rid) {
-            Some(Job::Pending { waiters, .. }) if !wait.is_zero() => {
-                waiters.push((to, now + wait));
-                self.num_waiters += 1;
-            }
-            _ => self.query_prefetch(to, rid),
+        if wait.is_zero() {
+            return self.query_prefetch(to, rid);
+        }
+        if let Err(to) = self.jobs.park(rid, to, now + wait) {
+            self.query_prefetch(to, rid);
         }
     }
 
@@ -1928,12 +1879,9 @@ impl Front {
     }
 
     fn end_session(&mut self, rid: &str) {
-        if let Some(Job::Pending { waiters, .. }) = self.jobs.remove(rid) {
-            // The request is over: its waiters get what a timed-out wait gets.
-            self.num_waiters -= waiters.len();
-            for (to, _) in waiters {
-                self.reply(&to, None);
-            }
+        // The request is over: its waiters get what a timed-out wait gets.
+        for Waiter { to, .. } in self.jobs.take_waiters(rid) {
+            self.reply(&to, None);
         }
         let Some(s) = self.sessions.remove(rid) else {
             log::debug!("end_session: session {rid} not found");

@@ -10,6 +10,7 @@ mod front_model;
 pub mod lookup_leases;
 pub mod lookup_log;
 pub mod metrics;
+pub mod prefetch;
 pub mod registry;
 pub mod session;
 pub mod status;

@@ -22,7 +22,7 @@
 //! lookup was sent, which is before the shard locked), so a lock the shard has
 //! already expired and perhaps re-granted to someone else is never released.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::{ChunkHash, Name, ObjectKey};
@@ -49,6 +49,8 @@ struct Lease {
     consumers: Vec<i64>,
     /// When the shard's locks may start expiring: forget the lease then.
     expires: Instant,
+    /// Its key in `LeaseBook::by_expiry`, with `expires`.
+    order: u64,
 }
 
 impl Lease {
@@ -81,6 +83,10 @@ impl Lease {
 #[derive(Debug)]
 pub struct LeaseBook {
     leases: HashMap<String, Lease>,
+    /// Every lease by (expiry, insertion order): the first is the one to
+    /// forget first, found without walking the book.
+    by_expiry: BTreeMap<(Instant, u64), String>,
+    next_order: u64,
     max: usize,
     ttl: Duration,
 }
@@ -104,6 +110,8 @@ impl LeaseBook {
     pub fn new(max: usize, ttl: Duration) -> Self {
         LeaseBook {
             leases: HashMap::new(),
+            by_expiry: BTreeMap::new(),
+            next_order: 0,
             max: max.max(1),
             ttl,
         }
@@ -137,6 +145,7 @@ impl LeaseBook {
             held: vec![clamped(g.readers); g.keys.len()],
             consumers: Vec::new(),
             expires: g.sent_at + self.ttl,
+            order: 0,
         };
         if let Some(old) = self.leases.get(g.request_id) {
             let common = old.hashes.len().min(lease.hashes.len());
@@ -155,19 +164,25 @@ impl LeaseBook {
         self.insert(g.request_id, lease);
     }
 
-    fn insert(&mut self, rid: &str, lease: Lease) {
-        if !self.leases.contains_key(rid) && self.leases.len() >= self.max {
+    fn insert(&mut self, rid: &str, mut lease: Lease) {
+        if self.forget(rid).is_none() && self.leases.len() >= self.max {
             // Full: forget the lease closest to expiry (its locks still end by TTL).
-            if let Some(victim) = self
-                .leases
-                .iter()
-                .min_by_key(|(_, l)| l.expires)
-                .map(|(k, _)| k.clone())
-            {
-                self.leases.remove(&victim);
+            if let Some(victim) = self.by_expiry.values().next().cloned() {
+                self.forget(&victim);
             }
         }
+        lease.order = self.next_order;
+        self.next_order += 1;
+        self.by_expiry
+            .insert((lease.expires, lease.order), rid.to_owned());
         self.leases.insert(rid.to_owned(), lease);
+    }
+
+    /// Removes the lease of `rid` from the book.
+    fn forget(&mut self, rid: &str) -> Option<Lease> {
+        let lease = self.leases.remove(rid)?;
+        self.by_expiry.remove(&(lease.expires, lease.order));
+        Some(lease)
     }
 
     /// Records that `count` locks were released for request `rid` on each key
@@ -198,7 +213,7 @@ impl LeaseBook {
             }
         }
         if lease.held.iter().all(|h| *h == 0) {
-            self.leases.remove(rid);
+            self.forget(rid);
         }
     }
 
@@ -237,22 +252,29 @@ impl LeaseBook {
             }
         }
         for rid in emptied {
-            self.leases.remove(&rid);
+            self.forget(&rid);
         }
         out
     }
 
     /// Forgets leases whose locks may have expired by `now`. Returns how many.
     pub fn expire(&mut self, now: Instant) -> usize {
-        let before = self.leases.len();
-        self.leases.retain(|_, l| l.expires > now);
-        before - self.leases.len()
+        let mut n = 0;
+        while let Some(entry) = self.by_expiry.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            self.leases.remove(&entry.remove());
+            n += 1;
+        }
+        n
     }
 
     /// Forgets every lease (a forced clear removed locked objects: a lock on a
     /// key stored again later is not theirs to release).
     pub fn clear(&mut self) {
         self.leases.clear();
+        self.by_expiry.clear();
     }
 }
 
@@ -416,5 +438,32 @@ mod tests {
         assert_eq!(b.expire(t + Duration::from_secs(11)), 1);
         assert_eq!(b.expire(t + Duration::from_secs(12)), 1);
         assert!(b.is_empty());
+    }
+
+    #[test]
+    fn the_full_book_forgets_the_earliest_expiry_first_granted_on_ties() {
+        let t = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut b = LeaseBook::new(3, Duration::from_secs(10));
+        grant(&mut b, "a", &[0], 1, 1, t + s);
+        grant(&mut b, "b", &[0], 1, 1, t + s);
+        grant(&mut b, "c", &[0], 1, 1, t);
+        // A new grant for "c" keeps the older expiry; it is still first to go.
+        grant(&mut b, "c", &[0], 1, 1, t + 5 * s);
+        grant(&mut b, "d", &[0], 1, 1, t + 2 * s);
+        assert!(!b.leases.contains_key("c"));
+        grant(&mut b, "e", &[0], 1, 1, t + 2 * s);
+        assert!(
+            !b.leases.contains_key("a"),
+            "a and b tie: a was granted first"
+        );
+        assert_eq!(b.by_expiry.len(), b.leases.len());
+        // Fully released and orphaned leases leave the index too.
+        b.released("b", chunks(0, 1, &keys(1, &[0])), 1, None);
+        assert_eq!(b.orphaned("m", 1, |_, _| 0).len(), 2);
+        assert!(b.is_empty() && b.by_expiry.is_empty());
+        grant(&mut b, "f", &[0], 1, 1, t);
+        assert_eq!(b.expire(t + 10 * s), 1);
+        assert!(b.by_expiry.is_empty());
     }
 }

@@ -5,7 +5,7 @@
 //! lookup found (the hit prefix and the key it looked up) so `free_lookup_locks` and
 //! `end_session` can act on exactly those objects.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::{ChunkHash, ChunkHashes, HashError};
@@ -25,7 +25,9 @@ pub struct LookupScope {
 pub struct Session {
     tokens: Vec<u32>,
     hashes: ChunkHashes,
-    pub last_used: Instant,
+    last_used: Instant,
+    /// Position in `Sessions::order`: set on every use, increasing.
+    use_seq: u64,
     pub lookup: Option<LookupScope>,
     /// Hit prefix (chunks) of the last finished lookup; -1 while none is known.
     pub prefetch_hit_chunks: i64,
@@ -37,6 +39,7 @@ impl Session {
             tokens: Vec::new(),
             hashes: ChunkHashes::new(),
             last_used: now,
+            use_seq: 0,
             lookup: None,
             prefetch_hit_chunks: -1,
         }
@@ -57,6 +60,11 @@ impl Session {
             self.tokens.clear();
             self.tokens.extend_from_slice(tokens);
         }
+    }
+
+    /// When the session was last created or used through `get_or_create`.
+    pub fn last_used(&self) -> Instant {
+        self.last_used
     }
 
     pub fn tokens(&self) -> &[u32] {
@@ -85,8 +93,14 @@ pub const MAX_SESSION_TOKENS: usize = 1 << 26;
 
 /// All sessions, bounded in count and in tokens held, expired after a TTL of
 /// inactivity.
+///
+/// `order` holds every session keyed by `(last_used, use_seq)`: its first entry
+/// is the least recently used session (among sessions used at the same instant,
+/// the one used first), so eviction and expiry never walk the table.
 pub struct Sessions {
     map: HashMap<String, Session>,
+    order: BTreeMap<(Instant, u64), String>,
+    next_use_seq: u64,
     ttl: Duration,
     max: usize,
     max_tokens: usize,
@@ -101,6 +115,8 @@ impl Sessions {
         assert!(max > 0);
         Sessions {
             map: HashMap::new(),
+            order: BTreeMap::new(),
+            next_use_seq: 0,
             ttl,
             max,
             max_tokens: MAX_SESSION_TOKENS,
@@ -122,33 +138,49 @@ impl Sessions {
         self.map.contains_key(id)
     }
 
+    /// The session of `id`; does not count as a use.
     pub fn get_mut(&mut self, id: &str) -> Option<&mut Session> {
         self.map.get_mut(id)
     }
 
     /// The session of `id`, created if needed; refreshes its last use.
     pub fn get_or_create(&mut self, id: &str, now: Instant) -> &mut Session {
-        if !self.map.contains_key(id) {
-            if self.map.len() >= self.max {
-                self.expire(now);
+        let use_seq = self.next_use_seq;
+        self.next_use_seq += 1;
+        match self.map.get_mut(id) {
+            Some(s) => {
+                let name = self
+                    .order
+                    .remove(&(s.last_used, s.use_seq))
+                    .expect("every session is in the order");
+                s.last_used = now;
+                s.use_seq = use_seq;
+                self.order.insert((now, use_seq), name);
             }
-            // Full of live sessions: drop the least recently used one. Its request
-            // loses cached hashes and lock bookkeeping; its locks still expire by TTL.
-            if self.map.len() >= self.max && self.drop_oldest_except(id) {
-                log::warn!(
-                    "session table full ({} sessions): dropped the oldest",
-                    self.max
-                );
+            None => {
+                if self.map.len() >= self.max {
+                    self.expire(now);
+                }
+                // Full of live sessions: drop the least recently used one. Its request
+                // loses cached hashes and lock bookkeeping; its locks still expire by TTL.
+                if self.map.len() >= self.max && self.drop_oldest_except(id) {
+                    log::warn!(
+                        "session table full ({} sessions): dropped the oldest",
+                        self.max
+                    );
+                }
+                let mut s = Session::new(now);
+                s.use_seq = use_seq;
+                self.order.insert((now, use_seq), id.to_owned());
+                self.map.insert(id.to_owned(), s);
             }
-            self.map.insert(id.to_owned(), Session::new(now));
         }
-        let s = self.map.get_mut(id).expect("session just ensured");
-        s.last_used = now;
-        s
+        self.map.get_mut(id).expect("session just ensured")
     }
 
     pub fn remove(&mut self, id: &str) -> Option<Session> {
         let s = self.map.remove(id)?;
+        self.order.remove(&(s.last_used, s.use_seq));
         self.total_tokens -= s.tokens.len();
         Some(s)
     }
@@ -170,12 +202,8 @@ impl Sessions {
 
     /// Drops the least recently used session other than `keep`; false if none.
     fn drop_oldest_except(&mut self, keep: &str) -> bool {
-        let oldest = self
-            .map
-            .iter()
-            .filter(|(k, _)| k.as_str() != keep)
-            .min_by_key(|(_, s)| s.last_used)
-            .map(|(k, _)| k.clone());
+        // `keep` is at most one entry: the victim is among the first two.
+        let oldest = self.order.values().find(|k| k.as_str() != keep).cloned();
         match oldest {
             Some(k) => {
                 self.remove(&k);
@@ -193,18 +221,20 @@ impl Sessions {
 
     /// Drops sessions idle for longer than the TTL; returns how many.
     pub fn expire(&mut self, now: Instant) -> usize {
-        let ttl = self.ttl;
-        let before = self.map.len();
-        let mut freed = 0;
-        self.map.retain(|_, s| {
-            let keep = now.duration_since(s.last_used) <= ttl;
-            if !keep {
-                freed += s.tokens.len();
+        let mut n = 0;
+        while let Some(entry) = self.order.first_entry() {
+            let (last_used, _) = *entry.key();
+            if now.duration_since(last_used) <= self.ttl {
+                break;
             }
-            keep
-        });
-        self.total_tokens -= freed;
-        let n = before - self.map.len();
+            let id = entry.remove();
+            let s = self
+                .map
+                .remove(&id)
+                .expect("every ordered id has a session");
+            self.total_tokens -= s.tokens.len();
+            n += 1;
+        }
         self.expired += n as u64;
         n
     }
@@ -271,5 +301,203 @@ mod tests {
         assert_eq!(s.evicted_full, 1);
         assert_eq!(s.expire(t0 + Duration::from_secs(12)), 1);
         assert!(s.get_mut("c").is_some());
+    }
+
+    /// The table as the full scans saw it: a list of (id, last use, tokens).
+    /// Eviction takes a session of least `last_used` (the scan's rule); among
+    /// ties, the one used first. Expiry drops every session idle past the TTL.
+    struct Model {
+        ttl: Duration,
+        max: usize,
+        max_tokens: usize,
+        /// (id, last_used, use order, tokens)
+        rows: Vec<(String, Instant, u64, usize)>,
+        seq: u64,
+        evicted_full: u64,
+        expired: u64,
+    }
+
+    impl Model {
+        fn total(&self) -> usize {
+            self.rows.iter().map(|r| r.3).sum()
+        }
+
+        fn pos(&self, id: &str) -> Option<usize> {
+            self.rows.iter().position(|r| r.0 == id)
+        }
+
+        fn expire(&mut self, now: Instant) -> usize {
+            let before = self.rows.len();
+            let ttl = self.ttl;
+            self.rows.retain(|r| now.duration_since(r.1) <= ttl);
+            let n = before - self.rows.len();
+            self.expired += n as u64;
+            n
+        }
+
+        fn drop_oldest_except(&mut self, keep: &str) -> bool {
+            let min = self.rows.iter().filter(|r| r.0 != keep).map(|r| r.1).min();
+            let Some(min) = min else { return false };
+            let victim = self
+                .rows
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.0 != keep && r.1 == min)
+                .min_by_key(|(_, r)| r.2)
+                .map(|(i, _)| i)
+                .unwrap();
+            self.rows.remove(victim);
+            self.evicted_full += 1;
+            true
+        }
+
+        fn get_or_create(&mut self, id: &str, now: Instant) {
+            self.seq += 1;
+            if self.pos(id).is_none() {
+                if self.rows.len() >= self.max {
+                    self.expire(now);
+                }
+                if self.rows.len() >= self.max {
+                    self.drop_oldest_except(id);
+                }
+                self.rows.push((id.to_owned(), now, 0, 0));
+            }
+            let i = self.pos(id).unwrap();
+            self.rows[i].1 = now;
+            self.rows[i].2 = self.seq;
+        }
+
+        fn with_tokens(&mut self, id: &str, n: usize, now: Instant) {
+            let old = self.pos(id).map_or(0, |i| self.rows[i].3);
+            while self.total() - old + n > self.max_tokens && self.drop_oldest_except(id) {}
+            self.get_or_create(id, now);
+            let i = self.pos(id).unwrap();
+            self.rows[i].3 = n;
+        }
+
+        fn remove(&mut self, id: &str) -> bool {
+            match self.pos(id) {
+                Some(i) => {
+                    self.rows.remove(i);
+                    true
+                }
+                None => false,
+            }
+        }
+    }
+
+    fn check(s: &Sessions, m: &Model) {
+        assert_eq!(s.len(), m.rows.len());
+        assert_eq!(s.order.len(), s.map.len());
+        assert_eq!(s.total_tokens(), m.total());
+        assert_eq!(s.evicted_full, m.evicted_full);
+        assert_eq!(s.expired, m.expired);
+        for (id, last, _, toks) in &m.rows {
+            let sess = s.map.get(id).unwrap_or_else(|| panic!("{id} missing"));
+            assert_eq!(sess.last_used(), *last, "{id}");
+            assert_eq!(sess.tokens().len(), *toks, "{id}");
+        }
+    }
+
+    #[test]
+    fn eviction_takes_least_recently_used_ties_by_first_use() {
+        let t0 = Instant::now();
+        let mut s = Sessions::new(Duration::from_secs(100), 3);
+        // Three sessions at one instant, then "a" used again at that instant.
+        s.get_or_create("a", t0);
+        s.get_or_create("b", t0);
+        s.get_or_create("c", t0);
+        s.get_or_create("a", t0);
+        s.get_or_create("d", t0);
+        assert!(!s.contains("b"), "b was used first among the ties");
+        s.get_or_create("e", t0);
+        assert!(!s.contains("c"));
+        assert!(s.contains("a") && s.contains("d") && s.contains("e"));
+        // An older instant wins over use order.
+        s.get_or_create("d", t0 - Duration::from_secs(1));
+        s.get_or_create("f", t0);
+        assert!(!s.contains("d"));
+        assert_eq!(s.evicted_full, 3);
+    }
+
+    #[test]
+    fn expiry_drops_exactly_the_idle_sessions() {
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(10);
+        let mut s = Sessions::new(ttl, 100);
+        for i in 0..20u64 {
+            s.with_tokens(&format!("s{i}"), &[1, 2], t0 + Duration::from_secs(i));
+        }
+        // Idle exactly the TTL is kept; one nanosecond more is not.
+        let now = t0 + Duration::from_secs(5) + ttl;
+        assert_eq!(s.expire(now), 5);
+        assert!(s.contains("s5") && !s.contains("s4"));
+        assert_eq!(s.total_tokens(), 30);
+        assert_eq!(s.expire(now + Duration::from_nanos(1)), 1);
+        assert!(!s.contains("s5"));
+        assert_eq!(s.expired, 6);
+    }
+
+    #[test]
+    fn matches_the_scanning_model_under_random_use() {
+        let mut rng: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        for round in 0..20 {
+            let t0 = Instant::now();
+            let max = 1 + next(12) as usize;
+            let ttl = Duration::from_millis(50 + next(200));
+            let max_tokens = 8 + next(40) as usize;
+            let mut s = Sessions::new(ttl, max);
+            s.max_tokens = max_tokens;
+            let mut m = Model {
+                ttl,
+                max,
+                max_tokens,
+                rows: Vec::new(),
+                seq: 0,
+                evicted_full: 0,
+                expired: 0,
+            };
+            let ids = 4 + next(30);
+            let mut now = t0;
+            for step in 0..3000 {
+                // Many uses share an instant (ties); time never goes far back.
+                match next(10) {
+                    0..=3 => {}
+                    4..=8 => now += Duration::from_millis(next(30)),
+                    _ => {
+                        now = now
+                            .checked_sub(Duration::from_millis(next(5)))
+                            .unwrap_or(now)
+                    }
+                }
+                let id = format!("r{}", next(ids));
+                match next(10) {
+                    0..=3 => {
+                        s.get_or_create(&id, now);
+                        m.get_or_create(&id, now);
+                    }
+                    4..=6 => {
+                        let n = next(12) as usize;
+                        let toks: Vec<u32> = (0..n as u32).collect();
+                        s.with_tokens(&id, &toks, now);
+                        m.with_tokens(&id, n, now);
+                    }
+                    7 => assert_eq!(s.remove(&id).is_some(), m.remove(&id)),
+                    8 => assert_eq!(s.expire(now), m.expire(now)),
+                    _ => {
+                        // A plain lookup of the session is no use.
+                        assert_eq!(s.get_mut(&id).is_some(), m.pos(&id).is_some());
+                    }
+                }
+                check(&s, &m);
+                assert!(s.len() <= max, "round {round} step {step}");
+            }
+        }
     }
 }
