@@ -87,6 +87,101 @@ fn echo_baseline(n: usize) -> Histogram<u64> {
     h
 }
 
+/// The same echo with one hand-off to a second thread and back, as the server
+/// hands a lookup or a prepare to a shard: the ROUTER thread passes each
+/// request to a worker over a channel and waits for the answer on an eventfd
+/// it polls beside the socket. Both threads are pinned as the server's front
+/// (last allowed core) and first shard (first core) are. A round trip of it
+/// minus a plain echo's is the cost of the thread hop alone on this machine.
+fn hop_echo_baseline(n: usize) -> Histogram<u64> {
+    let port = free_port();
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let total = n + n / 10;
+    // SAFETY: eventfd takes no pointers; the fd is owned by this function's threads.
+    let done_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK) };
+    assert!(done_fd >= 0, "eventfd");
+    let (to_worker, from_router) = std::sync::mpsc::channel::<Vec<Vec<u8>>>();
+    let (to_router, from_worker) = std::sync::mpsc::channel::<Vec<Vec<u8>>>();
+    let cores = allowed_cores();
+    let (worker_core, router_core) = (cores[0], *cores.last().unwrap());
+    let worker = std::thread::spawn(move || {
+        pin(worker_core);
+        for mut frames in from_router {
+            frames.push(vec![0xa2, b'O', b'K']);
+            to_router.send(frames).unwrap();
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes from a live buffer to the eventfd.
+            unsafe { libc::write(done_fd, one.as_ptr().cast(), 8) };
+        }
+    });
+    let echo = std::thread::spawn(move || {
+        pin(router_core);
+        let mut answered = 0;
+        while answered < total {
+            let mut items = [
+                router.as_poll_item(zmq::POLLIN),
+                zmq::PollItem::from_fd(done_fd, zmq::POLLIN),
+            ];
+            zmq::poll(&mut items, -1).unwrap();
+            if items[0].is_readable() {
+                while let Ok(frames) = router.recv_multipart(zmq::DONTWAIT) {
+                    to_worker.send(frames).unwrap();
+                }
+            }
+            if items[1].is_readable() {
+                let mut buf = [0u8; 8];
+                // SAFETY: reads 8 bytes into a live buffer from the eventfd.
+                unsafe { libc::read(done_fd, buf.as_mut_ptr().cast(), 8) };
+                while let Ok(frames) = from_worker.try_recv() {
+                    router.send_multipart(frames, 0).unwrap();
+                    answered += 1;
+                }
+            }
+        }
+        drop(to_worker);
+    });
+    let mut c = Client::connect(port);
+    for _ in 0..n / 10 {
+        c.noop_ok();
+    }
+    let mut h = hist();
+    for _ in 0..n {
+        let t = Instant::now();
+        c.noop_ok();
+        h.record(t.elapsed().as_nanos() as u64).unwrap();
+    }
+    echo.join().unwrap();
+    worker.join().unwrap();
+    // SAFETY: both threads that used the fd have ended.
+    unsafe { libc::close(done_fd) };
+    h
+}
+
+/// The cores this process may run on, ascending.
+fn allowed_cores() -> Vec<usize> {
+    // SAFETY: the set is zeroed and sized for sched_getaffinity.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `set` is a live cpu_set_t of `size` bytes.
+    let rc = unsafe { libc::sched_getaffinity(0, size, &mut set) };
+    assert_eq!(rc, 0, "sched_getaffinity");
+    // SAFETY: CPU_ISSET reads the initialised set.
+    (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect()
+}
+
+fn pin(core: usize) {
+    // SAFETY: the set is zeroed, one bit set, and passed with its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
 /// Sends a request of encoded `frames` (the op first) and returns the reply's
 /// payload.
 fn call_frames(c: &mut Client, frames: Vec<Vec<u8>>) -> Option<V> {
@@ -299,9 +394,10 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
 
 /// Prints each round trip's p50 and p99 over those of the echo sampled
 /// between its blocks, with its bar.
-fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>) {
+fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>, hop: &Histogram<u64>) {
     report("echo alone, before the server", before);
     report("echo alone, after the server", after);
+    report("echo with a hop to a 2nd thread", hop);
     report("echo beside noop", &rt.echo_noop);
     report("echo beside prepare+commit store", &rt.echo_store);
     report("echo beside lookup and retrieve", &rt.echo_lookup);
@@ -336,6 +432,28 @@ fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>) {
             "ratio to echo  {name:<34} p50 {r50:>5.2}x {:<5}  p99 {r99:>5.2}x {:<5}  (bar <= {bar}x)",
             verdict(r50 <= bar),
             verdict(r99 <= bar),
+        );
+    }
+    // Lookup+status and prepare+commit are one round trip through a shard
+    // and one answered by the front alone: their floor on this machine is a
+    // hop echo plus a plain echo.
+    let echo50 = before.value_at_quantile(0.5) as f64;
+    let hop50 = hop.value_at_quantile(0.5) as f64;
+    println!(
+        "floor: a hand-off to a second thread and back adds {:.1}us to an echo at p50; \
+         one hop round trip + one plain round trip = {:.2}x the echo (bar for lookup+status and \
+         prepare+commit: 2.4x)",
+        (hop50 - echo50) / 1e3,
+        (hop50 + echo50) / echo50
+    );
+    for (name, h) in [
+        ("lookup+status", &rt.lookup),
+        ("prepare+commit store", &rt.store),
+        ("prepare+commit retrieve", &rt.retrieve),
+    ] {
+        println!(
+            "over that floor  {name:<24} p50 {:>5.2}x",
+            h.value_at_quantile(0.5) as f64 / (hop50 + echo50)
         );
     }
 }
@@ -722,7 +840,8 @@ fn main() {
     let before = echo_baseline(n_noop);
     let rt = round_trips(n_noop, n_lookup, n_pc);
     let after = echo_baseline(n_noop);
-    ratios(&rt, &before, &after);
+    let hop = hop_echo_baseline(n_noop);
+    ratios(&rt, &before, &after, &hop);
 
     let ok = if full {
         saturation(Duration::from_secs(10), GIB)
