@@ -734,11 +734,11 @@ pub struct KvshardArgs {
     /// (at least 1 GiB) is dropped by ZeroMQ with its connection before kvshard sees it.
     #[arg(long, value_name = "BYTES", default_value_t = 512 << 20, allow_negative_numbers = true)]
     pub max_frame_bytes: usize,
-    /// [kvshard only] Serve GPU workers' lmcache_driven transfers over CUDA IPC (on), or answer
-    /// their registrations with a refusal that points them at engine_driven (off). Off by
-    /// default: this path has not run on a GPU yet. Needs a CUDA driver, NVRTC and an L1 in
-    /// memory (not --gds-l1-path).
-    #[arg(long, value_name = "MODE", value_parser = ["off", "on"], default_value = "off")]
+    /// [kvshard only] Serve GPU workers' lmcache_driven transfers over CUDA IPC (on, the
+    /// default), or answer their registrations with a refusal that points them at engine_driven
+    /// (off). Needs a CUDA driver, NVRTC and an L1 in memory (not --gds-l1-path); where any is
+    /// missing, registrations are refused the same way, with the cause.
+    #[arg(long, value_name = "MODE", value_parser = ["off", "on"], default_value = "on")]
     pub cuda_transfer: String,
     /// [kvshard only] HTTP API connections kept open at once. At the bound, a new client takes
     /// the place of the connection that has waited longest on its client (idle, or sending

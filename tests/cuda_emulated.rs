@@ -137,32 +137,17 @@ impl Layers {
     }
 }
 
-fn ids(v: &[i64]) -> V {
-    V::A(vec![V::A(v.iter().map(|x| V::I(*x)).collect())])
-}
-
 fn key(toks: &[u32], worker: Option<i64>, rid: &str) -> V {
     ipc_key(MODEL, 1, worker, toks, 0, toks.len() as i64, rid, 1)
 }
 
-/// STORE/RETRIEVE's `(event, ok)`.
-fn outcome(reply: Option<V>) -> (Vec<u8>, bool) {
-    match reply {
-        Some(V::A(a)) if a.len() == 2 => match &a[0] {
-            V::Bin(b) => (b.clone(), a[1].boolean()),
-            other => panic!("event is not bytes: {other:?}"),
-        },
-        other => panic!("expected (bytes, bool), got {other:?}"),
-    }
-}
-
 fn store(c: &mut Client, iid: i64, toks: &[u32], blocks: &[i64]) -> (Vec<u8>, bool) {
-    outcome(c.call(
+    transfer_outcome(c.call(
         OP_STORE,
         &[
             key(toks, Some(0), "store"),
             V::I(iid),
-            ids(blocks),
+            group_ids(blocks),
             V::Bin(vec![7; 64]),
         ],
     ))
@@ -181,33 +166,16 @@ fn retrieve(
     blocks: &[i64],
     skip: i64,
 ) -> (Vec<u8>, bool) {
-    outcome(c.call(
+    transfer_outcome(c.call(
         OP_RETRIEVE,
         &[
             key(toks, Some(0), rid),
             V::I(iid),
-            ids(blocks),
+            group_ids(blocks),
             V::Bin(vec![7; 64]),
             V::I(skip),
         ],
     ))
-}
-
-fn registered(srv: &Server) -> Vec<i64> {
-    srv.get_json("/status")["registered_gpu_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_i64().unwrap())
-        .collect()
-}
-
-fn refused_reason(srv: &Server, iid: i64) -> Option<String> {
-    srv.get_json("/status")["refused_gpu_instances"]
-        .as_array()?
-        .iter()
-        .find(|e| e["instance_id"] == iid)
-        .map(|e| e["reason"].as_str().unwrap().to_string())
 }
 
 fn start(dir: &std::path::Path, extra: &[&str]) -> Server {
@@ -229,7 +197,7 @@ fn gpu_worker_stores_and_retrieves_the_0_5_6_objects() {
         None
     );
     wait_until("the GPU instance is set up on its device thread", || {
-        registered(&srv).contains(&300)
+        registered_gpu_ids(&srv).contains(&300)
     });
     let meta = &srv.get_json("/status")["cache_context_meta"]["300"];
     assert_eq!(meta["device"], "cuda:0", "{meta}");
@@ -298,7 +266,7 @@ fn gpu_worker_stores_and_retrieves_the_0_5_6_objects() {
         c.call(OP_REGISTER_KV_CACHE, &register_frames(301, cpu_descs)),
         None
     );
-    assert!(registered(&srv).contains(&301));
+    assert!(registered_gpu_ids(&srv).contains(&301));
     assert_eq!(lookup(&mut c, &toks, "r3"), 3);
     let (event, ok) = retrieve(&mut c, 301, &toks, "r3", &DST, 0);
     assert!(ok && event.is_empty(), "a cpu_shm retrieve has no event");
@@ -313,12 +281,12 @@ fn gpu_worker_stores_and_retrieves_the_0_5_6_objects() {
     let toks2 = ed_tokens(6, 2 * CS);
     let cpu_stored = cpu.blocks(&SRC[..2 * BPC]);
     assert!(
-        outcome(c.call(
+        transfer_outcome(c.call(
             OP_STORE,
             &[
                 key(&toks2, Some(0), "s2"),
                 V::I(301),
-                ids(&SRC[..2 * BPC]),
+                group_ids(&SRC[..2 * BPC]),
                 V::Bin(vec![])
             ],
         ))
@@ -333,7 +301,7 @@ fn gpu_worker_stores_and_retrieves_the_0_5_6_objects() {
 
     // Unregistering drops the instance; its transfers then fail cleanly.
     assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(300)]), None);
-    assert!(!registered(&srv).contains(&300));
+    assert!(!registered_gpu_ids(&srv).contains(&300));
     assert_eq!(store(&mut c, 300, &toks, &SRC), (vec![], false));
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -350,7 +318,7 @@ fn gpu_worker_failures_are_answered_and_refusals_reported() {
         c.call(OP_REGISTER_KV_CACHE, &register_frames(400, descs)),
         None
     );
-    wait_until("registered", || registered(&srv).contains(&400));
+    wait_until("registered", || registered_gpu_ids(&srv).contains(&400));
 
     let toks = ed_tokens(9, 3 * CS);
     // Too few block ids, and a block past the worker's blocks.
@@ -365,9 +333,14 @@ fn gpu_worker_failures_are_answered_and_refusals_reported() {
     // (and so is any handle that is not CUDA's 64 bytes), its reservations
     // dropped: a good store of the same chunks works right after.
     let store_with_event = |c: &mut Client, ev: Vec<u8>| {
-        outcome(c.call(
+        transfer_outcome(c.call(
             OP_STORE,
-            &[key(&toks, Some(0), "ev"), V::I(400), ids(&SRC), V::Bin(ev)],
+            &[
+                key(&toks, Some(0), "ev"),
+                V::I(400),
+                group_ids(&SRC),
+                V::Bin(ev),
+            ],
         ))
     };
     assert_eq!(store_with_event(&mut c, vec![1; 81]), (vec![], false));
@@ -393,9 +366,9 @@ fn gpu_worker_failures_are_answered_and_refusals_reported() {
         None
     );
     wait_until("the failed set-up is reported", || {
-        refused_reason(&srv, 401).is_some()
+        refused_gpu_reason(&srv, 401).is_some()
     });
-    let reason = refused_reason(&srv, 401).unwrap();
+    let reason = refused_gpu_reason(&srv, 401).unwrap();
     assert!(
         reason.contains("setting it up on GPU 0 failed") && reason.contains("shm_open"),
         "{reason}"
@@ -411,7 +384,7 @@ fn gpu_worker_failures_are_answered_and_refusals_reported() {
         c.call(OP_REGISTER_KV_CACHE, &register_frames(402, other)),
         None
     );
-    let reason = refused_reason(&srv, 402).unwrap();
+    let reason = refused_gpu_reason(&srv, 402).unwrap();
     assert!(reason.contains("not visible to kvshard"), "{reason}");
 
     // The good instance is still served.
@@ -440,7 +413,7 @@ fn gpu_workers_need_the_l1_in_memory() {
         c.call(OP_REGISTER_KV_CACHE, &register_frames(500, descs)),
         None
     );
-    let reason = refused_reason(&srv, 500).expect("refused");
+    let reason = refused_gpu_reason(&srv, 500).expect("refused");
     assert!(reason.contains("--gds-l1-path"), "{reason}");
     drop(srv);
     let _ = std::fs::remove_dir_all(&dir);

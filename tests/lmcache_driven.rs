@@ -169,7 +169,7 @@ impl Worker {
         );
         // The reply is the same whether the registration took: /status tells.
         assert!(
-            registered_ids(srv).contains(&self.iid),
+            registered_gpu_ids(srv).contains(&self.iid),
             "instance {} registered",
             self.iid
         );
@@ -190,18 +190,6 @@ impl Worker {
             }
         }
     }
-}
-
-fn registered_ids(srv: &Server) -> Vec<i64> {
-    let (st, body) = srv.http("GET", "/status", None);
-    assert_eq!(st, 200, "{body}");
-    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-    v["registered_gpu_ids"]
-        .as_array()
-        .expect("registered_gpu_ids")
-        .iter()
-        .map(|x| x.as_i64().unwrap())
-        .collect()
 }
 
 fn tokens(seed: u32, n: usize) -> Vec<u32> {
@@ -877,7 +865,7 @@ fn unregistered_instance_cannot_store() {
     let w = Worker::new(15, Kind::Nhd, 9);
     w.register(&srv, &mut c, 1);
     assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(15)]), None);
-    assert!(!registered_ids(&srv).contains(&15));
+    assert!(!registered_gpu_ids(&srv).contains(&15));
     let toks = tokens(11, 3 * CS);
     assert_eq!(
         c.call(

@@ -143,9 +143,13 @@ fn enc_into(v: &V, o: &mut Vec<u8>) {
             }
         }
         V::Ext(t, d) => {
-            o.push(0xc7);
-            o.push(d.len() as u8);
-            assert!(d.len() < 256);
+            if d.len() < 256 {
+                o.push(0xc7);
+                o.push(d.len() as u8);
+            } else {
+                o.push(0xc8);
+                o.extend(u16::try_from(d.len()).expect("ext16 length").to_be_bytes());
+            }
             o.push(*t as u8);
             o.extend(d)
         }
@@ -454,6 +458,14 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// The server binary: `KVSHARD_BIN` when set (a test executable carried to
+/// another host with a prebuilt server beside it), else the one cargo built.
+pub fn kvshard_bin() -> std::path::PathBuf {
+    std::env::var_os("KVSHARD_BIN")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_kvshard").into())
+}
+
 pub struct Server {
     pub child: Child,
     pub port: u16,
@@ -509,7 +521,7 @@ impl Server {
     /// `None` (after killing it) if it is still serving then.
     pub fn start_or_refuse(extra: &[&str]) -> Option<String> {
         let args = Self::args(free_port(), free_port(), &unique("kvtest"), extra);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvshard"))
+        let mut child = Command::new(kvshard_bin())
             .args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -568,7 +580,7 @@ impl Server {
         let http_port = free_port();
         let shm = unique("kvtest");
         let args = Self::args(port, http_port, &shm, extra);
-        let child = Command::new(env!("CARGO_BIN_EXE_kvshard"))
+        let child = Command::new(kvshard_bin())
             .args(&args)
             .envs(envs.iter().copied())
             .stdin(Stdio::null())
@@ -1688,4 +1700,41 @@ pub fn store_requests(
         reg.get("shm_name").unwrap().str().to_owned(),
         reg.get("pool_size").unwrap().int() as usize,
     )
+}
+
+// ------------------------------------------ lmcache_driven helpers
+
+/// The block ids of one KV group, as STORE and RETRIEVE carry them.
+pub fn group_ids(v: &[i64]) -> V {
+    V::A(vec![V::A(v.iter().map(|x| V::I(*x)).collect())])
+}
+
+/// STORE/RETRIEVE's `(event, ok)` reply.
+pub fn transfer_outcome(reply: Option<V>) -> (Vec<u8>, bool) {
+    match reply {
+        Some(V::A(a)) if a.len() == 2 => match &a[0] {
+            V::Bin(b) => (b.clone(), a[1].boolean()),
+            other => panic!("event is not bytes: {other:?}"),
+        },
+        other => panic!("expected (bytes, bool), got {other:?}"),
+    }
+}
+
+/// `/status`'s `registered_gpu_ids`.
+pub fn registered_gpu_ids(srv: &Server) -> Vec<i64> {
+    srv.get_json("/status")["registered_gpu_ids"]
+        .as_array()
+        .expect("registered_gpu_ids")
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+/// Why instance `iid` is listed in `/status`'s `refused_gpu_instances`, if it is.
+pub fn refused_gpu_reason(srv: &Server, iid: i64) -> Option<String> {
+    srv.get_json("/status")["refused_gpu_instances"]
+        .as_array()?
+        .iter()
+        .find(|e| e["instance_id"] == iid)
+        .map(|e| e["reason"].as_str().unwrap_or("").to_string())
 }

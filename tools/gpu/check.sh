@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU workers against kvshard and against lmcache 0.5.6's `lmcache server`, in one run:
+# GPU workers against kvshard and against lmcache 0.5.6's `lmcache server`, in one run.
+# First kvshard's own GPU checks (tools/gpu/pack.sh, then tools/gpu/selftest.sh), then
 # `lmcache bench server --mode gpu` in both transfer modes (plain, TP 2, MLA at TP 2),
 # printing each configuration's checksum pass rate per server and the p50 ratios
 # (kvshard / lmcache server) of warm retrieve and cold store.
@@ -20,6 +21,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
     exit 0
 fi
 nvidia-smi -L
+bash tools/gpu/pack.sh .gpu >/dev/null
+bash tools/gpu/selftest.sh .gpu || { echo "gpu check: kvshard's own GPU checks failed"; exit 1; }
 
 VENV="${KVSHARD_COMPAT_VENV:-$HOME/.cache/kvshard/lmcache-0.5.6}"
 REQUESTS="${KVSHARD_GPU_REQUESTS:-8}"
@@ -66,7 +69,7 @@ run_server_benches() { # NAME PORT HTTP_PORT
 
 # kvshard
 P=$(free_port); H=$(free_port)
-"$BIN" server --l1-size-gb 8 --eviction-policy LRU --supported-transfer-mode auto --cuda-transfer on \
+"$BIN" server --l1-size-gb 8 --eviction-policy LRU --supported-transfer-mode auto \
     --shm-name "gpuchk_k_$$" --port "$P" --http-port "$H" >"$OUT/kvshard.log" 2>&1 & SERVER=$!
 wait_http "$H" || { echo "gpu check: kvshard did not start"; cat "$OUT/kvshard.log"; exit 1; }
 run_server_benches kvshard "$P" "$H"

@@ -316,7 +316,8 @@ pub struct ServerConfig {
     /// Request frames larger than this are refused with the op's failure reply.
     pub max_frame_bytes: usize,
     /// Serve lmcache_driven transfers of GPU workers over CUDA IPC
-    /// (`--cuda-transfer on`); refused with the engine_driven recipe otherwise.
+    /// (`--cuda-transfer on`, the default); refused with the engine_driven
+    /// recipe otherwise.
     pub cuda_transfer: bool,
     /// HTTP API connections kept open at once (`--http-max-connections`).
     pub http_max_connections: usize,
@@ -378,7 +379,7 @@ impl ServerConfig {
             max_sessions: 65536,
             max_registrations: 4096,
             max_frame_bytes: 512 << 20,
-            cuda_transfer: false,
+            cuda_transfer: true,
             http_max_connections: 1024,
         }
     }

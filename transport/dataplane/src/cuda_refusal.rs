@@ -103,7 +103,7 @@ pub fn cuda_descriptor(kv_cache: &[IpcData]) -> Option<&'static str> {
 /// Whether this server serves CUDA transfers at all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CudaGate {
-    /// `--cuda-transfer off` (the default).
+    /// `--cuda-transfer off`.
     Off,
     /// The L1 lives in GDS slab files, which the device copies cannot reach.
     SlabL1,
@@ -158,7 +158,7 @@ fn gate_problem(gate: CudaGate) -> Option<String> {
         CudaGate::On => None,
         CudaGate::Off => Some(
             "CUDA IPC transfers (lmcache_driven on GPU workers) are off in this server: \
-             --cuda-transfer on enables them (that path has not run on a GPU yet)"
+             --cuda-transfer on (the default) enables them"
                 .to_owned(),
         ),
         CudaGate::SlabL1 => Some(
