@@ -165,15 +165,28 @@ impl<T: Send> MailboxSender<T> {
     /// mailbox is full (the caller decides whether to queue it elsewhere or
     /// refuse it) or closed (the receiver is gone for good).
     pub fn try_send(&self, msg: T) -> Result<(), SendError<T>> {
+        self.try_send_unwoken(msg)?;
+        self.wake();
+        Ok(())
+    }
+
+    /// [`MailboxSender::try_send`] without the wake-up. The caller must call
+    /// [`MailboxSender::wake`] after it (once for a batch of messages, or
+    /// after it has answered its own client, keeping the wake-up's syscall
+    /// off that client's round trip); until then a parked consumer sleeps on
+    /// the message. Order is kept: the messages are queued at once.
+    pub fn try_send_unwoken(&self, msg: T) -> Result<(), SendError<T>> {
         let tx = self.inner.tx.as_ref().expect("sender alive until drop");
         match tx.try_send(msg) {
-            Ok(()) => {
-                self.inner.wake.notify();
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(TrySendError::Full(m)) => Err(SendError::Full(m)),
             Err(TrySendError::Disconnected(m)) => Err(SendError::Closed(m)),
         }
+    }
+
+    /// Wakes the consumer if it is parked: one syscall then, none otherwise.
+    pub fn wake(&self) {
+        self.inner.wake.notify();
     }
 
     /// Whether the receiver is gone (dropped, e.g. because its shard thread

@@ -368,6 +368,12 @@ pub struct Front {
     overflow: Vec<VecDeque<ShardMsg>>,
     /// Shards whose overflow queue is not empty (the loop polls while any).
     overflowing: usize,
+    /// Shards sent messages whose wake-up is still to come: each `on_*`
+    /// entry point wakes them when it returns, after any reply it sent, so
+    /// the wake-up syscall is not on that client's round trip.
+    unwoken: Vec<usize>,
+    /// Whether a shard is listed in `unwoken`.
+    is_unwoken: Vec<bool>,
     /// `--shard-queue-depth`: a shard has at most that many client requests
     /// in its mailbox and as many again in its overflow queue.
     overflow_bound: usize,
@@ -437,6 +443,8 @@ impl Front {
         Front {
             overflow: (0..n).map(|_| VecDeque::new()).collect(),
             overflowing: 0,
+            unwoken: Vec::with_capacity(n),
+            is_unwoken: vec![false; n],
             overflow_bound: cfg.shard_queue_depth.max(1),
             dead: vec![false; n],
             dead_parts_pending: false,
@@ -502,6 +510,11 @@ impl Front {
 
     /// Runs what is due at `now`: sweeps, reaping, deadlines, dead shards.
     pub fn on_timers(&mut self, now: Instant) {
+        self.timers(now);
+        self.wake_shards();
+    }
+
+    fn timers(&mut self, now: Instant) {
         self.watch_shards();
         if now >= self.next_log_flush {
             self.next_log_flush = now + Duration::from_secs(1);
@@ -594,6 +607,11 @@ impl Front {
     /// Handles one request, `[identity, uid, op, payloads...]` as the ROUTER
     /// received it (frames are read where they lie, never copied whole).
     pub fn on_message<F: std::ops::Deref<Target = [u8]>>(&mut self, frames: Vec<F>) {
+        self.message(frames);
+        self.wake_shards();
+    }
+
+    fn message<F: std::ops::Deref<Target = [u8]>>(&mut self, frames: Vec<F>) {
         self.metrics.requests += 1;
         if frames.len() < 3 {
             // [identity, uid] without an op cannot be a 0.5.6 request; echo what came.
@@ -902,8 +920,8 @@ impl Front {
                 return;
             }
         }
-        match self.shards[shard].try_send(msg) {
-            Ok(()) => {}
+        match self.shards[shard].try_send_unwoken(msg) {
+            Ok(()) => self.mark_unwoken(shard),
             Err(SendError::Full(msg)) => {
                 self.metrics.mailbox_full += 1;
                 self.overflowing += 1;
@@ -916,12 +934,27 @@ impl Front {
         }
     }
 
+    fn mark_unwoken(&mut self, shard: usize) {
+        if !self.is_unwoken[shard] {
+            self.is_unwoken[shard] = true;
+            self.unwoken.push(shard);
+        }
+    }
+
+    /// Wakes every shard sent a message since the last call.
+    fn wake_shards(&mut self) {
+        for shard in self.unwoken.drain(..) {
+            self.is_unwoken[shard] = false;
+            self.shards[shard].wake();
+        }
+    }
+
     /// Moves what fits of shard `shard`'s overflow queue into its mailbox.
     fn drain_overflow(&mut self, shard: usize) {
         debug_assert!(!self.overflow[shard].is_empty());
         while let Some(msg) = self.overflow[shard].pop_front() {
-            match self.shards[shard].try_send(msg) {
-                Ok(()) => {}
+            match self.shards[shard].try_send_unwoken(msg) {
+                Ok(()) => self.mark_unwoken(shard),
                 Err(SendError::Full(msg)) => {
                     self.overflow[shard].push_front(msg);
                     return;
@@ -1184,6 +1217,7 @@ impl Front {
             FrontEvent::Shard(reply) => self.on_shard_reply(reply),
             FrontEvent::Cuda(ev) => self.on_cuda_event(ev),
         }
+        self.wake_shards();
     }
 
     fn on_shard_reply(&mut self, reply: ShardReply) {
