@@ -6,6 +6,7 @@
 //! start with an error naming it when set to anything but its default; a flag that
 //! only tunes Python machinery is accepted and produces a start-up note instead.
 
+use crate::logger::LogFormat;
 use clap::{ArgAction, Args, Parser, Subcommand};
 use kvshard_engine::l2::config::{parse_adapter_spec, AdapterSpec};
 use kvshard_io::executor::{allowed_cores, parse_core_list};
@@ -32,11 +33,16 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once at start: the size of the server's variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Launch the cache server: the ZeroMQ request server and the HTTP API.
     /// Accepts every flag of `lmcache server` (0.5.6).
     Server(ServerArgs),
+    /// Load a server (kvshard or `lmcache server`) as N vLLM instances would,
+    /// checking every byte read back, and print latency percentiles and throughput.
+    Loadgen(crate::loadgen::LoadgenArgs),
 }
 
 /// All flags of `kvshard server`, grouped as lmcache 0.5.6 groups them.
@@ -760,6 +766,17 @@ pub struct KvshardArgs {
         allow_negative_numbers = true
     )]
     pub l2_store_inflight_gb: f64,
+    /// [kvshard only] Format of the log lines on stderr: text (`<RFC 3339 UTC time, ms>
+    /// LEVEL target (thread): message`) or json (one object per line with ts, level, target,
+    /// thread and msg).
+    #[arg(
+        long,
+        value_name = "FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text,
+        env = "KVSHARD_LOG_FORMAT"
+    )]
+    pub log_format: LogFormat,
 }
 
 /// Facts about the host that resolution depends on, separated so tests can pin them.
@@ -1931,6 +1948,7 @@ mod tests {
             Ok(Cli {
                 command: Command::Server(a),
             }) => a,
+            Ok(other) => panic!("parse {extra:?}: not a server command: {other:?}"),
             Err(e) => panic!("parse {extra:?}: {e}"),
         }
     }
@@ -2067,6 +2085,7 @@ mod tests {
         assert_eq!(a.kvshard.max_sessions, 65536);
         assert_eq!(a.kvshard.max_registrations, 4096);
         assert_eq!(a.kvshard.max_frame_bytes, 512 * 1024 * 1024);
+        assert_eq!(a.kvshard.log_format, LogFormat::Text);
     }
 
     #[test]
@@ -2610,11 +2629,10 @@ mod tests {
         ]);
         // The L1-manager form does not need the legacy required flags to be refused clearly.
         let e = Cli::try_parse_from(["kvshard", "server", "--l1-manager", "{}"])
-            .map(
-                |Cli {
-                     command: Command::Server(a),
-                 }| a.resolve(&host()),
-            )
+            .map(|cli| match cli.command {
+                Command::Server(a) => a.resolve(&host()),
+                other => panic!("not a server command: {other:?}"),
+            })
             .expect("parses without --l1-size-gb");
         assert_eq!(e.unwrap_err().flag(), "--l1-manager");
         rejected(

@@ -2,6 +2,7 @@
 //! `lmcache server`.
 
 mod cli;
+mod loadgen;
 mod logger;
 mod yaml_config;
 
@@ -18,7 +19,7 @@ fn main() {
     let cli = cli::Cli::parse_from(argv);
     match cli.command {
         cli::Command::Server(args) => {
-            logger::init();
+            logger::init(args.kvshard.log_format);
             abort_on_panic();
             for n in config_notes {
                 log::info!("{n}");
@@ -39,6 +40,7 @@ fn main() {
                 std::process::exit(1);
             }
         }
+        cli::Command::Loadgen(args) => std::process::exit(loadgen::run(args)),
     }
 }
 

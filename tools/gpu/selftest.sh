@@ -14,7 +14,7 @@
 #
 # Usage: tools/gpu/selftest.sh [DIR]   (default .gpu)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 2
 DIR="$(cd "${1:-.gpu}" && pwd)"
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu selftest: no GPU on this host (nvidia-smi is missing or lists no device); nothing to run"

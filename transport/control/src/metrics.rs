@@ -399,8 +399,165 @@ impl PromText {
         let _ = writeln!(self.out, "{name} {v}");
     }
 
+    /// A counter of a continuous quantity (seconds, ...).
+    pub fn counter_f64(&mut self, name: &str, help: &str, v: f64) {
+        self.declare(name, help, "counter");
+        let _ = writeln!(self.out, "{name} {v}");
+    }
+
     pub fn finish(self) -> String {
         self.out
+    }
+}
+
+/// What the `process_*` series need that only libc can tell. The HTTP side
+/// reads it (this crate links no libc) before [`ProcessSample::read`].
+#[derive(Debug, Clone, Copy)]
+pub struct ProcessLimits {
+    /// `sysconf(_SC_CLK_TCK)`: the unit of the CPU and start times in /proc.
+    pub clock_ticks_per_second: u64,
+    /// The soft `RLIMIT_NOFILE`; `None` when it could not be read.
+    pub max_fds: Option<u64>,
+}
+
+/// The standard `process_*` series of Prometheus clients, read from /proc
+/// when `/metrics` is rendered (on the HTTP thread). A value whose source
+/// could not be read is `None` and its series left out: a scrape never fails
+/// for it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProcessSample {
+    pub resident_memory_bytes: Option<u64>,
+    pub virtual_memory_bytes: Option<u64>,
+    /// User plus system CPU time.
+    pub cpu_seconds: Option<f64>,
+    pub open_fds: Option<u64>,
+    pub max_fds: Option<u64>,
+    /// Unix time the process started at.
+    pub start_time_seconds: Option<f64>,
+}
+
+/// The fields of `/proc/<pid>/stat` the `process_*` series use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ProcStat {
+    utime_ticks: u64,
+    stime_ticks: u64,
+    /// Since boot.
+    starttime_ticks: u64,
+    vsize_bytes: u64,
+    rss_pages: u64,
+}
+
+/// Parses `/proc/<pid>/stat` (proc(5)). The command name (field 2) is in
+/// parentheses and may itself hold spaces and parentheses, so the fields are
+/// counted from the last `)`.
+fn parse_proc_stat(text: &str) -> Option<ProcStat> {
+    let (_, rest) = text.rsplit_once(')')?;
+    // rest starts with field 3 (state), so field n is at index n - 3.
+    let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3)?.parse::<u64>().ok();
+    Some(ProcStat {
+        utime_ticks: field(14)?,
+        stime_ticks: field(15)?,
+        starttime_ticks: field(22)?,
+        vsize_bytes: field(23)?,
+        rss_pages: field(24)?,
+    })
+}
+
+/// The boot time (`btime`, Unix seconds) from `/proc/stat`.
+fn parse_boot_time(proc_stat: &str) -> Option<u64> {
+    proc_stat
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+impl ProcessSample {
+    /// Reads this process's figures from /proc.
+    pub fn read(limits: ProcessLimits) -> ProcessSample {
+        let read = |path: &str| std::fs::read_to_string(path).ok();
+        // The listing's own descriptor is counted too, as other clients count it.
+        let open_fds = std::fs::read_dir("/proc/self/fd")
+            .ok()
+            .map(|d| d.filter(|e| e.is_ok()).count() as u64);
+        Self::from_proc(
+            limits,
+            kvshard_io::arena::page_size() as u64,
+            read("/proc/self/stat").as_deref(),
+            read("/proc/stat").as_deref(),
+            open_fds,
+        )
+    }
+
+    /// The figures from the texts of `/proc/self/stat` and `/proc/stat`.
+    fn from_proc(
+        limits: ProcessLimits,
+        page_size_bytes: u64,
+        self_stat: Option<&str>,
+        proc_stat: Option<&str>,
+        open_fds: Option<u64>,
+    ) -> ProcessSample {
+        let stat = self_stat.and_then(parse_proc_stat);
+        // A zero tick rate would divide by zero: then the times are left out.
+        let hz = Some(limits.clock_ticks_per_second)
+            .filter(|hz| *hz > 0)
+            .map(|hz| hz as f64);
+        let boot = proc_stat.and_then(parse_boot_time);
+        ProcessSample {
+            resident_memory_bytes: stat.map(|s| s.rss_pages.saturating_mul(page_size_bytes)),
+            virtual_memory_bytes: stat.map(|s| s.vsize_bytes),
+            cpu_seconds: stat
+                .zip(hz)
+                .map(|(s, hz)| (s.utime_ticks + s.stime_ticks) as f64 / hz),
+            open_fds,
+            max_fds: limits.max_fds,
+            start_time_seconds: stat
+                .zip(hz)
+                .zip(boot)
+                .map(|((s, hz), boot)| boot as f64 + s.starttime_ticks as f64 / hz),
+        }
+    }
+
+    pub fn render(&self, t: &mut PromText) {
+        if let Some(v) = self.cpu_seconds {
+            t.counter_f64(
+                "process_cpu_seconds_total",
+                "User and system CPU time this process has used, in seconds",
+                v,
+            );
+        }
+        let gauges = [
+            (
+                "process_resident_memory_bytes",
+                "Resident set size of this process, in bytes",
+                self.resident_memory_bytes.map(|v| v as f64),
+            ),
+            (
+                "process_virtual_memory_bytes",
+                "Virtual memory size of this process, in bytes",
+                self.virtual_memory_bytes.map(|v| v as f64),
+            ),
+            (
+                "process_open_fds",
+                "File descriptors this process has open",
+                self.open_fds.map(|v| v as f64),
+            ),
+            (
+                "process_max_fds",
+                "Most file descriptors this process may open (soft RLIMIT_NOFILE)",
+                self.max_fds.map(|v| v as f64),
+            ),
+            (
+                "process_start_time_seconds",
+                "Time this process started, in seconds since the Unix epoch",
+                self.start_time_seconds,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            if let Some(v) = v {
+                t.gauge(name, help, v);
+            }
+        }
     }
 }
 
@@ -706,6 +863,115 @@ mod tests {
         assert_eq!(s.matches("# TYPE b_total").count(), 1);
         assert!(s.contains("b_total{reason=\"x\\\"y\"} 1"));
         assert!(s.contains("c 0.5"));
+    }
+
+    /// A /proc/<pid>/stat line whose command name holds spaces and parentheses.
+    const SELF_STAT: &str = "4242 (kv (shard) 1) S 1 4242 4242 0 -1 4194560 2631 0 0 0 \
+        250 130 0 0 20 0 12 0 98765 123456789 5000 18446744073709551615 1 1 0 0 0 0 0 \
+        4096 0 0 0 0 17 3 0 0 0 0 0\n";
+
+    #[test]
+    fn proc_stat_fields_are_counted_from_the_last_parenthesis() {
+        assert_eq!(
+            parse_proc_stat(SELF_STAT),
+            Some(ProcStat {
+                utime_ticks: 250,
+                stime_ticks: 130,
+                starttime_ticks: 98765,
+                vsize_bytes: 123456789,
+                rss_pages: 5000,
+            })
+        );
+        assert_eq!(parse_proc_stat("4242 (kv) S 1 2 3"), None);
+        assert_eq!(parse_proc_stat(""), None);
+        assert_eq!(
+            parse_boot_time("cpu  1 2 3\nintr 5\nbtime 1795660000\nprocesses 9\n"),
+            Some(1795660000)
+        );
+        assert_eq!(parse_boot_time("cpu  1 2 3\n"), None);
+    }
+
+    #[test]
+    fn process_series_from_proc_texts() {
+        let limits = ProcessLimits {
+            clock_ticks_per_second: 100,
+            max_fds: Some(1024),
+        };
+        let s = ProcessSample::from_proc(
+            limits,
+            4096,
+            Some(SELF_STAT),
+            Some("btime 1795660000\n"),
+            Some(7),
+        );
+        assert_eq!(
+            s,
+            ProcessSample {
+                resident_memory_bytes: Some(5000 * 4096),
+                virtual_memory_bytes: Some(123456789),
+                cpu_seconds: Some(3.8),
+                open_fds: Some(7),
+                max_fds: Some(1024),
+                start_time_seconds: Some(1795660000.0 + 987.65),
+            }
+        );
+        let mut t = PromText::default();
+        s.render(&mut t);
+        let text = t.finish();
+        assert!(text
+            .contains("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3.8\n"));
+        assert!(text.contains(
+            "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 20480000\n"
+        ));
+        assert!(
+            text.contains("\nprocess_start_time_seconds 1795660987.65\n"),
+            "{text}"
+        );
+        for name in [
+            "process_virtual_memory_bytes",
+            "process_open_fds",
+            "process_max_fds",
+        ] {
+            assert!(text.contains(&format!("# HELP {name} ")), "{name}: {text}");
+        }
+    }
+
+    #[test]
+    fn process_series_left_out_when_proc_is_missing() {
+        let limits = ProcessLimits {
+            clock_ticks_per_second: 100,
+            max_fds: None,
+        };
+        let s = ProcessSample::from_proc(limits, 4096, None, None, None);
+        assert_eq!(s, ProcessSample::default());
+        let mut t = PromText::default();
+        s.render(&mut t);
+        assert_eq!(t.finish(), "");
+        // Without the boot time only the start time is missing; without a tick
+        // rate, the times.
+        let s = ProcessSample::from_proc(limits, 4096, Some(SELF_STAT), None, None);
+        assert!(s.start_time_seconds.is_none() && s.cpu_seconds.is_some());
+        let no_hz = ProcessLimits {
+            clock_ticks_per_second: 0,
+            ..limits
+        };
+        let s = ProcessSample::from_proc(no_hz, 4096, Some(SELF_STAT), Some("btime 1\n"), None);
+        assert!(s.start_time_seconds.is_none() && s.cpu_seconds.is_none());
+        assert_eq!(s.resident_memory_bytes, Some(5000 * 4096));
+    }
+
+    #[test]
+    fn process_series_of_this_process() {
+        let s = ProcessSample::read(ProcessLimits {
+            clock_ticks_per_second: 100,
+            max_fds: None,
+        });
+        if std::path::Path::new("/proc/self/stat").exists() {
+            assert!(s.resident_memory_bytes.unwrap() > 0, "{s:?}");
+            assert!(s.virtual_memory_bytes.unwrap() >= s.resident_memory_bytes.unwrap());
+            assert!(s.open_fds.unwrap() >= 3, "{s:?}");
+            assert!(s.cpu_seconds.unwrap() >= 0.0);
+        }
     }
 
     #[test]

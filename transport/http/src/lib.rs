@@ -33,7 +33,7 @@ use kvshard_io::http::{Conn, HttpServeConfig, HttpStats};
 use kvshard_io::timeout::with_timeout;
 
 use kvshard_control::control::ControlHandle;
-use kvshard_control::metrics::PromText;
+use kvshard_control::metrics::{ProcessLimits, ProcessSample, PromText};
 use kvshard_dataplane::messages::{ControlBody, ControlRequest, ControlResponse};
 
 /// Request bodies larger than this are refused with 413. The largest legitimate body
@@ -366,6 +366,7 @@ where
             let mut r = call(ctx, ControlRequest::Metrics).await;
             if let (200, ControlBody::Text(text)) = (r.status, &mut r.body) {
                 render_http_stats(text, &ctx.stats, ctx.info.max_connections);
+                render_process_stats(text);
             }
             let exposition = r.status == 200 && matches!(r.body, ControlBody::Text(_));
             let mut resp = control_response(r, JsonStyle::Compact);
@@ -498,6 +499,26 @@ fn render_http_stats(text: &mut String, stats: &HttpStats, max_connections: usiz
         "HTTP API connections closed because the client did not send its headers in time",
         stats.header_timeouts.get(),
     );
+    text.push_str(&t.finish());
+}
+
+/// The standard `process_*` series, read from /proc here on the HTTP thread.
+fn render_process_stats(text: &mut String) {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let mut nofile = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit with a valid out-pointer.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut nofile) };
+    let limits = ProcessLimits {
+        // A failed sysconf (-1) becomes 0, which leaves the times out.
+        clock_ticks_per_second: u64::try_from(hz).unwrap_or(0),
+        max_fds: (rc == 0 && nofile.rlim_cur != libc::RLIM_INFINITY).then_some(nofile.rlim_cur),
+    };
+    let mut t = PromText::default();
+    ProcessSample::read(limits).render(&mut t);
     text.push_str(&t.finish());
 }
 
@@ -1044,6 +1065,46 @@ fn parse_checksums(body: &[u8]) -> Result<ControlRequest, Reject> {
         chunk_size_blocks,
         layerwise,
     })
+}
+
+/// For `fuzz/fuzz_targets/http_request.rs` only: everything this module does with
+/// a request that hyper has parsed, short of calling the front. Routes `method`
+/// and `target` (with the `Host` header, for redirects) as `handle` does, and
+/// gives `body` to every body parser, checking what each promises on success.
+/// A request line hyper would refuse is ignored.
+#[doc(hidden)]
+pub fn fuzz_parse(method: &[u8], target: &[u8], host: Option<&[u8]>, body: &[u8]) {
+    let mut builder = Request::builder().method(method).uri(target);
+    if let Some(host) = host {
+        builder = builder.header(header::HOST, host);
+    }
+    if let Ok(req) = builder.body(()) {
+        let path = percent_decode(req.uri().path());
+        match resolve(req.method(), &path) {
+            Resolved::Found(_) => {}
+            Resolved::MethodNotAllowed(allow) => assert!(!allow.is_empty()),
+            Resolved::NotFound => {
+                if let Some(resp) = slash_redirect(&req, &path) {
+                    assert!(resp.headers().contains_key(header::LOCATION));
+                }
+            }
+        }
+    }
+    if let Ok(limit_gb) = parse_limit_gb(body) {
+        assert!(limit_gb.is_finite() && limit_gb >= 0.0, "{limit_gb}");
+    }
+    let _ = parse_clear(body);
+    if let Ok(r) = parse_checksums(body) {
+        let ControlRequest::Checksums {
+            block_ids,
+            chunk_size_blocks,
+            ..
+        } = r
+        else {
+            panic!("parse_checksums made {r:?}");
+        };
+        assert!(!block_ids.is_empty() && chunk_size_blocks > 0);
+    }
 }
 
 #[cfg(test)]

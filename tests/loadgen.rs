@@ -1,0 +1,149 @@
+//! `kvshard loadgen` against the real server: every load shape runs, checks
+//! the bytes it reads back and reports them; a server that never answers is
+//! reported, not waited on forever.
+
+mod support;
+
+use std::process::Command;
+use support::*;
+
+/// Runs `kvshard loadgen --format json` with `args`; (exit code, report).
+fn loadgen(args: &[&str]) -> (i32, serde_json::Value) {
+    let out = Command::new(kvshard_bin())
+        .arg("loadgen")
+        .args(["--format", "json"])
+        .args(args)
+        .output()
+        .expect("run kvshard loadgen");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let report = serde_json::from_str(text.trim()).unwrap_or_else(|e| {
+        panic!(
+            "loadgen printed no JSON report ({e}): {text}\nstderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code().unwrap_or(-1), report)
+}
+
+#[test]
+fn every_load_shape_reads_back_what_was_stored() {
+    let srv = Server::start(&["--l1-size-gb", "0.25"]);
+    let url = format!("tcp://127.0.0.1:{}", srv.port);
+    let lmc: &[&str] = &["--transfer-mode", "lmcache_driven"];
+    let shapes: [&[&str]; 9] = [
+        &["--instances", "3"],
+        &[lmc[0], lmc[1], "--instances", "2", "--model", "lmc"],
+        &[
+            lmc[0],
+            lmc[1],
+            "--instances",
+            "2",
+            "--tp",
+            "2",
+            "--model",
+            "lmc-tp2",
+        ],
+        &[
+            lmc[0],
+            lmc[1],
+            "--instances",
+            "2",
+            "--tp",
+            "2",
+            "--mla",
+            "--model",
+            "lmc-mla",
+        ],
+        &[
+            lmc[0],
+            lmc[1],
+            "--instances",
+            "2",
+            "--lookup-only",
+            "--model",
+            "lmc-lookups",
+        ],
+        &["--instances", "2", "--rate", "200", "--model", "open-loop"],
+        &["--instances", "2", "--tp", "2", "--model", "tp2"],
+        &["--instances", "2", "--tp", "2", "--mla", "--model", "mla"],
+        &["--instances", "2", "--lookup-only", "--model", "lookups"],
+    ];
+    for shape in shapes {
+        let mut args = vec![
+            "--url",
+            &url,
+            "--duration",
+            "1.5",
+            "--prompts",
+            "12",
+            "--prompt-tokens",
+            "96",
+            "--system-prompt-tokens",
+            "32",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+        ];
+        args.extend_from_slice(shape);
+        let (code, r) = loadgen(&args);
+        assert_eq!(code, 0, "{shape:?}: {r}");
+        assert!(r["requests"].as_u64().unwrap() > 0, "{shape:?}: {r}");
+        assert_eq!(r["wrong_chunks"], 0, "{shape:?}: {r}");
+        assert_eq!(r["unanswered"], 0, "{shape:?}: {r}");
+        // 12 prompts of 6 chunks, 2 of them shared system-prompt chunks:
+        // repeats hit, and something was read back and checked.
+        assert!(r["hit_chunks"].as_u64().unwrap() > 0, "{shape:?}: {r}");
+        if !shape.contains(&"--lookup-only") {
+            assert!(r["stored_chunks"].as_u64().unwrap() > 0, "{shape:?}: {r}");
+            assert!(r["read_gb_per_s"].as_f64().unwrap() > 0.0, "{shape:?}: {r}");
+        }
+    }
+    assert_eq!(srv.l1_count("read_locked_count"), 0, "every lock released");
+}
+
+#[test]
+fn a_server_that_never_answers_is_reported() {
+    // A ROUTER that takes requests and never replies, as lmcache 0.5.6 does
+    // when a handler fails.
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    let port = free_port();
+    router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let t0 = std::time::Instant::now();
+    let out = Command::new(kvshard_bin())
+        .args(["loadgen", "--timeout-ms", "300", "--duration", "1"])
+        .args(["--url", &format!("tcp://127.0.0.1:{port}")])
+        .output()
+        .expect("run kvshard loadgen");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("chunk size") && err.contains("no reply"),
+        "{err}"
+    );
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(20),
+        "gave up after its timeout, not hung"
+    );
+}
+
+#[test]
+fn bad_settings_are_refused_before_connecting() {
+    for (args, want) in [
+        (
+            &["--transfer-mode", "lmcache_driven", "--hidden", "100"][..],
+            "multiple of 64",
+        ),
+        (&["--instances", "0"][..], "at least 1"),
+    ] {
+        let out = Command::new(kvshard_bin())
+            .arg("loadgen")
+            .args(args)
+            .output()
+            .expect("run kvshard loadgen");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
