@@ -20,7 +20,6 @@
 //! Percentiles come from hdrhistogram; the exit status is 1 when a byte read
 //! back was wrong or a request went unanswered.
 
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
@@ -42,6 +41,7 @@ const OP_COMMIT_STORE: i64 = 17;
 const OP_PREPARE_RETRIEVE: i64 = 18;
 const OP_COMMIT_RETRIEVE: i64 = 19;
 const OP_GET_CHUNK_SIZE: i64 = 21;
+const OP_PING: i64 = 22;
 
 /// `kvshard loadgen` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -108,6 +108,11 @@ pub struct LoadgenArgs {
     /// How long to wait for any reply, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
+    /// Every rank sends `ping(instance_id)` this often, between requests, as a
+    /// vLLM worker's heartbeat does (0: never). A server reaps a registration
+    /// that has pinged and then stays silent, releasing what it held.
+    #[arg(long, default_value_t = 10.0)]
+    pub heartbeat_seconds: f64,
     /// Output: text or json.
     #[arg(long, value_parser = ["text", "json"], default_value = "text")]
     pub format: String,
@@ -382,15 +387,11 @@ fn chunk_indices(reply: &Value) -> Vec<usize> {
 
 // ------------------------------------------------------------------ the pool
 
-/// The server's L1 pool segment, mapped read-write.
+/// A POSIX shm segment (the server's L1 pool, or a layer of a worker's KV
+/// cache), mapped read-write and shared.
 struct Pool {
-    ptr: *mut u8,
-    len: usize,
+    map: memmap2::MmapMut,
 }
-
-// SAFETY: the mapping is plain shared memory; each instance thread owns its
-// own `Pool` and touches only the slots the server handed it.
-unsafe impl Send for Pool {}
 
 impl Pool {
     fn map(name: &str, len: usize) -> Result<Pool, String> {
@@ -399,46 +400,24 @@ impl Pool {
             .read(true)
             .write(true)
             .open(&path)
-            .map_err(|e| format!("opening the L1 pool {path}: {e}"))?;
-        // SAFETY: maps `len` bytes of an open shm file shared with the server.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(format!(
-                "mapping {len} bytes of {path}: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
-        Ok(Pool {
-            ptr: ptr.cast(),
-            len,
-        })
+            .map_err(|e| format!("opening {path}: {e}"))?;
+        // SAFETY: the segment is shared with the server, which writes only the
+        // slots it hands out and reads only those it is told to; this process
+        // never shrinks the file while it is mapped.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file) }
+            .map_err(|e| format!("mapping {len} bytes of {path}: {e}"))?;
+        Ok(Pool { map })
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
     }
 
     fn slot(&mut self, off: usize, len: usize) -> Result<&mut [u8], String> {
-        if off.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(format!(
-                "slot {off}+{len} outside the {}-byte pool",
-                self.len
-            ));
-        }
-        // SAFETY: in bounds (checked); the server reserved the slot for us.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) })
-    }
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping once.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        let pool = self.map.len();
+        off.checked_add(len)
+            .and_then(|end| self.map.get_mut(off..end))
+            .ok_or_else(|| format!("slot {off}+{len} outside the {pool}-byte pool"))
     }
 }
 
@@ -513,7 +492,7 @@ impl KvCache {
         inner.write_str("shm_name");
         inner.write_str(&format!("/{}", self.names[l]));
         inner.write_str("nbytes");
-        inner.write_uint(self.layers[l].len as u64);
+        inner.write_uint(self.layers[l].len() as u64);
         inner.write_str("version");
         inner.write_uint(1);
         inner.write_str("metadata");
@@ -793,6 +772,43 @@ impl Load {
     }
 }
 
+/// When an instance's ranks ping next.
+struct Heartbeat {
+    every: Option<Duration>,
+    next: Instant,
+}
+
+impl Heartbeat {
+    fn new(seconds: f64) -> Heartbeat {
+        let every = (seconds > 0.0).then(|| Duration::from_secs_f64(seconds));
+        // The first beat goes out with the first request.
+        Heartbeat {
+            every,
+            next: Instant::now(),
+        }
+    }
+
+    /// How long until the next beat (a long time when there is none).
+    fn until_due(&self) -> Duration {
+        match self.every {
+            Some(_) => self.next.saturating_duration_since(Instant::now()),
+            None => Duration::from_secs(3600),
+        }
+    }
+
+    /// Pings if a beat is due. A ping that fails is reported once; the next
+    /// beat tries again.
+    fn beat(&mut self, inst: &Instance, conn: &mut Conn, stats: &mut Stats) {
+        let Some(every) = self.every else { return };
+        let now = Instant::now();
+        if now < self.next {
+            return;
+        }
+        self.next = now + every;
+        inst.ping(conn, stats);
+    }
+}
+
 struct Instance {
     index: usize,
     args: LoadgenArgs,
@@ -858,12 +874,15 @@ impl Instance {
                 g.mul_f64(self.index as f64 / self.args.instances as f64)
             });
         let mut n = 0u64;
+        let mut heartbeat = Heartbeat::new(self.args.heartbeat_seconds);
         while Instant::now() < stop_at && !abort.load(Ordering::Relaxed) {
+            heartbeat.beat(self, &mut conn, &mut stats);
             let scheduled = match gap {
                 Some(g) => {
-                    let now = Instant::now();
-                    if next > now {
-                        std::thread::sleep(next - now);
+                    while next > Instant::now() {
+                        let wait = next - Instant::now();
+                        std::thread::sleep(wait.min(heartbeat.until_due()));
+                        heartbeat.beat(self, &mut conn, &mut stats);
                     }
                     let s = next;
                     next += g;
@@ -914,6 +933,26 @@ impl Instance {
             let _ = conn.call(unregister, &[enc_int(self.iid(r))]);
         }
         (stats, timed)
+    }
+
+    /// `ping(instance_id)` for every rank; false (an error recorded) if one
+    /// was not answered True.
+    fn ping(&self, conn: &mut Conn, stats: &mut Stats) -> bool {
+        for r in 0..self.args.tp {
+            let iid = self.iid(r);
+            let problem = match conn.call(OP_PING, &[enc_int(iid)]) {
+                Ok(Some(Value::Bool(true))) => continue,
+                Ok(other) => format!("answered {other:?}"),
+                Err(CallError::Timeout(_)) => {
+                    stats.unanswered += 1;
+                    format!("no reply within {} ms", self.args.timeout_ms)
+                }
+                Err(CallError::Bad(e)) => e,
+            };
+            stats.error(format!("instance {}: ping({iid}): {problem}", self.index));
+            return false;
+        }
+        true
     }
 
     fn set_up(&self) -> Result<(Conn, Mem), String> {
@@ -1397,6 +1436,7 @@ mod tests {
             model: "m".into(),
             seed: 3,
             timeout_ms: 1,
+            heartbeat_seconds: 0.0,
             format: "text".into(),
         };
         let p = prompts(&a, 16);

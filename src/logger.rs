@@ -13,6 +13,8 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use kvshard_io::json_text::{push_string, NonAscii};
+
 /// How each log line is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
@@ -149,23 +151,7 @@ fn write_rfc3339(out: &mut String, since_epoch: Duration) {
 /// Appends `s` as a JSON string literal (RFC 8259): quotes, backslashes and
 /// control characters escaped; everything else, non-ASCII included, kept as UTF-8.
 fn push_json_string(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{08}' => out.push_str("\\b"),
-            '\u{0c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
+    push_string(out, s, NonAscii::Keep);
 }
 
 pub fn init(format: LogFormat) {

@@ -42,60 +42,21 @@ const MODEL: &str = "gpu-e2e";
 /// worker shares that allocation's IPC handle, at its own offset.
 const ALLOC_OFFSET: usize = 8192;
 
-/// The per-layer paged layouts a vLLM worker registers.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Kind {
-    /// `[2, NB, BS, NH, HS]`, contiguous (FlashAttention, NHD).
-    Nhd,
-    /// Same logical dims, heads outside slots in memory.
-    Hnd,
-    /// `[NB, BS, MLA_DIM]` (fused latent K/V).
-    Mla,
-}
+/// A layer of this file's sizes, in each layout the workers register.
+type Kind = PagedKv;
+const NHD: Kind = PagedKv {
+    layout: Layout::Nhd,
+    blocks: NB,
+    block_tokens: BS,
+    heads: NH,
+    head_size: HS,
+    mla_dim: MLA_DIM,
+    elem: ES,
+};
+const HND: Kind = NHD.with(Layout::Hnd);
+const MLA: Kind = NHD.with(Layout::Mla);
 
-impl Kind {
-    fn planes(self) -> usize {
-        if self == Kind::Mla {
-            1
-        } else {
-            2
-        }
-    }
-
-    /// Bytes of one (plane, block): contiguous in each of these layouts.
-    fn block(self) -> usize {
-        match self {
-            Kind::Mla => BS * MLA_DIM * ES,
-            _ => BS * NH * HS * ES,
-        }
-    }
-
-    fn layer_bytes(self) -> usize {
-        self.planes() * NB * self.block()
-    }
-
-    fn hint(self) -> &'static str {
-        match self {
-            Kind::Hnd => "HND",
-            _ => "NHD",
-        }
-    }
-
-    fn shape_stride(self) -> (Vec<i64>, Vec<i64>) {
-        let (nb, bs, nh, hs, md) = (NB as i64, BS as i64, NH as i64, HS as i64, MLA_DIM as i64);
-        match self {
-            Kind::Nhd => (
-                vec![2, nb, bs, nh, hs],
-                vec![nb * bs * nh * hs, bs * nh * hs, nh * hs, hs, 1],
-            ),
-            Kind::Hnd => (
-                vec![2, nb, bs, nh, hs],
-                vec![nb * nh * bs * hs, nh * bs * hs, hs, bs * hs, 1],
-            ),
-            Kind::Mla => (vec![nb, bs, md], vec![bs * md, md, 1]),
-        }
-    }
-
+impl PagedKv {
     fn metadata(self, uuid: &str) -> V {
         let (shape, stride) = self.shape_stride();
         map(&[
@@ -604,7 +565,7 @@ fn raw_cuda_workers_round_trip_every_layout() {
     let dir = test_dir("cuda-gpu-raw");
     let srv = start(&dir);
     let mut c = srv.client();
-    for (i, kind) in [Kind::Nhd, Kind::Hnd, Kind::Mla].into_iter().enumerate() {
+    for (i, kind) in [NHD, HND, MLA].into_iter().enumerate() {
         let seed = 10 + i as u32;
         let mut w = Worker {
             iid: 300 + i as i64,
@@ -643,7 +604,7 @@ fn tp2_ranks_and_mla_readers_share_one_gpu() {
             iid: 400 + r,
             ws: 2,
             rank: r,
-            mem: RawMemory::new(Kind::Nhd, 40 + r as u64, &g.uuid),
+            mem: RawMemory::new(NHD, 40 + r as u64, &g.uuid),
         })
         .collect();
     for w in &mut ranks {
@@ -671,7 +632,7 @@ fn tp2_ranks_and_mla_readers_share_one_gpu() {
             "rank {}",
             w.rank
         );
-        let want = scattered(Kind::Nhd, &before, stored, &src, &dst, 0);
+        let want = scattered(NHD, &before, stored, &src, &dst, 0);
         assert_cache_eq(
             &w.snapshot(),
             &want,
@@ -686,13 +647,13 @@ fn tp2_ranks_and_mla_readers_share_one_gpu() {
         iid: 410,
         ws: 1,
         rank: 0,
-        mem: RawMemory::new(Kind::Mla, 50, &g.uuid),
+        mem: RawMemory::new(MLA, 50, &g.uuid),
     };
     let mut reader = Worker {
         iid: 411,
         ws: 1,
         rank: 0,
-        mem: RawMemory::new(Kind::Mla, 51, &g.uuid),
+        mem: RawMemory::new(MLA, 51, &g.uuid),
     };
     writer.register(&srv, &mut c);
     reader.register(&srv, &mut c);
@@ -706,8 +667,8 @@ fn tp2_ranks_and_mla_readers_share_one_gpu() {
     assert_eq!(lookup(&mut c, 1, &toks, "mla-r", 2), 4);
     assert!(writer.retrieve(&mut c, &toks, "mla-r", &dst, 0));
     assert!(reader.retrieve(&mut c, &toks, "mla-r", &dst, 0));
-    let want_w = scattered(Kind::Mla, &bw, &stored, &src, &dst, 0);
-    let want_r = scattered(Kind::Mla, &br, &stored, &src, &dst, 0);
+    let want_w = scattered(MLA, &bw, &stored, &src, &dst, 0);
+    let want_r = scattered(MLA, &br, &stored, &src, &dst, 0);
     assert_cache_eq(&writer.snapshot(), &want_w, "the MLA writer reads back");
     assert_cache_eq(
         &reader.snapshot(),
@@ -802,15 +763,11 @@ impl TorchMemory {
         let files: Vec<String> = (0..NL)
             .map(|l| {
                 let path = dir.join(format!("layer{l}.bin"));
-                std::fs::write(
-                    &path,
-                    pattern(seed * 1000 + l as u64, Kind::Nhd.layer_bytes()),
-                )
-                .unwrap();
+                std::fs::write(&path, pattern(seed * 1000 + l as u64, NHD.layer_bytes())).unwrap();
                 path.to_string_lossy().into_owned()
             })
             .collect();
-        let cfg = serde_json::json!({ "shape": Kind::Nhd.shape_stride().0, "files": files });
+        let cfg = serde_json::json!({ "shape": NHD.shape_stride().0, "files": files });
         let mut child = Command::new(&python)
             .args(["-c", TORCH_WORKER, &cfg.to_string()])
             .env("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
@@ -857,7 +814,7 @@ fn hex_bytes(v: &serde_json::Value) -> V {
 
 impl KvMemory for TorchMemory {
     fn kind(&self) -> Kind {
-        Kind::Nhd
+        NHD
     }
 
     fn read_layer(&mut self, layer: usize) -> Vec<u8> {
@@ -896,7 +853,7 @@ impl KvMemory for TorchMemory {
                     hex_bytes(&l["event"]),
                     V::B(l["sync"].as_bool().unwrap()),
                 ]);
-                let mut meta = Kind::Nhd.metadata(&uuid);
+                let mut meta = NHD.metadata(&uuid);
                 if let V::M(pairs) = &mut meta {
                     for (k, v) in pairs.iter_mut() {
                         if *k == s("storage_offset") {
@@ -956,7 +913,7 @@ fn torch_storage_worker_round_trips() {
     w.register(&srv, &mut c);
     let stored = w.snapshot();
     round_trip(&srv, &mut c, &mut w, 60, 12);
-    cpu_reads_gpu_chunks(&mut c, Kind::Nhd, &stored, 60, 12);
+    cpu_reads_gpu_chunks(&mut c, NHD, &stored, 60, 12);
     assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(500)]), None);
     drop(w);
     let _ = std::fs::remove_dir_all(&dir);

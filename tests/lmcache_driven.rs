@@ -20,89 +20,19 @@ const ES: usize = 2; // float16
 const MODEL: &str = "lmc-model";
 const EVENT: &[u8] = b"stub_ipc_handle";
 
-/// The per-layer paged layouts the worker can register.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Kind {
-    /// `[2, NB, BS, NH, HS]`, contiguous (vLLM flash attention, NHD).
-    Nhd,
-    /// Same logical dims, heads outside slots in memory (`[2, NB, NH, BS, HS]`).
-    Hnd,
-    /// `[NB, BS, MLA_DIM]` (fused latent K/V).
-    Mla,
-}
-
-impl Kind {
-    fn planes(self) -> usize {
-        if self == Kind::Mla {
-            1
-        } else {
-            2
-        }
-    }
-
-    /// Bytes of one token in the object (all heads).
-    fn row(self) -> usize {
-        match self {
-            Kind::Mla => MLA_DIM * ES,
-            _ => NH * HS * ES,
-        }
-    }
-
-    /// Bytes of one (plane, block): contiguous in every layout used here.
-    fn block(self) -> usize {
-        BS * self.row()
-    }
-
-    fn layer_bytes(self) -> usize {
-        self.planes() * NB * self.block()
-    }
-
-    fn hint(self) -> &'static str {
-        match self {
-            Kind::Hnd => "HND",
-            _ => "NHD",
-        }
-    }
-
-    /// The logical shape and element strides a vLLM CPU worker reports.
-    fn shape_stride(self) -> (Vec<i64>, Vec<i64>) {
-        let (nb, bs, nh, hs, md) = (NB as i64, BS as i64, NH as i64, HS as i64, MLA_DIM as i64);
-        match self {
-            Kind::Nhd => (
-                vec![2, nb, bs, nh, hs],
-                vec![nb * bs * nh * hs, bs * nh * hs, nh * hs, hs, 1],
-            ),
-            Kind::Hnd => (
-                vec![2, nb, bs, nh, hs],
-                vec![nb * nh * bs * hs, nh * bs * hs, hs, bs * hs, 1],
-            ),
-            Kind::Mla => (vec![nb, bs, md], vec![bs * md, md, 1]),
-        }
-    }
-
-    /// Byte range of (plane, block) in a layer.
-    fn block_range(self, plane: usize, block: usize) -> std::ops::Range<usize> {
-        let off = (plane * NB + block) * self.block();
-        off..off + self.block()
-    }
-
-    /// One token's row as the object stores it: heads, then head elements.
-    fn token_row(self, layer: &[u8], plane: usize, block: usize, slot: usize) -> Vec<u8> {
-        let base = self.block_range(plane, block).start;
-        match self {
-            Kind::Hnd => (0..NH)
-                .flat_map(|h| {
-                    let off = base + (h * BS + slot) * HS * ES;
-                    layer[off..off + HS * ES].iter().copied()
-                })
-                .collect(),
-            _ => {
-                let off = base + slot * self.row();
-                layer[off..off + self.row()].to_vec()
-            }
-        }
-    }
-}
+/// A layer of this file's sizes, in each layout the workers register.
+type Kind = PagedKv;
+const NHD: Kind = PagedKv {
+    layout: Layout::Nhd,
+    blocks: NB,
+    block_tokens: BS,
+    heads: NH,
+    head_size: HS,
+    mla_dim: MLA_DIM,
+    elem: ES,
+};
+const HND: Kind = NHD.with(Layout::Hnd);
+const MLA: Kind = NHD.with(Layout::Mla);
 
 /// A CPU worker: one shm segment per layer, filled with a known pattern.
 struct Worker {
@@ -384,7 +314,7 @@ fn md5_reference_vectors() {
 /// 0.5.6's aggregated digest of one chunk of blocks: per layer in order,
 /// `layer.index_select(1, ids)` of the `[2, NB, BS, NH, HS]` tensor in C order.
 fn expected_digest(cache: &[Vec<u8>], blocks: &[i64], layers: std::ops::Range<usize>) -> String {
-    let kind = Kind::Nhd;
+    let kind = NHD;
     let mut bytes = Vec::new();
     for layer in &cache[layers] {
         for plane in 0..kind.planes() {
@@ -423,7 +353,7 @@ const DST: [i64; 12] = [12, 13, 14, 15, 50, 51, 7, 8, 33, 34, 35, 36];
 fn store_then_retrieve_into_another_block_table() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let mut w = Worker::new(100, Kind::Nhd, 1);
+    let mut w = Worker::new(100, NHD, 1);
     w.register(&srv, &mut c, 1);
     // A trailing partial chunk is never part of a key range.
     let toks = tokens(1, 3 * CS + 5);
@@ -449,21 +379,21 @@ fn store_then_retrieve_into_another_block_table() {
     );
     let rk = key(1, Some(0), &toks, (0, 3 * CS), "r", 1);
     assert!(retrieve(&mut c, 100, rk.clone(), &DST, 0));
-    let expected = scattered(Kind::Nhd, &before, &stored, &SRC, &DST, 0);
-    assert_cache_eq(Kind::Nhd, &w.snapshot(), &expected, "after retrieve");
+    let expected = scattered(NHD, &before, &stored, &SRC, &DST, 0);
+    assert_cache_eq(NHD, &w.snapshot(), &expected, "after retrieve");
 
     // The retrieve consumed the lookup's only read lock.
     w.fill_blocks(&DST, 0x5a);
     let before = w.snapshot();
     assert!(!retrieve(&mut c, 100, rk, &DST, 0));
-    assert_cache_eq(Kind::Nhd, &w.snapshot(), &before, "failed retrieve");
+    assert_cache_eq(NHD, &w.snapshot(), &before, "failed retrieve");
 
     // A prefix of the stored range: lookup and retrieve of the first chunks only.
     assert_eq!(lookup(&mut c, 1, &toks, 2 * CS, "p", 1), 2);
     let pk = key(1, Some(0), &toks, (0, 2 * CS), "p", 1);
     assert!(retrieve(&mut c, 100, pk, &DST[..2 * BPC], 0));
-    let expected = scattered(Kind::Nhd, &before, &stored, &SRC, &DST[..2 * BPC], 0);
-    assert_cache_eq(Kind::Nhd, &w.snapshot(), &expected, "prefix retrieve");
+    let expected = scattered(NHD, &before, &stored, &SRC, &DST[..2 * BPC], 0);
+    assert_cache_eq(NHD, &w.snapshot(), &expected, "prefix retrieve");
 
     // A retrieve from a later start: its block list and skip_first_n_tokens
     // count from key.start; the locks it does not use are freed by the scheduler.
@@ -472,8 +402,8 @@ fn store_then_retrieve_into_another_block_table() {
     assert_eq!(lookup(&mut c, 1, &toks, 3 * CS, "o", 1), 3);
     let ok = key(1, Some(0), &toks, (CS, 3 * CS), "o", 1);
     assert!(retrieve(&mut c, 100, ok, &DST[BPC..], BS + 1));
-    let expected = scattered(Kind::Nhd, &before, &stored, &SRC[BPC..], &DST[BPC..], 1);
-    assert_cache_eq(Kind::Nhd, &w.snapshot(), &expected, "retrieve from chunk 1");
+    let expected = scattered(NHD, &before, &stored, &SRC[BPC..], &DST[BPC..], 1);
+    assert_cache_eq(NHD, &w.snapshot(), &expected, "retrieve from chunk 1");
     let free = key(1, None, &toks, (0, CS), "o", 1);
     assert_eq!(c.call(OP_FREE_LOOKUP_LOCKS, &[free, V::I(1)]), None);
     assert_eq!(c.call(OP_END_SESSION, &[s("o")]), None);
@@ -490,7 +420,7 @@ fn store_then_retrieve_into_another_block_table() {
 fn objects_have_the_0_5_6_byte_layout() {
     // An engine_driven reader of the same model sees the object bytes that
     // lmcache_driven stored: they must be [plane][layer][token][heads x elems].
-    for kind in [Kind::Nhd, Kind::Hnd, Kind::Mla] {
+    for kind in [NHD, HND, MLA] {
         let srv = Server::start(&[]);
         let mut c = srv.client();
         let w = Worker::new(1, kind, 7);
@@ -504,14 +434,14 @@ fn objects_have_the_0_5_6_byte_layout() {
             &SRC
         ));
 
-        let hidden = if kind == Kind::Mla { MLA_DIM } else { NH * HS };
+        let hidden = if kind == MLA { MLA_DIM } else { NH * HS };
         let payload = engine_ctx_payload(
             500,
             MODEL,
             1,
             NL as i64,
             hidden as i64,
-            kind == Kind::Mla,
+            kind == MLA,
             CS as i64,
         );
         let r = c
@@ -555,7 +485,7 @@ fn objects_have_the_0_5_6_byte_layout() {
 
 #[test]
 fn hnd_and_mla_round_trips() {
-    for kind in [Kind::Hnd, Kind::Mla] {
+    for kind in [HND, MLA] {
         let srv = Server::start(&[]);
         let mut c = srv.client();
         let mut w = Worker::new(3, kind, 11);
@@ -582,7 +512,7 @@ fn hnd_and_mla_round_trips() {
 fn skip_first_n_tokens_leaves_the_prefix_untouched() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let mut w = Worker::new(7, Kind::Nhd, 3);
+    let mut w = Worker::new(7, NHD, 3);
     w.register(&srv, &mut c, 1);
     let toks = tokens(2, 3 * CS);
     let stored = w.snapshot();
@@ -612,9 +542,9 @@ fn skip_first_n_tokens_leaves_the_prefix_untouched() {
         let rk = key(1, Some(0), &toks, (0, 3 * CS), &rid, 1);
         assert!(retrieve(&mut c, 7, rk, &DST, skip), "skip {skip}");
         // Whole blocks only: a partly skipped block is skipped entirely.
-        let expected = scattered(Kind::Nhd, &before, &stored, &SRC, &DST, skip / BS);
+        let expected = scattered(NHD, &before, &stored, &SRC, &DST, skip / BS);
         assert_cache_eq(
-            Kind::Nhd,
+            NHD,
             &w.snapshot(),
             &expected,
             &format!("skip_first_n_tokens {skip}"),
@@ -626,7 +556,7 @@ fn skip_first_n_tokens_leaves_the_prefix_untouched() {
 fn all_null_chunk_is_not_stored() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let w = Worker::new(8, Kind::Nhd, 4);
+    let w = Worker::new(8, NHD, 4);
     w.register(&srv, &mut c, 1);
     let toks = tokens(3, 3 * CS);
     // Chunk 1 names only the null block (0); chunk 2 only partly.
@@ -657,8 +587,8 @@ fn all_null_chunk_is_not_stored() {
 fn world_size_two_stores_and_retrieves_per_rank() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let mut w0 = Worker::new(1, Kind::Nhd, 21);
-    let mut w1 = Worker::new(2, Kind::Nhd, 22);
+    let mut w0 = Worker::new(1, NHD, 21);
+    let mut w1 = Worker::new(2, NHD, 22);
     w0.register(&srv, &mut c, 2);
     w1.register(&srv, &mut c, 2);
     let toks = tokens(5, 3 * CS);
@@ -701,10 +631,10 @@ fn world_size_two_stores_and_retrieves_per_rank() {
         &DST,
         0
     ));
-    let e0 = scattered(Kind::Nhd, &b0, &s0, &SRC, &DST, 0);
-    let e1 = scattered(Kind::Nhd, &b1, &s1, &src1, &DST, 0);
-    assert_cache_eq(Kind::Nhd, &w0.snapshot(), &e0, "rank 0 gets its own KV");
-    assert_cache_eq(Kind::Nhd, &w1.snapshot(), &e1, "rank 1 gets its own KV");
+    let e0 = scattered(NHD, &b0, &s0, &SRC, &DST, 0);
+    let e1 = scattered(NHD, &b1, &s1, &src1, &DST, 0);
+    assert_cache_eq(NHD, &w0.snapshot(), &e0, "rank 0 gets its own KV");
+    assert_cache_eq(NHD, &w1.snapshot(), &e1, "rank 1 gets its own KV");
 
     // Each rank held one lock; both are used up.
     let again = key(2, Some(0), &toks, (0, 3 * CS), "l1", 1);
@@ -715,8 +645,8 @@ fn world_size_two_stores_and_retrieves_per_rank() {
 fn mla_one_writer_two_readers() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let mut writer = Worker::new(10, Kind::Mla, 31);
-    let reader = Worker::new(11, Kind::Mla, 32);
+    let mut writer = Worker::new(10, MLA, 31);
+    let reader = Worker::new(11, MLA, 32);
     writer.register(&srv, &mut c, 1);
     reader.register(&srv, &mut c, 1);
     let toks = tokens(6, 3 * CS);
@@ -738,15 +668,10 @@ fn mla_one_writer_two_readers() {
         retrieve(&mut c, 11, rk.clone(), &DST, 0),
         "the second reader still holds its lock"
     );
-    let ew = scattered(Kind::Mla, &bw, &stored, &SRC, &DST, 0);
-    let er = scattered(Kind::Mla, &br, &stored, &SRC, &DST, 0);
-    assert_cache_eq(Kind::Mla, &writer.snapshot(), &ew, "writer reads back");
-    assert_cache_eq(
-        Kind::Mla,
-        &reader.snapshot(),
-        &er,
-        "reader gets the writer's KV",
-    );
+    let ew = scattered(MLA, &bw, &stored, &SRC, &DST, 0);
+    let er = scattered(MLA, &br, &stored, &SRC, &DST, 0);
+    assert_cache_eq(MLA, &writer.snapshot(), &ew, "writer reads back");
+    assert_cache_eq(MLA, &reader.snapshot(), &er, "reader gets the writer's KV");
     assert!(!retrieve(&mut c, 11, rk, &DST, 0), "both locks released");
 }
 
@@ -754,7 +679,7 @@ fn mla_one_writer_two_readers() {
 fn retrieve_without_lookup_lock_fails() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let w = Worker::new(12, Kind::Nhd, 5);
+    let w = Worker::new(12, NHD, 5);
     w.register(&srv, &mut c, 1);
     let toks = tokens(7, 3 * CS);
     assert!(store(
@@ -778,14 +703,14 @@ fn retrieve_without_lookup_lock_fails() {
         ),
         Some(V::A(vec![V::Bin(vec![]), V::B(false)]))
     );
-    assert_cache_eq(Kind::Nhd, &w.snapshot(), &before, "nothing written");
+    assert_cache_eq(NHD, &w.snapshot(), &before, "nothing written");
 }
 
 #[test]
 fn too_few_block_ids_fail_cleanly() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let mut w = Worker::new(13, Kind::Nhd, 6);
+    let mut w = Worker::new(13, NHD, 6);
     w.register(&srv, &mut c, 1);
     let toks = tokens(8, 3 * CS);
     let full = key(1, Some(0), &toks, (0, 3 * CS), "s", 1);
@@ -803,25 +728,20 @@ fn too_few_block_ids_fail_cleanly() {
     let before = w.snapshot();
     let rk = key(1, Some(0), &toks, (0, 3 * CS), "r", 1);
     assert!(!retrieve(&mut c, 13, rk.clone(), &DST[..11], 0));
-    assert_cache_eq(
-        Kind::Nhd,
-        &w.snapshot(),
-        &before,
-        "short retrieve writes nothing",
-    );
+    assert_cache_eq(NHD, &w.snapshot(), &before, "short retrieve writes nothing");
     // The rejected request left the lookup's locks in place.
     w.fill_blocks(&DST, 1);
     let before = w.snapshot();
     assert!(retrieve(&mut c, 13, rk, &DST, 0));
-    let expected = scattered(Kind::Nhd, &before, &stored, &SRC, &DST, 0);
-    assert_cache_eq(Kind::Nhd, &w.snapshot(), &expected, "valid retrieve after");
+    let expected = scattered(NHD, &before, &stored, &SRC, &DST, 0);
+    assert_cache_eq(NHD, &w.snapshot(), &expected, "valid retrieve after");
 }
 
 #[test]
 fn block_id_out_of_range_fails_cleanly() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let mut w = Worker::new(14, Kind::Nhd, 8);
+    let mut w = Worker::new(14, NHD, 8);
     w.register(&srv, &mut c, 1);
     let toks = tokens(10, 3 * CS);
     let full = key(1, Some(0), &toks, (0, 3 * CS), "s", 1);
@@ -844,17 +764,12 @@ fn block_id_out_of_range_fails_cleanly() {
     let mut bad = DST;
     bad[4] = NB as i64 + 7;
     assert!(!retrieve(&mut c, 14, rk.clone(), &bad, 0));
-    assert_cache_eq(
-        Kind::Nhd,
-        &w.snapshot(),
-        &before,
-        "bad retrieve writes nothing",
-    );
+    assert_cache_eq(NHD, &w.snapshot(), &before, "bad retrieve writes nothing");
     w.fill_blocks(&DST, 2);
     let before = w.snapshot();
     assert!(retrieve(&mut c, 14, rk, &DST, 0));
-    let expected = scattered(Kind::Nhd, &before, &stored, &SRC, &DST, 0);
-    assert_cache_eq(Kind::Nhd, &w.snapshot(), &expected, "valid retrieve after");
+    let expected = scattered(NHD, &before, &stored, &SRC, &DST, 0);
+    assert_cache_eq(NHD, &w.snapshot(), &expected, "valid retrieve after");
     c.noop_ok();
 }
 
@@ -862,7 +777,7 @@ fn block_id_out_of_range_fails_cleanly() {
 fn unregistered_instance_cannot_store() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let w = Worker::new(15, Kind::Nhd, 9);
+    let w = Worker::new(15, NHD, 9);
     w.register(&srv, &mut c, 1);
     assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(15)]), None);
     assert!(!registered_gpu_ids(&srv).contains(&15));
@@ -893,7 +808,7 @@ fn unregistered_instance_cannot_store() {
 fn checksums_match_before_and_after_a_round_trip() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
-    let mut w = Worker::new(16, Kind::Nhd, 10);
+    let mut w = Worker::new(16, NHD, 10);
     w.register(&srv, &mut c, 1);
     let toks = tokens(12, 3 * CS);
     let cache = w.snapshot();

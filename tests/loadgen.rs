@@ -147,3 +147,58 @@ fn bad_settings_are_refused_before_connecting() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// `has_liveness_signal` of every worker in `/status`, by instance id.
+fn liveness(srv: &Server) -> Vec<(String, bool)> {
+    let status = srv.get_json("/status");
+    let workers = status["worker_liveness"].as_object().cloned().unwrap_or_default();
+    workers
+        .into_iter()
+        .map(|(iid, w)| (iid, w["has_liveness_signal"] == serde_json::Value::Bool(true)))
+        .collect()
+}
+
+#[test]
+fn every_rank_sends_the_heartbeat() {
+    let srv = Server::start(&["--l1-size-gb", "0.25"]);
+    let url = format!("tcp://127.0.0.1:{}", srv.port);
+    // Two instances of TP 2 each time (ranks first..first+4), running long
+    // enough to be seen registered: pinging every 0.2 s in both modes, then
+    // with the heartbeat off.
+    let runs = [
+        ("engine_driven", 500, "0.2"),
+        ("lmcache_driven", 600, "0.2"),
+        ("engine_driven", 700, "0"),
+    ];
+    for (mode, first, heartbeat) in runs {
+        let mut child = std::process::Command::new(kvshard_bin())
+            .args(["loadgen", "--url", &url, "--transfer-mode", mode])
+            .args(["--instances", "2", "--tp", "2"])
+            .args(["--first-instance-id", &first.to_string()])
+            .args(["--model", mode, "--duration", "30"])
+            .args(["--heartbeat-seconds", heartbeat, "--format", "json"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("start kvshard loadgen");
+        let want: Vec<String> = (first..first + 4).map(|i| i.to_string()).collect();
+        let pings = heartbeat != "0";
+        let mut seen = Vec::new();
+        wait_until_within(
+            &format!("{mode}, heartbeat {heartbeat}: every rank registered (and pinged if it pings)"),
+            std::time::Duration::from_secs(20),
+            std::time::Duration::from_millis(100),
+            || {
+                seen = liveness(&srv);
+                want.iter()
+                    .all(|iid| seen.iter().any(|(i, pinged)| i == iid && (*pinged || !pings)))
+            },
+        );
+        let _ = child.kill();
+        let _ = child.wait();
+        if !pings {
+            for (iid, pinged) in seen.iter().filter(|(i, _)| want.contains(i)) {
+                assert!(!pinged, "rank {iid} pinged with the heartbeat off");
+            }
+        }
+    }
+}

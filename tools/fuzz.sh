@@ -10,8 +10,12 @@
 # of its last status line); it exits non-zero if any target crashed, hung or ran
 # out of memory, naming the input it kept under fuzz/artifacts/<target>/.
 #
-# Needs `cargo +nightly` (libFuzzer instrumentation). Without it this says so
-# on one line and exits 0, so CI without nightly passes. Installs cargo-fuzz
+# With a nightly toolchain (`cargo +nightly`) the targets are built with
+# AddressSanitizer. Without one they are built by the default toolchain with
+# the same coverage instrumentation and no sanitizer (`cargo fuzz -s none`):
+# panics, failed debug assertions, overflows, hangs and running out of memory
+# are still found, memory errors in unsafe code may not be. KVSHARD_FUZZ_SANITIZER
+# (address or none) overrides the choice. Installs cargo-fuzz
 # (`cargo install cargo-fuzz --locked`) if it is missing.
 set -euo pipefail
 
@@ -22,24 +26,33 @@ shift
 
 cd "$(dirname "$0")/.."
 
-if ! cargo +nightly --version >/dev/null 2>&1; then
-    echo "fuzz: skipped: no nightly toolchain (cargo +nightly fails), which cargo fuzz needs"
-    exit 0
+if cargo +nightly --version >/dev/null 2>&1; then
+    toolchain=(+nightly)
+    sanitizer=${KVSHARD_FUZZ_SANITIZER:-address}
+else
+    toolchain=()
+    sanitizer=${KVSHARD_FUZZ_SANITIZER:-none}
+    if [[ $sanitizer != none ]]; then
+        echo "fuzz: -s $sanitizer needs a nightly toolchain, and cargo +nightly fails" >&2
+        exit 2
+    fi
 fi
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "fuzz: installing cargo-fuzz" >&2
     cargo install cargo-fuzz --locked >&2
 fi
+fuzz=(cargo "${toolchain[@]}" fuzz)
+echo "fuzz: $(cargo "${toolchain[@]}" --version), sanitizer: $sanitizer" >&2
 
 if [[ $# -gt 0 ]]; then
     targets=("$@")
 else
-    mapfile -t targets < <(cargo +nightly fuzz list)
+    mapfile -t targets < <("${fuzz[@]}" list)
 fi
 
 # One build of every target (one cargo invocation); `cargo fuzz run` below
 # then finds it up to date.
-cargo +nightly fuzz build >&2
+"${fuzz[@]}" build -s "$sanitizer" >&2
 
 # `cov: EDGES ft: FEATURES` of the last libFuzzer status line of kind $2 in log $1.
 status_cov() {
@@ -57,7 +70,7 @@ for t in "${targets[@]}"; do
     echo "fuzz: $t for ${seconds}s" >&2
     status=0
     # New inputs go to the first directory (scratch); the seeds stay as committed.
-    cargo +nightly fuzz run "$t" "fuzz/scratch/$t" "fuzz/corpus/$t" -- \
+    "${fuzz[@]}" run -s "$sanitizer" "$t" "fuzz/scratch/$t" "fuzz/corpus/$t" -- \
         -max_total_time="$seconds" -timeout=10 -print_final_stats=1 \
         >"$log" 2>&1 || status=$?
     # libFuzzer's final stats, and `cov:` (edges) and `ft:` (features) of its
@@ -80,6 +93,6 @@ done
 echo "fuzz summary (${seconds}s per target; logs in $logs):"
 printf '  %s\n' "${summary[@]}"
 if [[ ${#failed[@]} -gt 0 ]]; then
-    echo "fuzz: failed: ${failed[*]}; reproduce with: cargo +nightly fuzz run TARGET fuzz/artifacts/TARGET/INPUT"
+    echo "fuzz: failed: ${failed[*]}; reproduce with: ${fuzz[*]} run -s $sanitizer TARGET fuzz/artifacts/TARGET/INPUT"
     exit 1
 fi

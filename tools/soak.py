@@ -136,6 +136,9 @@ class Soak:
         self.shm = f"soak_{os.getpid()}"
         self.server = None
         self.loadgens = {}
+        # How many times each slot was started: a restarted slot registers new
+        # instance ids, so the killed one's go silent and are reaped.
+        self.starts = {}
         self.reports = []
         self.failures = []
 
@@ -167,13 +170,17 @@ class Soak:
 
     def start_loadgen(self, slot, seconds):
         """Loadgen `slot`: 2 instances; the working set of all slots together
-        is about 1.3x the L1 (each prompt's own chunks are 4 MiB)."""
+        is about 1.3x the L1 (each prompt's own chunks are 4 MiB). Its ranks
+        ping every 5 s, as vLLM workers do (every 10 s)."""
+        start = self.starts.get(slot, 0)
+        self.starts[slot] = start + 1
         cmd = [
             self.args.bin, "loadgen", "--url", f"tcp://127.0.0.1:{self.port}",
             "--instances", "2", "--duration", str(max(1, int(seconds))),
             "--prompts", "340", "--zipf", "0.6", "--prompt-tokens", "2048",
             "--system-prompts", "4", "--system-prompt-tokens", "1024",
-            "--first-instance-id", str(10_000 * (slot + 1)),
+            "--first-instance-id", str(10_000 * (slot + 1) + 100 * start),
+            "--heartbeat-seconds", "5",
             "--seed", "7", "--format", "json",
         ]
         if slot % 2 == 1:

@@ -16,8 +16,8 @@ pub const CHUNK_HASH_LEN: usize = 32;
 /// A chunk's rolling hash.
 pub type ChunkHash = [u8; CHUNK_HASH_LEN];
 
-/// Longest cache_salt accepted, in characters (0.5.6's `_SALT_MAX_LEN`).
-pub const CACHE_SALT_MAX_CHARS: usize = 128;
+// The salt rule and hex belong to the protocol; the wire crate owns them.
+pub use kvshard_wire::{check_cache_salt, hex, CACHE_SALT_MAX_CHARS};
 
 /// `hash_func((0, (0,), None))`: blake3 over an 8-byte zero prefix and one zero
 /// token, i.e. twelve zero bytes.
@@ -568,31 +568,6 @@ pub fn shard_of(chunk_hash: &ChunkHash, num_shards: usize) -> usize {
     let mut b = [0u8; 8];
     b.copy_from_slice(&chunk_hash[..8]);
     (u64::from_le_bytes(b) % num_shards as u64) as usize
-}
-
-/// Lowercase hex of bytes.
-pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 15) as usize] as char);
-    }
-    s
-}
-
-/// Why a cache_salt is refused (0.5.6's `IPCCacheServerKey.__post_init__`).
-pub fn check_cache_salt(salt: &str) -> Result<(), String> {
-    if let Some(c) = salt.chars().find(|c| matches!(c, '@' | '/' | '\\' | '\0')) {
-        return Err(format!("cache_salt must not contain {c:?} (got {salt:?})"));
-    }
-    let n = salt.chars().count();
-    if n > CACHE_SALT_MAX_CHARS {
-        return Err(format!(
-            "cache_salt exceeds max length {CACHE_SALT_MAX_CHARS} (got {n})"
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,7 +1,6 @@
-//! The HTTP API's request handling short of the front: routing (percent
+//! The HTTP API's request handling short of the server: routing (percent
 //! decoding, method matching, slash redirects) and the JSON body parsers of
-//! `/quota/{salt}`, `/cache/clear` and `/cache/checksums`
-//! (`kvshard_http::fuzz_parse`).
+//! `/quota/{salt}`, `/cache/clear` and `/cache/checksums` (`kvshard-http-api`).
 //!
 //! kvshard parses request heads with hyper, which parses them with httparse;
 //! this target does the same with httparse directly, so any byte string is a
@@ -11,6 +10,9 @@
 
 #![no_main]
 
+use http::{Method, Uri};
+use kvshard_http_api::bodies::{parse_checksums, parse_clear, parse_limit_gb};
+use kvshard_http_api::routes::{percent_decode, redirect_location, resolve, Resolved};
 use libfuzzer_sys::fuzz_target;
 
 /// hyper's default limit on request headers.
@@ -19,17 +21,51 @@ const MAX_HEADERS: usize = 100;
 fuzz_target!(|data: &[u8]| {
     let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut slots);
-    match req.parse(data) {
+    let body = match req.parse(data) {
         Ok(httparse::Status::Complete(head_len)) => {
-            let method = req.method.unwrap_or_default().as_bytes();
-            let target = req.path.unwrap_or_default().as_bytes();
             let host = req
                 .headers
                 .iter()
                 .find(|h| h.name.eq_ignore_ascii_case("host"))
-                .map(|h| h.value);
-            kvshard_http::fuzz_parse(method, target, host, &data[head_len..]);
+                .and_then(|h| std::str::from_utf8(h.value).ok());
+            route(req.method.unwrap_or_default(), req.path.unwrap_or_default(), host);
+            &data[head_len..]
         }
-        _ => kvshard_http::fuzz_parse(b"POST", b"/cache/checksums", None, data),
-    }
+        _ => data,
+    };
+    parse(body);
 });
+
+/// Routes a request line as the server does; a line hyper would refuse is ignored.
+fn route(method: &str, target: &str, host: Option<&str>) {
+    let (Ok(method), Ok(uri)) = (Method::from_bytes(method.as_bytes()), target.parse::<Uri>()) else {
+        return;
+    };
+    let path = percent_decode(uri.path());
+    match resolve(&method, &path) {
+        Resolved::Found(_) => {}
+        Resolved::MethodNotAllowed(allow) => assert!(!allow.is_empty()),
+        Resolved::NotFound => {
+            if let Some(location) = redirect_location(&path, uri.path(), uri.query(), host) {
+                assert!(location.starts_with('/') || location.starts_with("http://"), "{location}");
+            }
+        }
+    }
+}
+
+/// Every body parser, and what each promises on success or refusal.
+fn parse(body: &[u8]) {
+    if let Ok(limit_gb) = parse_limit_gb(body) {
+        assert!(limit_gb.is_finite() && limit_gb >= 0.0, "{limit_gb}");
+    }
+    if let Err(r) = parse_clear(body) {
+        assert!(r.status.is_client_error(), "{r:?}");
+    }
+    match parse_checksums(body) {
+        Ok(c) => assert!(!c.block_ids.is_empty() && c.chunk_size_blocks > 0, "{c:?}"),
+        Err(r) => {
+            assert!(r.status.is_client_error(), "{r:?}");
+            assert!(r.body.get("detail").is_some(), "{r:?}");
+        }
+    }
+}

@@ -4,6 +4,7 @@
 pub mod arena;
 pub mod executor;
 pub mod http;
+pub mod json_text;
 pub mod log_limit;
 pub mod mailbox;
 pub mod shm_segment;

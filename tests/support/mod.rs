@@ -1738,3 +1738,114 @@ pub fn refused_gpu_reason(srv: &Server, iid: i64) -> Option<String> {
         .find(|e| e["instance_id"] == iid)
         .map(|e| e["reason"].as_str().unwrap_or("").to_string())
 }
+
+// ------------------------------------------------------------------ paged KV layers
+
+/// How a vLLM worker lays out one layer's paged KV cache.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Layout {
+    /// `[2, blocks, block_tokens, heads, head_size]`, contiguous (FlashAttention, NHD).
+    Nhd,
+    /// Same logical dims, heads outside slots in memory (`[2, blocks, heads, block_tokens, head_size]`).
+    Hnd,
+    /// `[blocks, block_tokens, mla_dim]` (fused latent K/V).
+    Mla,
+}
+
+/// One layer of a worker's paged KV cache: its layout and sizes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PagedKv {
+    pub layout: Layout,
+    pub blocks: usize,
+    pub block_tokens: usize,
+    pub heads: usize,
+    pub head_size: usize,
+    pub mla_dim: usize,
+    /// Bytes per element.
+    pub elem: usize,
+}
+
+impl PagedKv {
+    pub const fn with(self, layout: Layout) -> PagedKv {
+        PagedKv { layout, ..self }
+    }
+
+    pub fn planes(self) -> usize {
+        if self.layout == Layout::Mla {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Bytes of one token in the object (all heads).
+    pub fn row(self) -> usize {
+        match self.layout {
+            Layout::Mla => self.mla_dim * self.elem,
+            _ => self.heads * self.head_size * self.elem,
+        }
+    }
+
+    /// Bytes of one (plane, block): contiguous in every layout here.
+    pub fn block(self) -> usize {
+        self.block_tokens * self.row()
+    }
+
+    pub fn layer_bytes(self) -> usize {
+        self.planes() * self.blocks * self.block()
+    }
+
+    /// The `kv_layout` hint a worker sends.
+    pub fn hint(self) -> &'static str {
+        match self.layout {
+            Layout::Hnd => "HND",
+            _ => "NHD",
+        }
+    }
+
+    /// The logical shape and element strides a worker reports.
+    pub fn shape_stride(self) -> (Vec<i64>, Vec<i64>) {
+        let [nb, bs, nh, hs, md] = [
+            self.blocks,
+            self.block_tokens,
+            self.heads,
+            self.head_size,
+            self.mla_dim,
+        ]
+        .map(|d| d as i64);
+        match self.layout {
+            Layout::Nhd => (
+                vec![2, nb, bs, nh, hs],
+                vec![nb * bs * nh * hs, bs * nh * hs, nh * hs, hs, 1],
+            ),
+            Layout::Hnd => (
+                vec![2, nb, bs, nh, hs],
+                vec![nb * nh * bs * hs, nh * bs * hs, hs, bs * hs, 1],
+            ),
+            Layout::Mla => (vec![nb, bs, md], vec![bs * md, md, 1]),
+        }
+    }
+
+    /// Byte range of (plane, block) in a layer.
+    pub fn block_range(self, plane: usize, block: usize) -> std::ops::Range<usize> {
+        let off = (plane * self.blocks + block) * self.block();
+        off..off + self.block()
+    }
+
+    /// One token's row as the object stores it: heads, then head elements.
+    pub fn token_row(self, layer: &[u8], plane: usize, block: usize, slot: usize) -> Vec<u8> {
+        let base = self.block_range(plane, block).start;
+        match self.layout {
+            Layout::Hnd => (0..self.heads)
+                .flat_map(|h| {
+                    let off = base + (h * self.block_tokens + slot) * self.head_size * self.elem;
+                    layer[off..off + self.head_size * self.elem].iter().copied()
+                })
+                .collect(),
+            _ => {
+                let off = base + slot * self.row();
+                layer[off..off + self.row()].to_vec()
+            }
+        }
+    }
+}

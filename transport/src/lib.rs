@@ -1,12 +1,14 @@
 //! kvshard-transport: starts the server (`server::run`: the shards, the front
 //! end and the HTTP API) and re-exports its parts under one name:
 //!
-//! - `wire` (crate kvshard-wire): lmcache 0.5.6's msgpack and typed RPCs;
+//! - `wire` (crate kvshard-wire): lmcache 0.5.6's msgpack and typed RPCs, with
+//!   no dependencies;
 //! - the data plane (kvshard-dataplane): shards, L2 controllers, transfer
 //!   paths, configuration, and the `messages` every part exchanges;
 //! - the control plane (kvshard-control): the front, registry, sessions,
 //!   metrics;
-//! - `http_api` (kvshard-http).
+//! - `http_api` (kvshard-http), which serves the routes and reads the bodies
+//!   of kvshard-http-api (no I/O, no server types: the fuzz targets use it alone).
 
 pub mod server;
 

@@ -31,6 +31,7 @@ use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvshard_dataplane::config::LookupHashLogSettings;
+use kvshard_io::json_text::{push_string, NonAscii};
 
 const FILE_PREFIX: &str = "lookup_hashes_";
 const FILE_SUFFIX: &str = ".jsonl";
@@ -499,26 +500,7 @@ fn format_line(
 
 /// A JSON string as Python's `json.dumps` writes it with `ensure_ascii=True`.
 fn push_py_str(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            ' '..='~' => out.push(c),
-            _ => {
-                let mut units = [0u16; 2];
-                for u in c.encode_utf16(&mut units) {
-                    let _ = write!(out, "\\u{u:04x}");
-                }
-            }
-        }
-    }
-    out.push('"');
+    push_string(out, s, NonAscii::Escape);
 }
 
 /// A float as Python's `repr` (and so `json.dumps`) writes it: the shortest digits that

@@ -27,7 +27,12 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Body;
 use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
+
+use kvshard_http_api::bodies::{parse_checksums, parse_clear, parse_limit_gb, Rejection};
+use kvshard_http_api::routes::{
+    percent_decode, redirect_location, resolve, Endpoint, Resolved, DEFAULT_SALT_SENTINEL,
+};
 
 use kvshard_io::http::{Conn, HttpServeConfig, HttpStats};
 use kvshard_io::timeout::with_timeout;
@@ -43,10 +48,7 @@ pub const MAX_BODY_BYTES: usize = 1 << 20;
 /// Default for [`HttpInfo::control_timeout`].
 pub const DEFAULT_CONTROL_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Path segment that stands for the empty (anonymous) cache salt, as in 0.5.6.
-const DEFAULT_SALT_SENTINEL: &str = "_default";
-
-/// An early answer from body parsing (boxed: responses are large).
+/// An early answer (boxed: responses are large).
 type Reject = Box<Response<Full<Bytes>>>;
 
 const JSON: &str = "application/json";
@@ -113,142 +115,6 @@ pub async fn serve(
     .await
 }
 
-// ------------------------------------------------------------------ routing
-
-#[derive(Debug, Clone, PartialEq)]
-enum Endpoint {
-    Root,
-    Healthcheck,
-    Status,
-    Version,
-    LmcVersion,
-    CommitId,
-    Config,
-    ConfigAdapters,
-    CacheClear,
-    CacheChecksums,
-    /// The salt is already mapped from the `_default` sentinel.
-    QuotaSet(String),
-    QuotaGet(String),
-    QuotaDelete(String),
-    QuotaList,
-    Metrics,
-    MetricsReset,
-    /// A 0.5.6 route that kvshard does not serve.
-    NotImplemented,
-}
-
-enum Resolved {
-    Found(Endpoint),
-    MethodNotAllowed(Vec<Method>),
-    NotFound,
-}
-
-/// Every (method, endpoint) served at a decoded path, `None` if no route matches it.
-fn path_routes(path: &str) -> Option<Vec<(Method, Endpoint)>> {
-    use Endpoint::*;
-    let rest = path.strip_prefix('/')?;
-    let segs: Vec<&str> = rest.split('/').collect();
-    // A path parameter matches one non-empty segment, as Starlette's `{name}` does.
-    let param = |s: &str| !s.is_empty();
-    let get = |e: Endpoint| vec![(Method::GET, e)];
-    let post = |e: Endpoint| vec![(Method::POST, e)];
-    let routes = match segs.as_slice() {
-        [""] => get(Root),
-        ["healthcheck"] => get(Healthcheck),
-        ["status"] => get(Status),
-        ["version"] => get(Version),
-        ["lmc_version"] => get(LmcVersion),
-        ["commit_id"] => get(CommitId),
-        ["config"] => get(Config),
-        ["config", "adapters"] => get(ConfigAdapters),
-        ["metrics"] => get(Metrics),
-        ["metrics", "reset"] => post(MetricsReset),
-        ["cache", "clear"] => post(CacheClear),
-        ["cache", "checksums"] => post(CacheChecksums),
-        ["quota"] => get(QuotaList),
-        ["quota", salt] if param(salt) => {
-            let salt = if *salt == DEFAULT_SALT_SENTINEL {
-                String::new()
-            } else {
-                (*salt).to_string()
-            };
-            vec![
-                (Method::PUT, QuotaSet(salt.clone())),
-                (Method::GET, QuotaGet(salt.clone())),
-                (Method::DELETE, QuotaDelete(salt)),
-            ]
-        }
-        ["cache", "objects"] => vec![
-            (Method::GET, NotImplemented),
-            (Method::DELETE, NotImplemented),
-        ],
-        ["cache", "prefetches"] => post(NotImplemented),
-        ["cache", "prefetches", id] if param(id) => get(NotImplemented),
-        ["reconfigure", "dax", "l1", "status"] => get(NotImplemented),
-        ["reconfigure", "dax", "l1", "add" | "remove"] => post(NotImplemented),
-        ["reconfigure", backend, "l2", "status"] if param(backend) => {
-            vec![
-                (Method::GET, NotImplemented),
-                (Method::POST, NotImplemented),
-            ]
-        }
-        ["reconfigure", backend, "l2", op] if param(backend) && param(op) => post(NotImplemented),
-        ["env" | "loglevel" | "threads" | "periodic-threads" | "periodic-threads-health"] => {
-            get(NotImplemented)
-        }
-        ["periodic-threads", name] if param(name) => get(NotImplemented),
-        _ => return None,
-    };
-    Some(routes)
-}
-
-fn resolve(method: &Method, path: &str) -> Resolved {
-    let Some(routes) = path_routes(path) else {
-        return Resolved::NotFound;
-    };
-    // Starlette serves HEAD wherever it serves GET.
-    let wanted = if method == Method::HEAD {
-        &Method::GET
-    } else {
-        method
-    };
-    if let Some((_, ep)) = routes.iter().find(|(m, _)| m == wanted) {
-        return Resolved::Found(ep.clone());
-    }
-    let mut allow: Vec<Method> = Vec::new();
-    for (m, _) in &routes {
-        if !allow.contains(m) {
-            allow.push(m.clone());
-        }
-        if *m == Method::GET && !allow.contains(&Method::HEAD) {
-            allow.push(Method::HEAD);
-        }
-    }
-    Resolved::MethodNotAllowed(allow)
-}
-
-/// `%XX` decoding as uvicorn does for the path Starlette routes on: invalid escapes
-/// stay as they are, invalid UTF-8 becomes U+FFFD.
-fn percent_decode(raw: &str) -> String {
-    let b = raw.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' && i + 2 < b.len() {
-            let hex = |c: u8| (c as char).to_digit(16);
-            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 // ------------------------------------------------------------------ handling
 
 async fn handle<B>(req: Request<B>, ctx: &Ctx, conn: &Conn) -> Response<Full<Bytes>>
@@ -279,30 +145,11 @@ where
 /// Starlette's `redirect_slashes`: `/status/` answers 307 to `/status` (and `/x` to
 /// `/x/` if only that matched).
 fn slash_redirect<B>(req: &Request<B>, path: &str) -> Option<Response<Full<Bytes>>> {
-    if path == "/" {
-        return None;
-    }
-    let toggled = match path.strip_suffix('/') {
-        Some(p) => p.to_string(),
-        None => format!("{path}/"),
-    };
-    path_routes(&toggled)?;
-    let raw = req.uri().path();
-    let mut location = match raw.strip_suffix('/') {
-        Some(p) => p.to_string(),
-        None => format!("{raw}/"),
-    };
-    if let Some(q) = req.uri().query() {
-        location.push('?');
-        location.push_str(q);
-    }
-    if let Some(host) = req
+    let host = req
         .headers()
         .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-    {
-        location = format!("http://{host}{location}");
-    }
+        .and_then(|h| h.to_str().ok());
+    let location = redirect_location(path, req.uri().path(), req.uri().query(), host)?;
     let mut resp = Response::new(Full::new(Bytes::new()));
     *resp.status_mut() = StatusCode::TEMPORARY_REDIRECT;
     let value = HeaderValue::from_str(&location).ok()?;
@@ -394,7 +241,7 @@ where
                     call(ctx, ControlRequest::Clear { force }).await,
                     JsonStyle::Compact,
                 ),
-                Err(resp) => *resp,
+                Err(r) => rejected(r),
             }
         }
         Endpoint::CacheChecksums => {
@@ -403,8 +250,16 @@ where
                 Err(resp) => return *resp,
             };
             match parse_checksums(&body) {
-                Ok(r) => control_response(call(ctx, r).await, JsonStyle::Compact),
-                Err(resp) => *resp,
+                Ok(c) => {
+                    let r = ControlRequest::Checksums {
+                        instance_id: c.instance_id,
+                        block_ids: c.block_ids,
+                        chunk_size_blocks: c.chunk_size_blocks,
+                        layerwise: c.layerwise,
+                    };
+                    control_response(call(ctx, r).await, JsonStyle::Compact)
+                }
+                Err(r) => rejected(r),
             }
         }
         Endpoint::QuotaSet(cache_salt) => {
@@ -606,7 +461,11 @@ fn set_content_type(resp: &mut Response<Full<Bytes>>, ct: &'static str) {
 
 /// FastAPI's `HTTPException` shape.
 fn detail(status: StatusCode, msg: &str) -> Response<Full<Bytes>> {
-    json_response(status, &json!({ "detail": msg }))
+    rejected(Rejection::detail(status, msg))
+}
+
+fn rejected(r: Rejection) -> Response<Full<Bytes>> {
+    json_response(r.status, &r.body)
 }
 
 fn control_response(r: ControlResponse, style: JsonStyle) -> Response<Full<Bytes>> {
@@ -665,446 +524,6 @@ fn escape_salts(mut r: ControlResponse, list: bool) -> ControlResponse {
         }
     }
     r
-}
-
-// ------------------------------------------------------------------ body parsing
-
-/// `json.loads`: like serde_json, plus Python's bare `NaN`, `Infinity` and
-/// `-Infinity`, which are turned into strings that read back as the same floats
-/// wherever 0.5.6 then calls `float()`.
-fn python_json(body: &[u8]) -> Result<Value, serde_json::Error> {
-    match serde_json::from_slice(body) {
-        Ok(v) => Ok(v),
-        Err(first) => {
-            let Ok(text) = std::str::from_utf8(body) else {
-                return Err(first);
-            };
-            match quote_nonfinite_literals(text) {
-                Some(fixed) => serde_json::from_str(&fixed).map_err(|_| first),
-                None => Err(first),
-            }
-        }
-    }
-}
-
-/// Rewrites bare `NaN` / `Infinity` / `-Infinity` tokens outside strings into quoted
-/// strings; `None` if there were none.
-fn quote_nonfinite_literals(text: &str) -> Option<String> {
-    let mut out = String::with_capacity(text.len() + 8);
-    let mut in_string = false;
-    let mut escaped = false;
-    let mut changed = false;
-    let mut rest = text;
-    while let Some(c) = rest.chars().next() {
-        if in_string {
-            if escaped {
-                escaped = false;
-            } else if c == '\\' {
-                escaped = true;
-            } else if c == '"' {
-                in_string = false;
-            }
-        } else if c == '"' {
-            in_string = true;
-        } else {
-            let token = ["-Infinity", "Infinity", "NaN"]
-                .into_iter()
-                .find(|t| rest.starts_with(t));
-            if let Some(t) = token {
-                out.push('"');
-                out.push_str(t);
-                out.push('"');
-                rest = &rest[t.len()..];
-                changed = true;
-                continue;
-            }
-        }
-        out.push(c);
-        rest = &rest[c.len_utf8()..];
-    }
-    changed.then_some(out)
-}
-
-/// `float(x)` for a JSON value, as `PUT /quota` applies it.
-fn python_float(v: &Value) -> Option<f64> {
-    match v {
-        Value::Number(n) => n.as_f64(),
-        Value::Bool(b) => Some(if *b { 1.0 } else { 0.0 }),
-        Value::String(s) => python_float_str(s),
-        _ => None,
-    }
-}
-
-/// Python's `float(str)`: surrounding whitespace, `_` between digits, `inf`/`nan`.
-fn python_float_str(s: &str) -> Option<f64> {
-    let s = s.trim();
-    let b = s.as_bytes();
-    let mut cleaned = String::with_capacity(s.len());
-    for (i, &c) in b.iter().enumerate() {
-        if c == b'_' {
-            let digit_before = i > 0 && b[i - 1].is_ascii_digit();
-            let digit_after = b.get(i + 1).is_some_and(u8::is_ascii_digit);
-            if !(digit_before && digit_after) {
-                return None;
-            }
-            continue;
-        }
-        cleaned.push(c as char);
-    }
-    // Rust's grammar (sign, digits, '.', exponent, inf/infinity/nan in any case) is
-    // Python's once the underscores are gone.
-    cleaned.parse::<f64>().ok()
-}
-
-/// `PUT /quota/{salt}`'s hand-written checks, with 0.5.6's messages.
-fn parse_limit_gb(body: &[u8]) -> Result<f64, &'static str> {
-    let v = python_json(body).map_err(|_| "invalid JSON body")?;
-    let Some(raw) = v.as_object().and_then(|o| o.get("limit_gb")) else {
-        return Err("body must be {'limit_gb': <float>}");
-    };
-    let limit_gb = python_float(raw).ok_or("limit_gb must be numeric")?;
-    if !limit_gb.is_finite() {
-        return Err("limit_gb must be finite");
-    }
-    if limit_gb < 0.0 {
-        return Err("limit_gb must be non-negative");
-    }
-    Ok(limit_gb)
-}
-
-/// FastAPI's validation error: 422 `{"detail": [{type, loc, msg, input}, ...]}`.
-fn validation_error(errors: Vec<Value>) -> Response<Full<Bytes>> {
-    json_response(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        &json!({ "detail": errors }),
-    )
-}
-
-fn verr(kind: &str, loc: &[Value], msg: &str, input: &Value) -> Value {
-    let mut full = vec![json!("body")];
-    full.extend_from_slice(loc);
-    json!({ "type": kind, "loc": full, "msg": msg, "input": input })
-}
-
-/// A FastAPI model body: `Ok(None)` when absent (empty or `null`), 422 when not JSON.
-fn model_body(body: &[u8]) -> Result<Option<Value>, Reject> {
-    if body.is_empty() {
-        return Ok(None);
-    }
-    match python_json(body) {
-        Ok(Value::Null) => Ok(None),
-        Ok(v) => Ok(Some(v)),
-        Err(e) => {
-            let pos = byte_offset(body, e.line(), e.column());
-            Err(Box::new(validation_error(vec![json!({
-                "type": "json_invalid",
-                "loc": ["body", pos],
-                "msg": "JSON decode error",
-                "input": {},
-                "ctx": { "error": e.to_string() },
-            })])))
-        }
-    }
-}
-
-fn byte_offset(body: &[u8], line: usize, column: usize) -> usize {
-    let mut offset = 0;
-    for (i, l) in body.split(|b| *b == b'\n').enumerate() {
-        if i + 1 == line {
-            return (offset + column.saturating_sub(1)).min(body.len());
-        }
-        offset += l.len() + 1;
-    }
-    body.len()
-}
-
-fn model_object<'a>(
-    v: &'a Value,
-    class: &str,
-    errors: &mut Vec<Value>,
-) -> Option<&'a Map<String, Value>> {
-    let obj = v.as_object();
-    if obj.is_none() {
-        errors.push(json!({
-            "type": "dataclass_type",
-            "loc": ["body"],
-            "msg": format!("Input should be a dictionary or an instance of {class}"),
-            "input": v,
-            "ctx": { "class_name": class },
-        }));
-    }
-    obj
-}
-
-/// pydantic's lax `bool`.
-fn lax_bool(v: &Value, loc: &[Value], errors: &mut Vec<Value>) -> Option<bool> {
-    let parsing = "Input should be a valid boolean, unable to interpret input";
-    match v {
-        Value::Bool(b) => return Some(*b),
-        Value::Number(n) => match n.as_f64() {
-            Some(0.0) => return Some(false),
-            Some(1.0) => return Some(true),
-            _ => errors.push(verr("bool_parsing", loc, parsing, v)),
-        },
-        Value::String(s) => match s.to_ascii_lowercase().as_str() {
-            "0" | "off" | "f" | "false" | "n" | "no" => return Some(false),
-            "1" | "on" | "t" | "true" | "y" | "yes" => return Some(true),
-            _ => errors.push(verr("bool_parsing", loc, parsing, v)),
-        },
-        _ => errors.push(verr("bool_type", loc, "Input should be a valid boolean", v)),
-    }
-    None
-}
-
-/// An integer that pydantic's lax `int` accepts but that may not fit an i64.
-enum LaxInt {
-    Fits(i64),
-    /// Valid for pydantic, outside i64; keeps the JSON text for messages.
-    Huge {
-        negative: bool,
-        text: String,
-    },
-}
-
-fn lax_int(v: &Value, loc: &[Value], errors: &mut Vec<Value>) -> Option<LaxInt> {
-    let fractional = "Input should be a valid integer, got a number with a fractional part";
-    let from_f64 = |x: f64, errors: &mut Vec<Value>| -> Option<LaxInt> {
-        if !x.is_finite() {
-            errors.push(verr(
-                "finite_number",
-                loc,
-                "Input should be a finite number",
-                v,
-            ));
-            None
-        } else if x.fract() != 0.0 {
-            errors.push(verr("int_from_float", loc, fractional, v));
-            None
-        } else if (i64::MIN as f64..-(i64::MIN as f64)).contains(&x) {
-            Some(LaxInt::Fits(x as i64))
-        } else {
-            Some(LaxInt::Huge {
-                negative: x < 0.0,
-                text: format!("{x:.0}"),
-            })
-        }
-    };
-    match v {
-        Value::Bool(b) => Some(LaxInt::Fits(i64::from(*b))),
-        Value::Number(n) => {
-            if let Some(i) = n.as_i64() {
-                Some(LaxInt::Fits(i))
-            } else if let Some(u) = n.as_u64() {
-                Some(LaxInt::Huge {
-                    negative: false,
-                    text: u.to_string(),
-                })
-            } else {
-                from_f64(n.as_f64().unwrap_or(f64::NAN), errors)
-            }
-        }
-        Value::String(s) => {
-            let t = s.trim();
-            let digits = t.strip_prefix(['+', '-']).unwrap_or(t);
-            if !digits.is_empty() && digits.bytes().all(|c| c.is_ascii_digit()) {
-                match t.parse::<i64>() {
-                    Ok(i) => Some(LaxInt::Fits(i)),
-                    Err(_) => Some(LaxInt::Huge {
-                        negative: t.starts_with('-'),
-                        text: t.to_string(),
-                    }),
-                }
-            } else {
-                errors.push(verr(
-                    "int_parsing",
-                    loc,
-                    "Input should be a valid integer, unable to parse string as an integer",
-                    v,
-                ));
-                None
-            }
-        }
-        _ => {
-            errors.push(verr("int_type", loc, "Input should be a valid integer", v));
-            None
-        }
-    }
-}
-
-/// `POST /cache/clear`'s optional `ClearRequest {tier = "l1", force = false}`.
-fn parse_clear(body: &[u8]) -> Result<bool, Reject> {
-    let Some(v) = model_body(body)? else {
-        return Ok(false);
-    };
-    let mut errors = Vec::new();
-    let Some(obj) = model_object(&v, "ClearRequest", &mut errors) else {
-        return Err(Box::new(validation_error(errors)));
-    };
-    let mut tier = "l1".to_string();
-    if let Some(t) = obj.get("tier") {
-        match t.as_str() {
-            Some(s @ ("l1" | "l2" | "all")) => tier = s.to_string(),
-            _ => errors.push(json!({
-                "type": "enum",
-                "loc": ["body", "tier"],
-                "msg": "Input should be 'l1', 'l2' or 'all'",
-                "input": t,
-                "ctx": { "expected": "'l1', 'l2' or 'all'" },
-            })),
-        }
-    }
-    let force = match obj.get("force") {
-        Some(f) => lax_bool(f, &[json!("force")], &mut errors).unwrap_or(false),
-        None => false,
-    };
-    if !errors.is_empty() {
-        return Err(Box::new(validation_error(errors)));
-    }
-    if tier != "l1" {
-        let msg = format!("tier '{tier}' not supported; only 'l1'");
-        return Err(Box::new(detail(StatusCode::BAD_REQUEST, &msg)));
-    }
-    Ok(force)
-}
-
-/// `POST /cache/checksums`' required `ChecksumRequest {block_ids = [], chunk_size = 0,
-/// instance_id = 0, layerwise = false}`.
-///
-/// 0.5.6 looks the instance up (404) before checking `block_ids` and `chunk_size`
-/// (400); here those two are checked first, because the control request cannot carry
-/// a non-positive chunk size.
-fn parse_checksums(body: &[u8]) -> Result<ControlRequest, Reject> {
-    let Some(v) = model_body(body)? else {
-        return Err(Box::new(validation_error(vec![json!({
-            "type": "missing", "loc": ["body"], "msg": "Field required", "input": null,
-        })])));
-    };
-    let mut errors = Vec::new();
-    let Some(obj) = model_object(&v, "ChecksumRequest", &mut errors) else {
-        return Err(Box::new(validation_error(errors)));
-    };
-
-    let mut block_ids: Vec<LaxInt> = Vec::new();
-    if let Some(b) = obj.get("block_ids") {
-        match b.as_array() {
-            Some(items) => {
-                for (i, item) in items.iter().enumerate() {
-                    if let Some(x) = lax_int(item, &[json!("block_ids"), json!(i)], &mut errors) {
-                        block_ids.push(x);
-                    }
-                }
-            }
-            None => errors.push(verr(
-                "list_type",
-                &[json!("block_ids")],
-                "Input should be a valid list",
-                b,
-            )),
-        }
-    }
-    let mut int_field = |name: &str| {
-        obj.get(name)
-            .map(|x| lax_int(x, &[json!(name)], &mut errors))
-    };
-    let chunk_size = int_field("chunk_size");
-    let instance_id = int_field("instance_id");
-    let layerwise = match obj.get("layerwise") {
-        Some(l) => lax_bool(l, &[json!("layerwise")], &mut errors).unwrap_or(false),
-        None => false,
-    };
-    if !errors.is_empty() {
-        return Err(Box::new(validation_error(errors)));
-    }
-
-    // With no errors reported, `None` means the field was absent (its default applies).
-    let instance_id = match instance_id.flatten() {
-        None => 0,
-        Some(LaxInt::Fits(i)) => i,
-        // No registration can have an id outside i64.
-        Some(LaxInt::Huge { text, .. }) => {
-            return Err(Box::new(detail(
-                StatusCode::NOT_FOUND,
-                &format!("instance_id {text} not registered"),
-            )));
-        }
-    };
-    if block_ids.is_empty() {
-        return Err(Box::new(detail(
-            StatusCode::BAD_REQUEST,
-            "block_ids is required",
-        )));
-    }
-    let chunk_size_blocks = match chunk_size.flatten() {
-        Some(LaxInt::Fits(i)) if i > 0 => usize::try_from(i).unwrap_or(usize::MAX),
-        Some(LaxInt::Huge {
-            negative: false, ..
-        }) => usize::MAX,
-        _ => 0,
-    };
-    if chunk_size_blocks == 0 {
-        return Err(Box::new(detail(
-            StatusCode::BAD_REQUEST,
-            "chunk_size must be positive",
-        )));
-    }
-    let mut ids = Vec::with_capacity(block_ids.len());
-    for b in block_ids {
-        match b {
-            LaxInt::Fits(i) => ids.push(i),
-            LaxInt::Huge { text, .. } => {
-                return Err(Box::new(detail(
-                    StatusCode::BAD_REQUEST,
-                    &format!("block id {text} is out of range"),
-                )));
-            }
-        }
-    }
-    Ok(ControlRequest::Checksums {
-        instance_id,
-        block_ids: ids,
-        chunk_size_blocks,
-        layerwise,
-    })
-}
-
-/// For `fuzz/fuzz_targets/http_request.rs` only: everything this module does with
-/// a request that hyper has parsed, short of calling the front. Routes `method`
-/// and `target` (with the `Host` header, for redirects) as `handle` does, and
-/// gives `body` to every body parser, checking what each promises on success.
-/// A request line hyper would refuse is ignored.
-#[doc(hidden)]
-pub fn fuzz_parse(method: &[u8], target: &[u8], host: Option<&[u8]>, body: &[u8]) {
-    let mut builder = Request::builder().method(method).uri(target);
-    if let Some(host) = host {
-        builder = builder.header(header::HOST, host);
-    }
-    if let Ok(req) = builder.body(()) {
-        let path = percent_decode(req.uri().path());
-        match resolve(req.method(), &path) {
-            Resolved::Found(_) => {}
-            Resolved::MethodNotAllowed(allow) => assert!(!allow.is_empty()),
-            Resolved::NotFound => {
-                if let Some(resp) = slash_redirect(&req, &path) {
-                    assert!(resp.headers().contains_key(header::LOCATION));
-                }
-            }
-        }
-    }
-    if let Ok(limit_gb) = parse_limit_gb(body) {
-        assert!(limit_gb.is_finite() && limit_gb >= 0.0, "{limit_gb}");
-    }
-    let _ = parse_clear(body);
-    if let Ok(r) = parse_checksums(body) {
-        let ControlRequest::Checksums {
-            block_ids,
-            chunk_size_blocks,
-            ..
-        } = r
-        else {
-            panic!("parse_checksums made {r:?}");
-        };
-        assert!(!block_ids.is_empty() && chunk_size_blocks > 0);
-    }
 }
 
 #[cfg(test)]
@@ -1650,50 +1069,5 @@ mod tests {
         let _ = s.read_to_end(&mut buf);
         let text = String::from_utf8(buf).unwrap();
         assert!(text.starts_with("HTTP/1.1 408"), "{text}");
-    }
-
-    #[test]
-    fn routing_table() {
-        assert!(
-            matches!(resolve(&Method::GET, "/quota/_default"), Resolved::Found(Endpoint::QuotaGet(s)) if s.is_empty())
-        );
-        assert!(
-            matches!(resolve(&Method::PUT, "/quota/x"), Resolved::Found(Endpoint::QuotaSet(s)) if s == "x")
-        );
-        assert!(matches!(
-            resolve(&Method::GET, "/quota/"),
-            Resolved::NotFound
-        ));
-        assert!(matches!(
-            resolve(&Method::POST, "/reconfigure/s3/l2/status"),
-            Resolved::Found(Endpoint::NotImplemented)
-        ));
-        assert!(matches!(
-            resolve(&Method::GET, "/run_script"),
-            Resolved::NotFound
-        ));
-        assert!(matches!(
-            resolve(&Method::HEAD, "/metrics"),
-            Resolved::Found(Endpoint::Metrics)
-        ));
-        assert!(
-            matches!(resolve(&Method::PATCH, "/metrics/reset"), Resolved::MethodNotAllowed(a) if a == vec![Method::POST])
-        );
-    }
-
-    #[test]
-    fn helpers() {
-        assert_eq!(percent_decode("/quota/a%20b%2"), "/quota/a b%2");
-        assert_eq!(percent_decode("/x%zz%C3%A9%ff"), "/x%zzé\u{fffd}");
-        assert_eq!(python_float_str("1e3"), Some(1000.0));
-        assert_eq!(python_float_str("_1"), None);
-        assert_eq!(python_float_str("1_"), None);
-        assert!(python_float_str("-Infinity").unwrap().is_infinite());
-        assert_eq!(python_float_str(""), None);
-        assert_eq!(
-            quote_nonfinite_literals(r#"{"a":"NaN x","b":-Infinity}"#).as_deref(),
-            Some(r#"{"a":"NaN x","b":"-Infinity"}"#)
-        );
-        assert_eq!(quote_nonfinite_literals(r#"{"a":"\"NaN"}"#), None);
     }
 }

@@ -12,11 +12,41 @@
 
 use std::fmt;
 
-use kvshard_engine::keys::check_cache_salt;
-
 pub mod msgpack;
 
 use crate::msgpack::{DecodeError, Kind, Reader, Value, Writer};
+
+// ---------------------------------------------------------------------------
+// Key rules (the engine re-exports these from `kvshard_engine::keys`)
+// ---------------------------------------------------------------------------
+
+/// Longest cache_salt accepted, in characters (0.5.6's `_SALT_MAX_LEN`).
+pub const CACHE_SALT_MAX_CHARS: usize = 128;
+
+/// Lowercase hex of bytes.
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[(b >> 4) as usize] as char);
+        s.push(DIGITS[(b & 15) as usize] as char);
+    }
+    s
+}
+
+/// Why a cache_salt is refused (0.5.6's `IPCCacheServerKey.__post_init__`).
+pub fn check_cache_salt(salt: &str) -> Result<(), String> {
+    if let Some(c) = salt.chars().find(|c| matches!(c, '@' | '/' | '\\' | '\0')) {
+        return Err(format!("cache_salt must not contain {c:?} (got {salt:?})"));
+    }
+    let n = salt.chars().count();
+    if n > CACHE_SALT_MAX_CHARS {
+        return Err(format!(
+            "cache_salt exceeds max length {CACHE_SALT_MAX_CHARS} (got {n})"
+        ));
+    }
+    Ok(())
+}
 
 // ---------------------------------------------------------------------------
 // Operations
@@ -1681,8 +1711,6 @@ pub mod golden {
 mod tests {
     use super::*;
     use crate::msgpack::{decode_value, encode_value};
-
-    use kvshard_engine::keys::hex;
 
     use super::golden::unhex;
 

@@ -966,7 +966,7 @@ fn kind_of(b: u8) -> Option<Kind> {
 mod tests {
     use super::*;
 
-    use kvshard_engine::keys::hex;
+    use crate::hex;
 
     fn unhex(s: &str) -> Vec<u8> {
         (0..s.len())
