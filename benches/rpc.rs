@@ -4,8 +4,10 @@
 //! under saturation (with a 1 GiB store and /status polling beside them), and the
 //! server's resident memory outside the L1 arena after many lookups.
 //!
-//! `cargo bench --bench rpc` runs the full sizes; under `cargo test` (no `--bench`
-//! argument) it runs a few iterations so the harness cannot rot. Timing bars are
+//! `cargo bench --bench rpc` runs the full sizes (`-- round_trips`, `saturation` or
+//! `rss` runs only those sections; `KVSHARD_BENCH_SPIN_US=N` starts the servers with
+//! `--spin-us N`, and `KVSHARD_BENCH_CORES=LIST` with `--cores LIST`); under `cargo test` (no `--bench` argument) it
+//! runs a few iterations so the harness cannot rot. Timing bars are
 //! printed as PASS/ABOVE and never fail the run; a request left unanswered does
 //! (exit status 1).
 
@@ -270,13 +272,15 @@ struct RoundTrips {
 fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     let mut echo = Echo::start();
     let (mut echo_noop, mut echo_store, mut echo_lookup) = (hist(), hist(), hist());
-    let srv = Server::start(&[
+    let flags = server_flags(&[
         "--chunk-size",
         "256",
         "--l1-size-gb",
         "1",
         "--no-l1-use-lazy",
     ]);
+    let srv = Server::start(&flags.iter().map(String::as_str).collect::<Vec<_>>());
+    println!("server flags: {}", flags.join(" "));
     let mut c = srv.client();
 
     // noop: the floor of a round trip through the front thread.
@@ -348,6 +352,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
 
     // lookup + query_prefetch_status of a stored request: a full hit of 8 chunks.
     let mut hl = hist();
+    let (mut hl_lookup, mut hl_status) = (hist(), hist());
     let mut hr = hist();
     for i in 0..n_lookup {
         if i % (n_lookup / ECHO_BLOCKS) == 0 {
@@ -363,8 +368,13 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         );
         let t = Instant::now();
         assert_eq!(call_frames(&mut c, lookup), None);
+        let looked_up = t.elapsed();
         let hits = c.prefetch_result(&rid);
         hl.record(t.elapsed().as_nanos() as u64).unwrap();
+        hl_lookup.record(looked_up.as_nanos() as u64).unwrap();
+        hl_status
+            .record((t.elapsed() - looked_up).as_nanos() as u64)
+            .unwrap();
         assert_eq!(hits, (TOKENS / CHUNK) as i64);
         // Then the retrieve round trips, which release the lookup's locks.
         let key = key_frame_enc("bench", Some(0), &toks, end, &rid);
@@ -380,6 +390,8 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         c.call(OP_END_SESSION, &[s(&rid)]);
     }
     report("lookup+status (2048 tokens, hit)", &hl);
+    report("  of which the lookup", &hl_lookup);
+    report("  of which the status", &hl_status);
     report("prepare+commit retrieve (8 chunks)", &hr);
     RoundTrips {
         noop: h,
@@ -390,6 +402,24 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         echo_store,
         echo_lookup,
     }
+}
+
+/// `--spin-us` for the servers of the round trips and the saturation:
+/// `KVSHARD_BENCH_SPIN_US`, 0 (the server's default) when unset.
+fn spin_us() -> String {
+    std::env::var("KVSHARD_BENCH_SPIN_US").unwrap_or_else(|_| "0".into())
+}
+
+/// Those servers' flags: `--spin-us`, and `--cores KVSHARD_BENCH_CORES` when
+/// set (the shards' cores; the front takes the last allowed core left, and the
+/// bench's own threads the rest), after `base`.
+fn server_flags(base: &[&str]) -> Vec<String> {
+    let mut flags: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+    flags.extend(["--spin-us".to_string(), spin_us()]);
+    if let Ok(cores) = std::env::var("KVSHARD_BENCH_CORES") {
+        flags.extend(["--cores".to_string(), cores]);
+    }
+    flags
 }
 
 /// Prints each round trip's p50 and p99 over those of the echo sampled
@@ -652,13 +682,14 @@ fn saturation(window: Duration, store_bytes: u64) -> bool {
     const STORED: usize = 64;
     // 64 MiB of lookup targets plus the bulk store stay under the eviction
     // watermark (0.8) of a 2 GiB L1, so every lookup is a full hit.
-    let srv = Server::start(&[
+    let flags = server_flags(&[
         "--chunk-size",
         "256",
         "--l1-size-gb",
         "2",
         "--no-l1-use-lazy",
     ]);
+    let srv = Server::start(&flags.iter().map(String::as_str).collect::<Vec<_>>());
     let stored: Vec<Vec<u32>> = (0..STORED)
         .map(|j| LookupMix::stored_tokens(TOKENS, j))
         .collect();
@@ -828,7 +859,15 @@ fn rss_after_lookups(n: u64) {
 }
 
 fn main() {
-    let full = std::env::args().any(|a| a == "--bench");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let full = args.iter().any(|a| a == "--bench");
+    // Positional arguments pick sections: round_trips, saturation, rss.
+    let picked: Vec<&str> = args
+        .iter()
+        .filter(|a| !a.starts_with('-'))
+        .map(String::as_str)
+        .collect();
+    let run = |section: &str| picked.is_empty() || picked.contains(&section);
     if !full {
         println!("(smoke run under cargo test: debug build, few iterations; figures come from `cargo bench`)");
     }
@@ -837,19 +876,24 @@ fn main() {
     } else {
         (200, 20, 10)
     };
-    let before = echo_baseline(n_noop);
-    let rt = round_trips(n_noop, n_lookup, n_pc);
-    let after = echo_baseline(n_noop);
-    let hop = hop_echo_baseline(n_noop);
-    ratios(&rt, &before, &after, &hop);
+    if run("round_trips") {
+        let before = echo_baseline(n_noop);
+        let rt = round_trips(n_noop, n_lookup, n_pc);
+        let after = echo_baseline(n_noop);
+        let hop = hop_echo_baseline(n_noop);
+        ratios(&rt, &before, &after, &hop);
+    }
 
-    let ok = if full {
-        saturation(Duration::from_secs(10), GIB)
-    } else {
-        saturation(Duration::from_millis(300), 32 << 20)
-    };
+    let ok = !run("saturation")
+        || if full {
+            saturation(Duration::from_secs(10), GIB)
+        } else {
+            saturation(Duration::from_millis(300), 32 << 20)
+        };
 
-    rss_after_lookups(if full { 1_000_000 } else { 2_000 });
+    if run("rss") {
+        rss_after_lookups(if full { 1_000_000 } else { 2_000 });
+    }
 
     if !ok {
         println!("FAILURE: requests went unanswered or were answered wrongly (see above)");

@@ -757,6 +757,18 @@ pub struct KvshardArgs {
         allow_negative_numbers = true
     )]
     pub http_max_connections: usize,
+    /// [kvshard only] Microseconds that each shard and the front keep polling for their next
+    /// piece of work before they sleep. A request that arrives meanwhile costs no wake-up (no
+    /// syscall, no scheduler latency), at the price of a busy core for that long after each
+    /// piece of work. 0 sleeps at once. Worth it only where each shard and the front have a core
+    /// to themselves (tools/deploy's plan sets 100); on shared cores it takes time from vLLM.
+    #[arg(
+        long,
+        value_name = "US",
+        default_value_t = 0,
+        allow_negative_numbers = true
+    )]
+    pub spin_us: u64,
     /// [kvshard only] L1 bytes being written to L2 at once, server-wide, in GiB; more
     /// stores wait their turn.
     #[arg(
@@ -850,6 +862,18 @@ fn nonzero(flag: &'static str, v: usize) -> Result<usize, ConfigError> {
     } else {
         Ok(v)
     }
+}
+
+/// `--spin-us`, at most 10 ms: past that a core is simply never given back.
+fn spin_duration(us: u64) -> Result<Duration, ConfigError> {
+    const MAX_US: u64 = 10_000;
+    if us > MAX_US {
+        return Err(ConfigError::invalid(
+            "--spin-us",
+            format!("must be at most {MAX_US} microseconds"),
+        ));
+    }
+    Ok(Duration::from_micros(us))
 }
 
 fn port(flag: &'static str, v: u16) -> Result<u16, ConfigError> {
@@ -999,6 +1023,7 @@ impl ServerArgs {
             max_frame_bytes: kvshard.max_frame_bytes,
             cuda_transfer: kvshard.cuda_transfer,
             http_max_connections: kvshard.http_max_connections,
+            spin: kvshard.spin,
         };
         check_cross_group(&mut config, &mut notes)?;
         Ok((config, notes))
@@ -1793,6 +1818,7 @@ struct Kvshard {
     max_frame_bytes: usize,
     cuda_transfer: bool,
     http_max_connections: usize,
+    spin: Duration,
 }
 
 impl KvshardArgs {
@@ -1843,6 +1869,7 @@ impl KvshardArgs {
             max_frame_bytes: nonzero("--max-frame-bytes", self.max_frame_bytes)?,
             cuda_transfer: self.cuda_transfer == "on",
             http_max_connections: nonzero("--http-max-connections", self.http_max_connections)?,
+            spin: spin_duration(self.spin_us)?,
         })
     }
 }
@@ -2734,6 +2761,7 @@ mod tests {
             (&["--chunk-size", "-5"], "--chunk-size"),
             (&["--port", "0"], "--port"),
             (&["--http-port", "0"], "--http-port"),
+            (&["--spin-us", "10001"], "--spin-us"),
             (&["--host", ""], "--host"),
             (&["--session-ttl-seconds", "0"], "--session-ttl-seconds"),
             (

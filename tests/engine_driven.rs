@@ -92,7 +92,18 @@ fn retrieve_all(
 
 #[test]
 fn store_lookup_retrieve_round_trip() {
-    let srv = Server::start(&["--cores", "0,1"]);
+    round_trip_with(&["--cores", "0,1"]);
+}
+
+/// The same with shards and front polling for work before they sleep
+/// (`--spin-us`): nothing is missed or answered twice.
+#[test]
+fn store_lookup_retrieve_round_trip_spinning() {
+    round_trip_with(&["--cores", "0,1", "--spin-us", "500"]);
+}
+
+fn round_trip_with(flags: &[&str]) {
+    let srv = Server::start(flags);
     let mut c = srv.client();
     assert_eq!(c.call(OP_GET_CHUNK_SIZE, &[]), Some(V::I(CS as i64)));
     assert_eq!(c.call(OP_GET_EXPERIMENTAL, &[]), Some(V::A(vec![])));

@@ -151,10 +151,18 @@ fn bad_settings_are_refused_before_connecting() {
 /// `has_liveness_signal` of every worker in `/status`, by instance id.
 fn liveness(srv: &Server) -> Vec<(String, bool)> {
     let status = srv.get_json("/status");
-    let workers = status["worker_liveness"].as_object().cloned().unwrap_or_default();
+    let workers = status["worker_liveness"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
     workers
         .into_iter()
-        .map(|(iid, w)| (iid, w["has_liveness_signal"] == serde_json::Value::Bool(true)))
+        .map(|(iid, w)| {
+            (
+                iid,
+                w["has_liveness_signal"] == serde_json::Value::Bool(true),
+            )
+        })
         .collect()
 }
 
@@ -184,13 +192,17 @@ fn every_rank_sends_the_heartbeat() {
         let pings = heartbeat != "0";
         let mut seen = Vec::new();
         wait_until_within(
-            &format!("{mode}, heartbeat {heartbeat}: every rank registered (and pinged if it pings)"),
+            &format!(
+                "{mode}, heartbeat {heartbeat}: every rank registered (and pinged if it pings)"
+            ),
             std::time::Duration::from_secs(20),
             std::time::Duration::from_millis(100),
             || {
                 seen = liveness(&srv);
-                want.iter()
-                    .all(|iid| seen.iter().any(|(i, pinged)| i == iid && (*pinged || !pings)))
+                want.iter().all(|iid| {
+                    seen.iter()
+                        .any(|(i, pinged)| i == iid && (*pinged || !pings))
+                })
             },
         );
         let _ = child.kill();

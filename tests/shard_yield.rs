@@ -1,5 +1,6 @@
 //! A shard kept saturated with requests still runs its ticker (expiry and
-//! eviction): its request loop yields to the shard's other tasks.
+//! eviction): its request loop yields to the shard's other tasks. So does a
+//! shard spinning on an empty mailbox.
 //!
 //! The shard runs in-process on its own executor so that the test can keep
 //! its mailbox full: every flooded request is a `/status` report, which costs
@@ -17,8 +18,8 @@ use kvshard_engine::keys::{Name, ObjectKey, CHUNK_HASH_LEN};
 use kvshard_engine::l1::{L1Config, L1Shard, WriterTag};
 use kvshard_engine::slab::SlabAllocator;
 use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
-use kvshard_io::executor::spawn_shard;
-use kvshard_io::mailbox::{mailbox, notify_queue, SendError};
+use kvshard_io::executor::{spawn_shard, ShardHandle};
+use kvshard_io::mailbox::{mailbox, notify_queue, MailboxSender, NotifyReceiver, SendError};
 use kvshard_transport::config::L2Settings;
 use kvshard_transport::messages::{FrontEvent, ShardMsg, ShardOp, ShardReplyBody};
 use kvshard_transport::shard::{run_shard, ShardBacking, ShardConfig};
@@ -45,8 +46,24 @@ fn key(i: u64) -> ObjectKey {
     }
 }
 
-#[test]
-fn a_saturated_shard_still_ticks() {
+/// A request for the shard's status report; `seq` 0 asks for no reply.
+fn status(seq: u64) -> ShardMsg {
+    ShardMsg {
+        seq,
+        op: ShardOp::Status,
+    }
+}
+
+/// Starts a shard holding [`OBJECTS`] objects, polling an empty mailbox for
+/// `spin` before parking, after `prefill` has queued its first requests.
+fn start_shard(
+    spin: Duration,
+    prefill: impl FnOnce(&MailboxSender<ShardMsg>),
+) -> (
+    MailboxSender<ShardMsg>,
+    NotifyReceiver<FrontEvent>,
+    ShardHandle,
+) {
     let capacity = OBJECTS * OBJECT_BYTES * 2;
     let arena = Arc::new(
         Arena::create(&ArenaConfig {
@@ -59,7 +76,7 @@ fn a_saturated_shard_still_ticks() {
         .unwrap(),
     );
     let (tx, rx) = mailbox::<ShardMsg>(MAILBOX_DEPTH);
-    let (replies_tx, mut replies) = notify_queue::<FrontEvent>();
+    let (replies_tx, replies) = notify_queue::<FrontEvent>();
     let (ready_tx, ready) = std::sync::mpsc::channel();
     let cfg = ShardConfig {
         id: 0,
@@ -68,28 +85,10 @@ fn a_saturated_shard_still_ticks() {
         lock_memory: false,
         // Due at once: only the shard's own scheduling keeps a tick waiting.
         eviction_interval: Duration::from_millis(1),
+        spin,
     };
     let backing = ShardBacking::Memory(arena);
-    // Full before the shard starts: its first tick is due only after it has
-    // begun taking requests, and from then on it always has more queued.
-    let status = |seq| ShardMsg {
-        seq,
-        op: ShardOp::Status,
-    };
-    let mut next = {
-        let mut n = 0u64;
-        move || {
-            n += 1;
-            if n % REPLY_EVERY == 0 {
-                n
-            } else {
-                0
-            }
-        }
-    };
-    for _ in 0..MAILBOX_DEPTH {
-        assert!(tx.try_send(status(next())).is_ok());
-    }
+    prefill(&tx);
     let shard = spawn_shard(0, None, "kvs-yield-test".into(), move || async move {
         let alloc = SlabAllocator::new(0, capacity, OBJECT_BYTES);
         let mut l1 = L1Shard::new(
@@ -108,13 +107,50 @@ fn a_saturated_shard_still_ticks() {
     })
     .unwrap();
     assert_eq!(ready.recv().unwrap(), Ok(()));
+    (tx, replies, shard)
+}
+
+/// The tick counts of the status reports among `events`.
+fn ticks_reported(
+    replies: &mut NotifyReceiver<FrontEvent>,
+    events: &mut Vec<FrontEvent>,
+) -> Vec<u64> {
+    replies.drain(events);
+    events
+        .drain(..)
+        .filter_map(|e| match e {
+            FrontEvent::Shard(r) => match r.body {
+                ShardReplyBody::Status(report) => Some(report.stats.eviction_loop_ticks),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_saturated_shard_still_ticks() {
+    // The n-th flooded request; every REPLY_EVERY-th asks for a reply.
+    let nth = |n: u64| status(if n % REPLY_EVERY == 0 { n } else { 0 });
+    // Full before the shard starts: its first tick is due only after it has
+    // begun taking requests, and from then on it always has more queued.
+    let (tx, mut replies, shard) = start_shard(Duration::ZERO, |tx| {
+        for n in 1..=MAILBOX_DEPTH as u64 {
+            assert!(tx.try_send(nth(n)).is_ok());
+        }
+    });
+    let mut n = MAILBOX_DEPTH as u64;
+    let mut next = move || {
+        n += 1;
+        nth(n)
+    };
 
     let stop = Arc::new(AtomicBool::new(false));
     let flood = {
         let stop = stop.clone();
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                let mut msg = status(next());
+                let mut msg = next();
                 loop {
                     match tx.try_send(msg) {
                         Ok(()) => break,
@@ -136,19 +172,33 @@ fn a_saturated_shard_still_ticks() {
     let mut events = Vec::new();
     let (mut first, mut latest) = (None, 0);
     wait_until("ticks of a shard kept saturated", || {
-        replies.drain(&mut events);
-        for e in events.drain(..) {
-            if let FrontEvent::Shard(r) = e {
-                if let ShardReplyBody::Status(report) = r.body {
-                    let ticks = report.stats.eviction_loop_ticks;
-                    first.get_or_insert(ticks);
-                    latest = ticks;
-                }
-            }
+        for ticks in ticks_reported(&mut replies, &mut events) {
+            first.get_or_insert(ticks);
+            latest = ticks;
         }
         first.is_some_and(|f| latest >= f + 2)
     });
     stop.store(true, Ordering::Relaxed);
     flood.join().unwrap();
+    shard.join().unwrap();
+}
+
+/// A shard told to spin (`--spin-us`) on an empty mailbox takes requests as
+/// they come and still runs its ticker: the spin yields to the shard's other
+/// tasks. The spin here outlasts the test, so the shard never parks.
+#[test]
+fn a_spinning_shard_answers_and_ticks() {
+    let (tx, mut replies, shard) = start_shard(Duration::from_secs(3600), |_| {});
+    let mut events = Vec::new();
+    let mut seen = Vec::new();
+    let mut seq = 0;
+    wait_until("a spinning shard's reports, its ticks advancing", || {
+        seq += 1;
+        assert!(tx.try_send(status(seq)).is_ok());
+        std::thread::sleep(Duration::from_millis(20));
+        seen.extend(ticks_reported(&mut replies, &mut events));
+        seen.len() >= 2 && seen.last() >= Some(&(seen[0] + 2))
+    });
+    drop(tx);
     shard.join().unwrap();
 }

@@ -11,8 +11,10 @@ CSV (and a PNG when matplotlib can be had).
 
 Fails (exit 1) if RSS outside the arena grows by more than 5% from the end
 of the warm-up to the end, if a lock count is not back to 0 once the clients
-stopped and the TTLs ran out, if any loadgen that ran to its end read a wrong
-byte or saw a request fail or go unanswered, or if the server died.
+stopped and the TTLs ran out, if the instances of a killed client (which
+pinged, as vLLM workers do) were not reaped by then, if any loadgen that ran
+to its end read a wrong byte or saw a request fail or go unanswered, or if the
+server died.
 
 Usage: tools/soak.sh MINUTES [OUTDIR]   (the shell wrapper builds the binary)
        python3 tools/soak.py --bin PATH --minutes M [--out DIR]
@@ -35,6 +37,7 @@ SAMPLE_SECONDS = 5
 KILL_EVERY_SECONDS = 60
 BAD_FRAMES_EVERY_SECONDS = 3
 LOADGENS = 4
+INSTANCES_PER_LOADGEN = 2
 # Locks, sessions and silent workers of killed clients expire after this.
 TTL_SECONDS = 30
 
@@ -139,6 +142,7 @@ class Soak:
         # How many times each slot was started: a restarted slot registers new
         # instance ids, so the killed one's go silent and are reaped.
         self.starts = {}
+        self.kills = 0
         self.reports = []
         self.failures = []
 
@@ -176,7 +180,7 @@ class Soak:
         self.starts[slot] = start + 1
         cmd = [
             self.args.bin, "loadgen", "--url", f"tcp://127.0.0.1:{self.port}",
-            "--instances", "2", "--duration", str(max(1, int(seconds))),
+            "--instances", str(INSTANCES_PER_LOADGEN), "--duration", str(max(1, int(seconds))),
             "--prompts", "340", "--zipf", "0.6", "--prompt-tokens", "2048",
             "--system-prompts", "4", "--system-prompt-tokens", "1024",
             "--first-instance-id", str(10_000 * (slot + 1) + 100 * start),
@@ -219,6 +223,8 @@ class Soak:
             "status_ms": round(latency * 1000, 2),
             # Objects read-locked while they are written behind to L2.
             "l2_inflight_store_mib": round(metric_sum(self.http, "kvshard_l2_inflight_store_bytes") / 2**20, 1),
+            # Instances of killed clients the server reaped for their silence.
+            "reaped_workers": int(metric_sum(self.http, "kvshard_reaped_workers_total")),
             "l2_store_backlog_chunks": int(
                 metric_sum(self.http, "lmcache_mp_l2_store_submitted_objects_chunks_total")
                 - metric_sum(self.http, "lmcache_mp_l2_store_completed_objects_chunks_total")),
@@ -238,7 +244,7 @@ class Soak:
         with open(csv_path, "w", newline="") as f:
             fields = ["seconds", "rss_outside_arena_mib", "open_fds", "cpu_seconds", "l1_usage",
                       "objects", "read_locked", "write_locked", "status_ms",
-                      "l2_inflight_store_mib", "l2_store_backlog_chunks"]
+                      "l2_inflight_store_mib", "l2_store_backlog_chunks", "reaped_workers"]
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             next_sample = next_kill = next_bad = t0
@@ -256,6 +262,7 @@ class Soak:
                     p = self.loadgens[victim]
                     p.kill()
                     p.communicate()
+                    self.kills += 1
                     left = total - (now - t0)
                     if left > 5:
                         self.start_loadgen(victim, left)
@@ -272,16 +279,21 @@ class Soak:
                 except subprocess.TimeoutExpired:
                     p.kill()
                 self.collect(slot, p)
-            # Locks of killed clients run out with their TTLs; then every count is 0.
+            # Locks of killed clients run out with their TTLs, and their
+            # instances (which pinged) are reaped; then every count is 0.
             deadline = time.monotonic() + 3 * TTL_SECONDS + 30
+            killed_instances = INSTANCES_PER_LOADGEN * self.kills
             while self.server.poll() is None:
                 row = self.sample(w, t0)
                 rows.append(row)
-                if row["read_locked"] == 0 and row["write_locked"] == 0:
+                if (row["read_locked"] == 0 and row["write_locked"] == 0
+                        and row["reaped_workers"] >= killed_instances):
                     break
                 if time.monotonic() > deadline:
-                    self.failures.append(f"locks still held {3 * TTL_SECONDS + 30} s after the load: "
-                                         f"{row['read_locked']} read, {row['write_locked']} write")
+                    self.failures.append(
+                        f"{3 * TTL_SECONDS + 30} s after the load: {row['read_locked']} read and "
+                        f"{row['write_locked']} write locks held, {row['reaped_workers']} of the "
+                        f"{killed_instances} killed instances reaped")
                     break
                 time.sleep(SAMPLE_SECONDS)
         self.judge(rows)
@@ -312,6 +324,9 @@ class Soak:
             "requests": sum(r["requests"] for r in self.reports),
             "wrong_chunks": sum(r["wrong_chunks"] for r in self.reports),
             "failed": sum(r["failed"] for r in self.reports),
+            "loadgens_killed": self.kills,
+            "instances_reaped": rows[-1]["reaped_workers"],
+            "max_read_locked_after_warmup": max(r["read_locked"] for r in loaded[len(loaded) // 5:]),
         }
         if growth > 0.05:
             self.failures.append(f"RSS outside the arena grew {100 * growth:.1f}% after warm-up "

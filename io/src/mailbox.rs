@@ -232,6 +232,8 @@ pub struct MailboxReceiver<T> {
     wake_rx: OwnedFd,
     /// A park failed once already (logged; now polling).
     park_failed: bool,
+    /// How long to poll an empty queue before parking (see [`MailboxReceiver::set_spin`]).
+    spin: std::time::Duration,
 }
 
 impl<T> Drop for MailboxReceiver<T> {
@@ -286,6 +288,7 @@ pub fn try_mailbox<T: Send>(capacity: usize) -> io::Result<(MailboxSender<T>, Ma
             wake,
             wake_rx: rd,
             park_failed: false,
+            spin: std::time::Duration::ZERO,
         },
     ))
 }
@@ -322,12 +325,48 @@ impl<T: Send> MailboxReceiver<T> {
         self.recv_inner(Some(parker)).await
     }
 
+    /// Poll an empty queue for `spin` before parking, yielding to the
+    /// executor's other tasks every few checks. A message that arrives
+    /// meanwhile is taken without the park's wake-up: no syscall on either
+    /// side and no sleep. Worth it only on a core the executor has to itself.
+    pub fn set_spin(&mut self, spin: std::time::Duration) {
+        self.spin = spin;
+    }
+
+    /// Polls the queue until `spin` has passed; `None` if nothing came.
+    async fn spin_for_message(&mut self) -> Option<Option<T>> {
+        let until = std::time::Instant::now() + self.spin;
+        let mut checks = 0u32;
+        loop {
+            match self.rx.try_recv() {
+                Ok(m) => return Some(Some(m)),
+                Err(TryRecvError::Disconnected) => return Some(None),
+                Err(TryRecvError::Empty) => {}
+            }
+            checks = checks.wrapping_add(1);
+            if checks % 64 == 0 {
+                if std::time::Instant::now() >= until {
+                    return None;
+                }
+                // The ticker, L2 and copy tasks keep running while this spins.
+                futures_lite::future::yield_now().await;
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
     async fn recv_inner(&mut self, mut parker: Option<&mut Parker>) -> Option<T> {
         loop {
             match self.rx.try_recv() {
                 Ok(m) => return Some(m),
                 Err(TryRecvError::Disconnected) => return None,
                 Err(TryRecvError::Empty) => {}
+            }
+            if !self.spin.is_zero() {
+                if let Some(got) = self.spin_for_message().await {
+                    return got;
+                }
             }
             // Publish "sleeping", then look again: a sender that pushed before
             // seeing the flag is caught by this second look.
@@ -465,6 +504,18 @@ impl<T: Send> NotifyReceiver<T> {
     /// item left (a harmless spurious wake); `drain` clears it.
     pub fn fd(&self) -> RawFd {
         self.wake.fd.as_raw_fd()
+    }
+
+    /// Move every pending item into `out` while the consumer is busy polling:
+    /// producers skip the wake-up signal until the next [`NotifyReceiver::drain`],
+    /// which the consumer must call before it sleeps on [`NotifyReceiver::fd`].
+    pub fn take_awake(&mut self, out: &mut Vec<T>) -> usize {
+        self.wake.sleeping.store(false, Ordering::SeqCst);
+        let before = out.len();
+        while let Ok(item) = self.rx.try_recv() {
+            out.push(item);
+        }
+        out.len() - before
     }
 
     /// Clear the wake state, then move every pending item into `out` (in send

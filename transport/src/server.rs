@@ -222,6 +222,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             slice_offset: offset,
             lock_memory,
             eviction_interval: Duration::from_secs(1),
+            spin: cfg.spin,
         };
         let l2 = (cfg.l2.clone(), n);
         let ready = ready_tx.clone();

@@ -247,6 +247,8 @@ pub struct FrontLoop {
     front: Front,
     socket: Rc<zmq::Socket>,
     events: NotifyReceiver<FrontEvent>,
+    /// How long to poll for work before sleeping in `zmq::poll` (`--spin-us`).
+    spin: Duration,
 }
 
 impl FrontLoop {
@@ -259,10 +261,40 @@ impl FrontLoop {
     ) -> Self {
         let socket = Rc::new(socket);
         let port = Box::new(ZmqPort(socket.clone()));
+        let spin = cfg.spin;
         FrontLoop {
             front: Front::new(cfg, setup, port, Box::new(SystemClock), shards),
             socket,
             events,
+            spin,
+        }
+    }
+
+    /// Polls the event queue and the socket until `spin` has passed, moving
+    /// events into `events`; whether there is work. Shards skip the eventfd
+    /// write meanwhile (see [`NotifyReceiver::take_awake`]).
+    fn spin_for_work(&mut self, events: &mut Vec<FrontEvent>) -> bool {
+        let until = Instant::now() + self.spin;
+        let mut checks = 0u32;
+        loop {
+            if self.events.take_awake(events) > 0 {
+                return true;
+            }
+            checks = checks.wrapping_add(1);
+            if checks % 16 == 0 {
+                // ZMQ_EVENTS: whether a message is ready, without waiting.
+                if self
+                    .socket
+                    .get_events()
+                    .is_ok_and(|e| e.contains(zmq::POLLIN))
+                {
+                    return true;
+                }
+                if Instant::now() >= until {
+                    return false;
+                }
+            }
+            std::hint::spin_loop();
         }
     }
 
@@ -270,7 +302,19 @@ impl FrontLoop {
     pub fn run(&mut self, stop: &AtomicBool) {
         let mut events: Vec<FrontEvent> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
-            let timeout_ms = self.front.poll_timeout_ms();
+            let mut timeout_ms = self.front.poll_timeout_ms();
+            if !self.spin.is_zero() && timeout_ms != 0 {
+                let found = self.spin_for_work(&mut events);
+                // Re-arm the eventfd before sleeping on it, taking what came
+                // while the shards were told not to signal.
+                self.events.drain(&mut events);
+                if found || !events.is_empty() {
+                    timeout_ms = 0;
+                }
+                for ev in events.drain(..) {
+                    self.front.on_event(ev);
+                }
+            }
             let (sock_ready, ev_ready) = {
                 let mut items = [
                     self.socket.as_poll_item(zmq::POLLIN),

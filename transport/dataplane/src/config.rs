@@ -321,6 +321,9 @@ pub struct ServerConfig {
     pub cuda_transfer: bool,
     /// HTTP API connections kept open at once (`--http-max-connections`).
     pub http_max_connections: usize,
+    /// How long shards and the front poll for their next piece of work
+    /// before sleeping (`--spin-us`); zero sleeps at once.
+    pub spin: Duration,
 }
 
 impl ServerConfig {
@@ -381,6 +384,7 @@ impl ServerConfig {
             max_frame_bytes: 512 << 20,
             cuda_transfer: true,
             http_max_connections: 1024,
+            spin: Duration::ZERO,
         }
     }
 

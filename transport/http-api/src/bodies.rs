@@ -44,7 +44,7 @@ pub struct Checksums {
 /// `json.loads`: like serde_json, plus Python's bare `NaN`, `Infinity` and
 /// `-Infinity`, which are turned into strings that read back as the same floats
 /// wherever 0.5.6 then calls `float()`.
-pub fn python_json(body: &[u8]) -> Result<Value, serde_json::Error> {
+fn python_json(body: &[u8]) -> Result<Value, serde_json::Error> {
     match serde_json::from_slice(body) {
         Ok(v) => Ok(v),
         Err(first) => {

@@ -38,6 +38,8 @@ pub struct ShardConfig {
     pub slice_offset: u64,
     pub lock_memory: bool,
     pub eviction_interval: Duration,
+    /// How long to poll an empty mailbox before parking (`--spin-us`).
+    pub spin: Duration,
 }
 
 /// What holds a shard's L1 objects, as the server hands it to the shard.
@@ -583,6 +585,7 @@ pub async fn run_shard(
 ) {
     let id = cfg.id;
     let interval = cfg.eviction_interval;
+    rx.set_spin(cfg.spin);
     let initial = l1.usage().1;
     let l2 = match L2Shard::new(&l2.0, id, l2.1) {
         Ok(built) => {
