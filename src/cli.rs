@@ -761,7 +761,7 @@ pub struct KvshardArgs {
     /// piece of work before they sleep. A request that arrives meanwhile costs no wake-up (no
     /// syscall, no scheduler latency), at the price of a busy core for that long after each
     /// piece of work. 0 sleeps at once. Worth it only where each shard and the front have a core
-    /// to themselves (tools/deploy's plan sets 100); on shared cores it takes time from vLLM.
+    /// to themselves (tools/deploy's plan sets 1000); on shared cores it takes time from vLLM.
     #[arg(
         long,
         value_name = "US",

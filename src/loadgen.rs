@@ -935,9 +935,9 @@ impl Instance {
         (stats, timed)
     }
 
-    /// `ping(instance_id)` for every rank; false (an error recorded) if one
-    /// was not answered True.
-    fn ping(&self, conn: &mut Conn, stats: &mut Stats) -> bool {
+    /// `ping(instance_id)` for every rank, stopping at (and recording) the
+    /// first that is not answered True.
+    fn ping(&self, conn: &mut Conn, stats: &mut Stats) {
         for r in 0..self.args.tp {
             let iid = self.iid(r);
             let problem = match conn.call(OP_PING, &[enc_int(iid)]) {
@@ -950,9 +950,8 @@ impl Instance {
                 Err(CallError::Bad(e)) => e,
             };
             stats.error(format!("instance {}: ping({iid}): {problem}", self.index));
-            return false;
+            return;
         }
-        true
     }
 
     fn set_up(&self) -> Result<(Conn, Mem), String> {
