@@ -85,11 +85,11 @@ struct Inflight {
 }
 
 enum InflightKind {
+    /// A lookup's first phase. Its ack went out when the shards were sent
+    /// their parts; a status query meanwhile is held until this completes, so
+    /// the client's first poll finds the L1 result (the 0.5.6 bench client
+    /// sleeps 50 ms after a poll that finds the prefetch still running).
     Lookup {
-        /// The lookup's ack goes out once its L1 result is known, so the client's
-        /// first status poll finds it (the 0.5.6 bench client sleeps 50 ms after a
-        /// poll that finds the prefetch still running).
-        ack: ReplyTo,
         /// What was asked (its `found` is filled in as the shards answer).
         lookup: PendingLoad,
     },
@@ -449,6 +449,11 @@ pub struct Front {
 }
 
 const SESSION_SWEEP: Duration = Duration::from_secs(60);
+
+/// The longest a `query_prefetch_status` is held for a lookup's first phase
+/// (the shards' L1 reservation and L2 existence check) before it is answered
+/// "still running". Far below a client's request timeout.
+const FIRST_PHASE_HOLD: Duration = Duration::from_secs(1);
 /// Objects (chunks x kv ranks) one request may address: bounds the memory and
 /// shard work of a single request (a 128k-token context of 256-token chunks at
 /// world size 8 is 4096).
@@ -805,7 +810,9 @@ impl Front {
             }
             Request::Clear { force } => self.clear(Some(to), None, force),
             Request::Lookup { key, .. } => self.lookup(to, key, now),
-            Request::QueryPrefetchStatus { request_id } => self.query_prefetch(to, &request_id),
+            Request::QueryPrefetchStatus { request_id } => {
+                self.query_prefetch(to, &request_id, now)
+            }
             Request::WaitPrefetchStatus {
                 request_id,
                 timeout_seconds,
@@ -1270,11 +1277,8 @@ impl Front {
 
     fn complete(&mut self, seq: Seq, kind: InflightKind) {
         match kind {
-            InflightKind::Lookup { ack, lookup } => {
-                let waiting = self.finish_lookup(seq, lookup);
-                // The ack goes first, as it would have without the waiters.
-                self.reply(&ack, None);
-                if let Some((waiters, hits)) = waiting {
+            InflightKind::Lookup { lookup } => {
+                if let Some((waiters, hits)) = self.finish_lookup(seq, lookup) {
                     self.answer_waiters(waiters, hits);
                 }
             }
@@ -1631,7 +1635,6 @@ impl Front {
             .collect();
         let size = layout.bytes;
         let kind = InflightKind::Lookup {
-            ack: to,
             lookup: PendingLoad {
                 request_id: rid.clone(),
                 job_seq: seq,
@@ -1655,6 +1658,9 @@ impl Front {
             "a non-empty lookup always involves a shard"
         );
         self.set_job(rid, Some(seq));
+        // The job is registered, so a status query after this ack is held
+        // until the shards answer instead of finding no job.
+        self.reply(&to, None);
     }
 
     /// First half of a finished lookup: plans the prefix from L1 and L2 hits,
@@ -1682,6 +1688,10 @@ impl Front {
         if p.found.iter().all(|f| *f == FOUND_L1) {
             self.grant_lease(&p);
             return self.conclude_lookup(&p.request_id, prefix, nr, 0);
+        }
+        // Status queries held through the first phase learn the job runs on.
+        for to in self.jobs.begin_load(&p.request_id) {
+            self.reply(&to, None);
         }
         if self.loads_inflight < self.cfg.l2.prefetch_max_in_flight {
             self.start_load(p);
@@ -1864,10 +1874,16 @@ impl Front {
         }
     }
 
-    fn query_prefetch(&mut self, to: ReplyTo, rid: &str) {
+    fn query_prefetch(&mut self, to: ReplyTo, rid: &str, now: Instant) {
         match self.jobs.get(rid) {
             None => self.reply(&to, Some(wire::encode_int(0))),
-            Some(Job::Pending { .. }) => self.reply(&to, None),
+            Some(Job::Pending { .. }) => {
+                // In the first phase the answer is the shards' hop away: hold
+                // the query for it. Loading from L2: still running.
+                if let Err(to) = self.jobs.hold(rid, to, now + FIRST_PHASE_HOLD) {
+                    self.reply(&to, None);
+                }
+            }
             Some(Job::Done { hit_chunks }) => {
                 let n = *hit_chunks;
                 self.jobs.remove(rid);
@@ -1883,10 +1899,10 @@ impl Front {
             Duration::ZERO
         };
         if wait.is_zero() {
-            return self.query_prefetch(to, rid);
+            return self.query_prefetch(to, rid, now);
         }
         if let Err(to) = self.jobs.park(rid, to, now + wait) {
-            self.query_prefetch(to, rid);
+            self.query_prefetch(to, rid, now);
         }
     }
 

@@ -5,7 +5,9 @@
 //! engine_driven flows (store, lookup + status + retrieve, end of session),
 //! junk frames and unknown ops interleave with shard replies delivered in
 //! random order across shards. Checked: every request gets exactly one reply
-//! carrying its uid, lookups report hits between what was committed when they
+//! carrying its uid, a status query after a lookup's ack gets the lookup's
+//! result (never "running": with no L2 the lookup has only the phase the
+//! query is held through), lookups report hits between what was committed when they
 //! were sent and what could have been by their reply, the front never
 //! releases a read lock it does not hold, and once every session ended no
 //! read lock or staged write is left on any shard.
@@ -450,7 +452,9 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
                     Some((Step::Status, OP_QUERY_PREFETCH_STATUS))
                 }
                 Step::Status => match as_int(&reply) {
-                    None => Some((Step::Status, OP_QUERY_PREFETCH_STATUS)),
+                    // Nothing is in L2 here, so a lookup has one phase, and a
+                    // status query is held until it ends.
+                    None => panic!("seed {seed}: status of {} answered while running", f.rid),
                     Some(hits) => {
                         let hits = hits as usize;
                         let hi = committed[f.p].max(storing[f.p].unwrap_or(0)).min(f.n);

@@ -4,18 +4,27 @@
 //!
 //! Parked callers are also indexed by deadline, so the front finds the next
 //! deadline and the expired callers without walking the jobs.
+//!
+//! A lookup is acked as soon as its shards have it, and runs in two phases:
+//! the shards' L1 reservation and L2 existence check, then (for L2 hits) the
+//! loads into L1. A `query_prefetch_status` that arrives during the first
+//! phase is held until that phase ends (see [`PrefetchJobs::hold`]), so the
+//! client's first poll after the ack finds an L1 result instead of "running".
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use kvshard_dataplane::messages::{ReplyTo, Seq};
 
-/// A `wait_prefetch_status` caller parked on a pending job.
+/// A caller parked on a pending job: a `wait_prefetch_status`, or a
+/// `query_prefetch_status` held through the lookup's first phase.
 pub struct Waiter {
     pub to: ReplyTo,
     pub deadline: Instant,
     /// Key of the waiter in `PrefetchJobs::deadlines` with `deadline`.
     id: u64,
+    /// Held only until the lookup's first phase ends ([`PrefetchJobs::hold`]).
+    first_phase: bool,
 }
 
 /// A lookup's result as `query_prefetch_status` sees it.
@@ -25,6 +34,8 @@ pub enum Job {
     Pending {
         seq: Seq,
         waiters: Vec<Waiter>,
+        /// The first phase is over and L2 hits are loading into L1.
+        loading: bool,
     },
     Done {
         hit_chunks: i64,
@@ -70,7 +81,14 @@ impl PrefetchJobs {
             Some(Job::Pending { waiters, .. }) => waiters,
             _ => Vec::new(),
         };
-        self.jobs.insert(rid, Job::Pending { seq, waiters });
+        self.jobs.insert(
+            rid,
+            Job::Pending {
+                seq,
+                waiters,
+                loading: false,
+            },
+        );
     }
 
     /// Sets the job of `rid` to a result. Returns the waiters of the pending
@@ -101,12 +119,54 @@ impl PrefetchJobs {
     /// Parks `to` on the pending job of `rid` until `deadline`; gives `to` back
     /// if `rid` has no pending job.
     pub fn park(&mut self, rid: &str, to: ReplyTo, deadline: Instant) -> Result<(), ReplyTo> {
+        self.add_waiter(rid, to, deadline, false)
+    }
+
+    /// Holds `to` on the pending job of `rid` until its first phase ends (the
+    /// job concludes, or [`PrefetchJobs::begin_load`] hands it back) or until
+    /// `deadline`. Gives `to` back if `rid` has no job in its first phase.
+    pub fn hold(&mut self, rid: &str, to: ReplyTo, deadline: Instant) -> Result<(), ReplyTo> {
+        self.add_waiter(rid, to, deadline, true)
+    }
+
+    /// Marks the pending job of `rid` as loading (its first phase is over) and
+    /// returns the callers [`PrefetchJobs::hold`] held; the caller answers them.
+    pub fn begin_load(&mut self, rid: &str) -> Vec<ReplyTo> {
+        let Some(Job::Pending {
+            waiters, loading, ..
+        }) = self.jobs.get_mut(rid)
+        else {
+            return Vec::new();
+        };
+        *loading = true;
+        let (held, parked): (Vec<Waiter>, Vec<Waiter>) = std::mem::take(waiters)
+            .into_iter()
+            .partition(|w| w.first_phase);
+        *waiters = parked;
+        self.unindex(&held);
+        held.into_iter().map(|w| w.to).collect()
+    }
+
+    fn add_waiter(
+        &mut self,
+        rid: &str,
+        to: ReplyTo,
+        deadline: Instant,
+        first_phase: bool,
+    ) -> Result<(), ReplyTo> {
         match self.jobs.get_mut(rid) {
-            Some(Job::Pending { waiters, .. }) => {
+            Some(Job::Pending {
+                waiters, loading, ..
+            }) if !(first_phase && *loading) => {
                 let id = self.next_waiter;
                 self.next_waiter += 1;
                 self.deadlines.insert((deadline, id), rid.to_owned());
-                waiters.push(Waiter { to, deadline, id });
+                waiters.push(Waiter {
+                    to,
+                    deadline,
+                    id,
+                    first_phase,
+                });
                 Ok(())
             }
             _ => Err(to),
@@ -208,5 +268,35 @@ mod tests {
         j.start("c".into(), 8);
         assert_eq!(j.retain_done(|_| false), 1);
         assert_eq!(j.len(), 1);
+    }
+
+    #[test]
+    fn a_held_query_leaves_when_the_first_phase_ends() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut j = PrefetchJobs::default();
+        assert!(j.hold("a", to(0), t0 + s).is_err(), "no job: not held");
+        j.start("a".into(), 1);
+        assert!(j.hold("a", to(1), t0 + s).is_ok());
+        assert!(j.park("a", to(2), t0 + 2 * s).is_ok());
+        assert!(j.hold("a", to(3), t0 + 3 * s).is_ok());
+        assert_eq!(j.num_waiters(), 3);
+        // L2 hits start loading: the held queries go, the parked wait stays.
+        assert_eq!(ids(&j.begin_load("a")), vec![1, 3]);
+        assert_eq!(j.num_waiters(), 1);
+        assert_eq!(j.next_deadline(), Some(t0 + 2 * s));
+        assert!(j.hold("a", to(4), t0 + s).is_err(), "loading: not held");
+        assert!(j.park("a", to(5), t0 + s).is_ok(), "loading: still parked");
+        assert!(j.begin_load("a").is_empty());
+        // A new lookup of the request is in its first phase again.
+        j.start("a".into(), 2);
+        assert!(j.hold("a", to(6), t0 + s).is_ok());
+        let w = j.finish("a".into(), 4);
+        assert_eq!(
+            w.iter().map(|w| w.to.identity[0]).collect::<Vec<_>>(),
+            vec![2, 5, 6]
+        );
+        assert_eq!(j.num_waiters(), 0);
+        assert!(j.begin_load("b").is_empty(), "no job: nothing held");
     }
 }
