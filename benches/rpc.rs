@@ -215,6 +215,8 @@ impl Echo {
             let _ctx = ctx;
             while !flag.load(Ordering::Relaxed) {
                 if let Ok(mut frames) = router.recv_multipart(0) {
+                    // [identity, uid, op] and a short answer, whatever came after.
+                    frames.truncate(3);
                     frames.push(vec![0xa2, b'O', b'K']);
                     router.send_multipart(frames, 0).unwrap();
                 }
@@ -236,6 +238,17 @@ impl Echo {
         for _ in 0..n {
             let t = Instant::now();
             self.c.noop_ok();
+            h.record(t.elapsed().as_nanos() as u64).unwrap();
+        }
+    }
+
+    /// `n` echo round trips of the request `frames` (the op first), each
+    /// answered with the echo's short reply, recorded into `h`.
+    fn sample_frames(&mut self, n: usize, frames: &[Vec<u8>], h: &mut Histogram<u64>) {
+        for _ in 0..n {
+            let f = frames.to_vec();
+            let t = Instant::now();
+            call_frames(&mut self.c, f);
             h.record(t.elapsed().as_nanos() as u64).unwrap();
         }
     }
@@ -264,6 +277,10 @@ struct RoundTrips {
     echo_noop: Histogram<u64>,
     echo_store: Histogram<u64>,
     echo_lookup: Histogram<u64>,
+    /// The echo of a request carrying a 2048-token key (a lookup's frames),
+    /// sampled beside lookup and retrieve: what such a request costs the
+    /// transport alone.
+    echo_sized: Histogram<u64>,
 }
 
 /// noop, prepare+commit store, lookup+status and prepare+commit retrieve, one
@@ -272,6 +289,7 @@ struct RoundTrips {
 fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     let mut echo = Echo::start();
     let (mut echo_noop, mut echo_store, mut echo_lookup) = (hist(), hist(), hist());
+    let mut echo_sized = hist();
     let flags = server_flags(&[
         "--chunk-size",
         "256",
@@ -366,6 +384,9 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
             OP_LOOKUP,
             &[&key_frame_enc("bench", None, &toks, end, &rid), &one],
         );
+        if i % (n_lookup / ECHO_BLOCKS) == 0 {
+            echo.sample_frames(n_lookup / ECHO_BLOCKS, &lookup, &mut echo_sized);
+        }
         let t = Instant::now();
         assert_eq!(call_frames(&mut c, lookup), None);
         let looked_up = t.elapsed();
@@ -401,6 +422,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         echo_noop,
         echo_store,
         echo_lookup,
+        echo_sized,
     }
 }
 
@@ -431,6 +453,7 @@ fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>, hop:
     report("echo beside noop", &rt.echo_noop);
     report("echo beside prepare+commit store", &rt.echo_store);
     report("echo beside lookup and retrieve", &rt.echo_lookup);
+    report("echo of a 2048-token request", &rt.echo_sized);
     println!(
         "ratios use the echo sampled in {ECHO_BLOCKS} blocks alternating with the measured \
          operation (same machine load); the runs before and after are for reference"
@@ -484,6 +507,32 @@ fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>, hop:
         println!(
             "over that floor  {name:<24} p50 {:>5.2}x",
             h.value_at_quantile(0.5) as f64 / (hop50 + echo50)
+        );
+    }
+    // Every request of those but the status carries the 2048-token key
+    // (about 8 KiB): that much more for the transport to move, with no
+    // server work. Lookup+status: a sized echo and a plain one; prepare+commit:
+    // two sized echoes (the hop of the store's prepare on top).
+    let plain50 = rt.echo_lookup.value_at_quantile(0.5) as f64;
+    let sized50 = rt.echo_sized.value_at_quantile(0.5) as f64;
+    println!(
+        "payload: an echo of a 2048-token request takes {:.1}us more than a plain echo at p50 \
+         ({:.2}x it)",
+        (sized50 - plain50) / 1e3,
+        sized50 / plain50
+    );
+    for (name, h, floor) in [
+        ("lookup+status", &rt.lookup, sized50 + plain50),
+        (
+            "prepare+commit store",
+            &rt.store,
+            2.0 * sized50 + hop50 - echo50,
+        ),
+        ("prepare+commit retrieve", &rt.retrieve, 2.0 * sized50),
+    ] {
+        println!(
+            "over the echoes of the same requests  {name:<24} p50 {:>5.2}x",
+            h.value_at_quantile(0.5) as f64 / floor
         );
     }
 }

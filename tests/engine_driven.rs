@@ -355,3 +355,45 @@ fn a_reaped_worker_takes_its_lookup_locks_with_it() {
         Some(3.0)
     );
 }
+
+/// A worker's prepare_retrieve after a lookup is answered from the locks the
+/// lookup holds (no shard asked) and reads the stored bytes; after a forced
+/// clear between the lookup and the retrieve, it fails instead of naming
+/// memory that was freed, and a store into that memory is not handed out.
+#[test]
+fn retrieves_read_through_the_lookups_locks_until_a_forced_clear() {
+    let srv = Server::start(&["--cores", "0,1"]);
+    let from_lease = |srv: &Server| {
+        srv.metric("kvshard_prepare_retrieves_from_lease_total", &[])
+            .expect("kvshard_prepare_retrieves_from_lease_total exposed")
+    };
+    let mut c = srv.client();
+    let (name, size) = register(&mut c, 7, 1, false);
+    let mut pool = ShmMap::open(&name, size);
+    let toks = tokens(5, 4 * CS);
+    let stored = store_all(&mut c, &mut pool, 7, 1, 0, &toks, "s");
+    c.call(OP_END_SESSION, &[s("s")]);
+    assert_eq!(from_lease(&srv), 0.0);
+
+    assert_eq!(lookup(&mut c, 1, &toks, "warm", 1), 4);
+    assert_eq!(retrieve_all(&mut c, &pool, 7, 1, 0, &toks, "warm"), stored);
+    assert_eq!(from_lease(&srv), 1.0, "answered from the lookup's locks");
+    c.call(OP_END_SESSION, &[s("warm")]);
+
+    // Looked up, then force-cleared and stored again with other bytes (which
+    // may land in the same slabs) before the worker asks.
+    assert_eq!(lookup(&mut c, 1, &toks, "cleared", 1), 4);
+    assert_eq!(c.call(OP_CLEAR, &[V::B(true)]), None);
+    register(&mut c, 8, 1, false);
+    let other = store_all(&mut c, &mut pool, 8, 1, 0, &toks, "s2");
+    assert_ne!(other, stored);
+    let end = (toks.len() / CS * CS) as i64;
+    let key = ipc_key("m", 1, Some(0), &toks, 0, end, "cleared", 1);
+    let r = c.call(OP_PREPARE_RETRIEVE, &[key, V::I(7)]).unwrap();
+    assert_eq!(
+        r.get("success"),
+        Some(&V::B(false)),
+        "the cleared lookup's locks are gone: {r:?}"
+    );
+    assert_eq!(from_lease(&srv), 1.0);
+}

@@ -28,7 +28,7 @@ use kvshard_dataplane::layout::Layout;
 use kvshard_dataplane::messages::{
     ControlBody, ControlRequest, ControlResponse, CudaEvent, FrontEvent, ReplyTo, Responder, Seq,
     ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome, FOUND_L1, FOUND_L2,
-    FOUND_MISS,
+    FOUND_MISS, NO_SLAB,
 };
 
 use crate::lookup_leases::{Grant, LeaseBook};
@@ -169,6 +169,8 @@ struct PendingLoad {
     keys: Vec<ObjectKey>,
     /// Per key: `shard_l2::FOUND_*`.
     found: Vec<u8>,
+    /// Per key: its slab's offset if an L1 hit, else `NO_SLAB`.
+    slabs: Vec<u64>,
     num_ranks: usize,
     world_size: u32,
     readers: u32,
@@ -176,6 +178,17 @@ struct PendingLoad {
     size: u64,
     /// When the lookup was sent to the shards (its read locks' TTL starts after).
     sent_at: Instant,
+}
+
+/// A `prepare_retrieve` whose objects are read-locked: see
+/// [`Front::hand_over_reads`].
+struct HandOver<'a> {
+    tkey: TransferKey,
+    request_id: &'a str,
+    /// The request's chunk index of `keys[0]`.
+    first_chunk: usize,
+    /// One per chunk, the worker's kv rank.
+    keys: Vec<ObjectKey>,
 }
 
 /// Limits and facts the front needs beyond the config.
@@ -418,6 +431,13 @@ pub struct Front {
     unwoken: Vec<usize>,
     /// Whether a shard is listed in `unwoken`.
     is_unwoken: Vec<bool>,
+    /// Per shard: messages that want no reply (releases, touches, finished
+    /// writes) sent since it was last woken, and when the first of them went.
+    /// They wait for the next message that wants a reply, for
+    /// [`LAZY_WAKE_AFTER`], or for [`LAZY_WAKE_BACKLOG`] of them, whichever
+    /// comes first: a client's fire-and-forget request then costs no
+    /// wake-up of its own. Ordering is unchanged (one mailbox per shard).
+    lazy: Vec<(u32, Option<Instant>)>,
     /// `--shard-queue-depth`: a shard has at most that many client requests
     /// in its mailbox and as many again in its overflow queue.
     overflow_bound: usize,
@@ -431,7 +451,7 @@ pub struct Front {
     checksum_threads: Arc<AtomicUsize>,
     inflight: HashMap<Seq, Inflight>,
     next_seq: Seq,
-    metrics: Metrics,
+    pub(crate) metrics: Metrics,
     unsupported_logged: HashSet<&'static str>,
     /// The lookup-hash log's writer thread (`--lookup-hash-log-dir`).
     lookup_log: Option<LookupLogWriter>,
@@ -454,6 +474,14 @@ const SESSION_SWEEP: Duration = Duration::from_secs(60);
 /// (the shards' L1 reservation and L2 existence check) before it is answered
 /// "still running". Far below a client's request timeout.
 const FIRST_PHASE_HOLD: Duration = Duration::from_secs(1);
+
+/// How long a message that wants no reply may wait in a shard's mailbox for
+/// the shard to be woken by something else (see `Front::lazy`); the loop's
+/// next timer pass after that wakes it (the poll then sleeps 1 ms at most).
+const LAZY_WAKE_AFTER: Duration = Duration::from_millis(1);
+
+/// Replyless messages for one shard that wake it without waiting.
+const LAZY_WAKE_BACKLOG: u32 = 32;
 /// Objects (chunks x kv ranks) one request may address: bounds the memory and
 /// shard work of a single request (a 128k-token context of 256-token chunks at
 /// world size 8 is 4096).
@@ -494,6 +522,7 @@ impl Front {
             overflowing: 0,
             unwoken: Vec::with_capacity(n),
             is_unwoken: vec![false; n],
+            lazy: vec![(0, None); n],
             overflow_bound: cfg.shard_queue_depth.max(1),
             dead: vec![false; n],
             dead_parts_pending: false,
@@ -551,6 +580,10 @@ impl Front {
         if let Some(d) = self.jobs.next_deadline() {
             next = next.min(d);
         }
+        if self.lazy.iter().any(|(_, since)| since.is_some()) {
+            // A replyless message waits for its shard's wake-up.
+            return 1;
+        }
         let ms = next.saturating_duration_since(now).as_millis();
         ms.clamp(1, 1000) as i64
     }
@@ -565,6 +598,7 @@ impl Front {
 
     fn timers(&mut self, now: Instant) {
         self.watch_shards();
+        self.lazy_due(now);
         if now >= self.next_log_flush {
             self.next_log_flush = now + Duration::from_secs(1);
             kvshard_io::log_limit::flush(now);
@@ -971,8 +1005,10 @@ impl Front {
                 return;
             }
         }
+        let wants_reply = msg.seq != 0;
         match self.shards[shard].try_send_unwoken(msg) {
-            Ok(()) => self.mark_unwoken(shard),
+            Ok(()) if wants_reply => self.mark_unwoken(shard),
+            Ok(()) => self.mark_lazy(shard),
             Err(SendError::Full(msg)) => {
                 self.metrics.mailbox_full += 1;
                 self.overflowing += 1;
@@ -992,11 +1028,36 @@ impl Front {
         }
     }
 
-    /// Wakes every shard sent a message since the last call.
+    /// Notes a message that wants no reply, queued for `shard` unwoken.
+    fn mark_lazy(&mut self, shard: usize) {
+        let (count, since) = &mut self.lazy[shard];
+        *count += 1;
+        since.get_or_insert_with(|| self.clock.now());
+        if *count >= LAZY_WAKE_BACKLOG {
+            self.mark_unwoken(shard);
+        }
+    }
+
+    /// Wakes every shard sent a message that wants a reply since the last
+    /// call, and those whose replyless messages waited long enough.
     fn wake_shards(&mut self) {
         for shard in self.unwoken.drain(..) {
             self.is_unwoken[shard] = false;
+            self.lazy[shard] = (0, None);
             self.shards[shard].wake();
+        }
+    }
+
+    /// Marks for waking the shards whose oldest replyless message was sent
+    /// [`LAZY_WAKE_AFTER`] before `now`.
+    fn lazy_due(&mut self, now: Instant) {
+        for shard in 0..self.lazy.len() {
+            if self.lazy[shard]
+                .1
+                .is_some_and(|since| since + LAZY_WAKE_AFTER <= now)
+            {
+                self.mark_unwoken(shard);
+            }
         }
     }
 
@@ -1333,18 +1394,14 @@ impl Front {
             } => {
                 let iid = tkey.instance_id;
                 if slabs.iter().all(Option::is_some) && !slabs.is_empty() {
-                    // One lock per key passes from the lookup to this transfer,
-                    // which commit_retrieve (or the worker's departure) releases.
-                    let chunks = keys.iter().enumerate().map(|(i, k)| (first_chunk + i, k));
-                    self.leases.released(&request_id, chunks, 1, Some(iid));
-                    let slots: Vec<_> = slabs
-                        .iter()
-                        .map(|s| layout.slot(s.as_ref().map_or(0, |s| s.offset)))
-                        .collect();
-                    if let Some(old) = self.registry.push_pending_read(tkey, keys) {
-                        self.post(old, |keys| ShardOp::Release { keys, count: 1 });
-                    }
-                    self.reply(&to, Some(wire::encode_prepare_retrieve_reply(true, &slots)));
+                    let offsets: Vec<u64> = slabs.iter().flatten().map(|s| s.offset).collect();
+                    let read = HandOver {
+                        tkey,
+                        request_id: &request_id,
+                        first_chunk,
+                        keys,
+                    };
+                    self.hand_over_reads(&to, read, &offsets, &layout);
                 } else {
                     // Not all read-locked: release this worker's share of what was found.
                     let chunks = keys
@@ -1640,6 +1697,7 @@ impl Front {
                 job_seq: seq,
                 keys: objs,
                 found: Vec::new(),
+                slabs: Vec::new(),
                 num_ranks,
                 world_size: key.world_size as u32,
                 readers,
@@ -1685,6 +1743,7 @@ impl Front {
         }
         p.keys.truncate(keep);
         p.found.truncate(keep);
+        p.slabs.truncate(keep);
         if p.found.iter().all(|f| *f == FOUND_L1) {
             self.grant_lease(&p);
             return self.conclude_lookup(&p.request_id, prefix, nr, 0);
@@ -1713,6 +1772,7 @@ impl Front {
             world_size: p.world_size,
             ranks: &ranks,
             keys: &p.keys,
+            slabs: &p.slabs,
             readers: p.readers,
             sent_at: p.sent_at,
         });
@@ -1843,6 +1903,7 @@ impl Front {
             .filter(|c| p.found[c * nr..(c + 1) * nr].iter().any(|f| *f >= FOUND_L2))
             .count();
         p.keys.truncate(keep);
+        p.slabs.truncate(keep);
         self.grant_lease(&p);
         self.conclude_lookup(&p.request_id, prefix, nr, l2_chunks)
     }
@@ -2229,13 +2290,29 @@ impl Front {
         if self.refused(&to, involved(&parts)) {
             return self.reply_failure(&to);
         }
+        let first_chunk = first_chunk_of(&key, self.cfg.chunk_size);
+        // The request's lookup holds these objects locked where it found them:
+        // no shard needs asking.
+        if let Some(offsets) = self
+            .leases
+            .readable(&key.request_id, first_chunk, &objs, now)
+        {
+            self.metrics.retrieves_from_lease += 1;
+            let read = HandOver {
+                tkey,
+                request_id: &key.request_id,
+                first_chunk,
+                keys: objs,
+            };
+            return self.hand_over_reads(&to, read, &offsets, &layout);
+        }
         let n = objs.len();
         let keys_ref = objs.clone();
         let kind = InflightKind::PrepareRetrieve {
             to,
             tkey,
             request_id: key.request_id.clone(),
-            first_chunk: first_chunk_of(&key, self.cfg.chunk_size),
+            first_chunk,
             keys: objs,
             layout,
             slabs: vec![None; n],
@@ -2245,6 +2322,32 @@ impl Front {
         }) {
             self.complete(0, kind);
         }
+    }
+
+    /// Answers a `prepare_retrieve` whose objects are all read-locked at
+    /// `offsets`: one lock per key passes from the lookup to this transfer,
+    /// which `commit_retrieve` (or the worker's departure) releases.
+    fn hand_over_reads(
+        &mut self,
+        to: &ReplyTo,
+        read: HandOver<'_>,
+        offsets: &[u64],
+        layout: &Layout,
+    ) {
+        let HandOver {
+            tkey,
+            request_id,
+            first_chunk,
+            keys,
+        } = read;
+        let chunks = keys.iter().enumerate().map(|(i, k)| (first_chunk + i, k));
+        self.leases
+            .released(request_id, chunks, 1, Some(tkey.instance_id));
+        let slots: Vec<_> = offsets.iter().map(|o| layout.slot(*o)).collect();
+        if let Some(old) = self.registry.push_pending_read(tkey, keys) {
+            self.post(old, |keys| ShardOp::Release { keys, count: 1 });
+        }
+        self.reply(to, Some(wire::encode_prepare_retrieve_reply(true, &slots)));
     }
 
     fn commit_retrieve(&mut self, key: &IpcKey, iid: i64, now: Instant) -> bool {
@@ -3390,9 +3493,11 @@ fn fail_items(kind: &mut InflightKind, idx: &[usize]) {
         InflightKind::Lookup { lookup, .. } => {
             if lookup.found.is_empty() {
                 lookup.found = vec![FOUND_MISS; lookup.keys.len()];
+                lookup.slabs = vec![NO_SLAB; lookup.keys.len()];
             }
             for i in idx {
                 lookup.found[*i] = FOUND_MISS;
+                lookup.slabs[*i] = NO_SLAB;
             }
         }
         InflightKind::Store { outcomes, .. } => {
@@ -3425,13 +3530,17 @@ fn fail_items(kind: &mut InflightKind, idx: &[usize]) {
 /// Folds one shard's reply into the request it belongs to.
 fn merge(kind: &mut InflightKind, idx: &[usize], shard: usize, body: ShardReplyBody) {
     match (kind, body) {
-        (InflightKind::Lookup { lookup, .. }, ShardReplyBody::Found(f)) => {
-            let (found, keys) = (&mut lookup.found, &lookup.keys);
-            if found.is_empty() {
-                *found = vec![FOUND_MISS; keys.len()];
+        (InflightKind::Lookup { lookup, .. }, ShardReplyBody::Found { codes, slabs }) => {
+            let n = lookup.keys.len();
+            if lookup.found.is_empty() {
+                lookup.found = vec![FOUND_MISS; n];
+                lookup.slabs = vec![NO_SLAB; n];
             }
-            for (i, v) in idx.iter().zip(f) {
-                found[*i] = v;
+            for (i, v) in idx.iter().zip(codes) {
+                lookup.found[*i] = v;
+            }
+            for (i, s) in idx.iter().zip(slabs) {
+                lookup.slabs[*i] = s;
             }
         }
         (InflightKind::Load { loaded, .. }, ShardReplyBody::Loaded(l)) => {

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use kvshard_dataplane::config::ServerConfig;
 use kvshard_dataplane::messages::{
-    FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, FOUND_L1, FOUND_MISS,
+    FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, FOUND_L1, FOUND_MISS, NO_SLAB,
 };
 use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::slab::Slab;
@@ -91,22 +91,32 @@ struct KeyState {
 struct ModelShard {
     keys: HashMap<ObjectKey, KeyState>,
     next_offset: u64,
+    lookups: u64,
+    /// `ReadLocked` ops handled: prepare_retrieves the lease could not answer.
+    read_locked_asks: u64,
 }
 
 impl ModelShard {
     fn handle(&mut self, op: ShardOp) -> ShardReplyBody {
         match op {
-            ShardOp::Lookup { keys, readers, .. } => ShardReplyBody::Found(
-                keys.iter()
+            ShardOp::Lookup { keys, readers, .. } => {
+                // Every third lookup's reply leaves the places out, as for
+                // objects loaded from L2: its retrieves must ask the shards.
+                self.lookups += 1;
+                let tell = self.lookups % 3 != 0;
+                let (codes, slabs) = keys
+                    .iter()
                     .map(|k| match self.keys.get_mut(k) {
                         Some(s) if s.resident.is_some() => {
                             s.locks += readers;
-                            FOUND_L1
+                            let at = s.resident.expect("resident").offset;
+                            (FOUND_L1, if tell { at } else { NO_SLAB })
                         }
-                        _ => FOUND_MISS,
+                        _ => (FOUND_MISS, NO_SLAB),
                     })
-                    .collect(),
-            ),
+                    .unzip();
+                ShardReplyBody::Found { codes, slabs }
+            }
             ShardOp::Release { keys, count } => {
                 for k in keys {
                     let s = self.keys.get_mut(&k).expect("release of an unknown key");
@@ -160,16 +170,19 @@ impl ModelShard {
                 }
                 ShardReplyBody::Done
             }
-            ShardOp::ReadLocked { keys } => ShardReplyBody::Slabs(
-                keys.iter()
-                    .map(|k| {
-                        self.keys
-                            .get(k)
-                            .filter(|s| s.locks > 0)
-                            .and_then(|s| s.resident)
-                    })
-                    .collect(),
-            ),
+            ShardOp::ReadLocked { keys } => {
+                self.read_locked_asks += 1;
+                ShardReplyBody::Slabs(
+                    keys.iter()
+                        .map(|k| {
+                            self.keys
+                                .get(k)
+                                .filter(|s| s.locks > 0)
+                                .and_then(|s| s.resident)
+                        })
+                        .collect(),
+                )
+            }
             _ => panic!("the model flows send no other shard op"),
         }
     }
@@ -242,6 +255,8 @@ struct Flow {
     /// Leading chunks of `p` known committed when the lookup was sent.
     lo: usize,
     hits: usize,
+    /// The slots a prepare_store gave, by chunk index.
+    slots: Vec<(usize, Value)>,
 }
 
 struct Harness {
@@ -407,9 +422,12 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
     // Leading chunks of each prefix that a completed store made resident,
     // and the length of the store of it in flight (one at a time per prefix).
     let mut committed = [0usize; PREFIXES];
+    // Where each (prefix, chunk) was written.
+    let mut written: HashMap<(usize, usize), Value> = HashMap::new();
     let mut storing: [Option<usize>; PREFIXES] = [None; PREFIXES];
     let mut flows: Vec<Option<(Flow, Vec<u8>)>> = (0..CLIENTS).map(|_| None).collect();
     let mut answered = 0usize;
+    let mut retrieves = 0u64;
     let mut junk = 0usize;
     let mut step = 0;
     while step < steps || flows.iter().any(|f| f.is_some()) {
@@ -437,12 +455,29 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
                             storing[f.p] = None;
                             Some((Step::EndSession, OP_END_SESSION))
                         }
-                        Some(Value::Array(_)) => Some((Step::CommitStore, OP_COMMIT_STORE)),
+                        Some(Value::Array(s)) => {
+                            let indices = get(reply.as_ref().unwrap(), "context")
+                                .and_then(|c| get(c, "chunk_indices"));
+                            let Some(Value::Array(indices)) = indices else {
+                                panic!("prepare_store reply: {reply:?}");
+                            };
+                            f.slots = indices
+                                .iter()
+                                .zip(s)
+                                .map(|(i, s)| {
+                                    (as_int(&Some(i.clone())).unwrap() as usize, s.clone())
+                                })
+                                .collect();
+                            Some((Step::CommitStore, OP_COMMIT_STORE))
+                        }
                         _ => panic!("prepare_store reply: {reply:?}"),
                     }
                 }
                 Step::CommitStore => {
                     assert_eq!(reply, Some(Value::Bool(true)), "commit_store of {}", f.rid);
+                    for (c, slot) in f.slots.drain(..) {
+                        written.insert((f.p, c), slot);
+                    }
                     committed[f.p] = committed[f.p].max(f.n);
                     storing[f.p] = None;
                     Some((Step::EndSession, OP_END_SESSION))
@@ -481,6 +516,24 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
                         "prepare_retrieve of {}",
                         f.rid
                     );
+                    // Each chunk is read from where its store wrote it (a store
+                    // whose commit reply is still on its way is not known yet).
+                    let slots =
+                        get(reply.as_ref().unwrap(), "context").and_then(|c| get(c, "slots"));
+                    let Some(Value::Array(slots)) = slots else {
+                        panic!("prepare_retrieve reply: {reply:?}");
+                    };
+                    assert_eq!(slots.len(), f.hits, "one slot per hit chunk");
+                    retrieves += 1;
+                    for (c, slot) in slots.iter().enumerate() {
+                        if let Some(w) = written.get(&(f.p, c)) {
+                            assert_eq!(
+                                slot, w,
+                                "seed {seed}: chunk {c} of prefix {} read from another slot",
+                                f.p
+                            );
+                        }
+                    }
                     Some((Step::CommitRetrieve, OP_COMMIT_RETRIEVE))
                 }
                 Step::CommitRetrieve => {
@@ -542,6 +595,7 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
                         step: Step::EndSession,
                         lo: 0,
                         hits: 0,
+                        slots: Vec::new(),
                     },
                     uid,
                 ));
@@ -562,6 +616,7 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
                         step,
                         lo: 0,
                         hits: 0,
+                        slots: Vec::new(),
                     },
                     uid,
                 ));
@@ -578,6 +633,7 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
                         step,
                         lo,
                         hits: 0,
+                        slots: Vec::new(),
                     },
                     uid,
                 ));
@@ -612,6 +668,14 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
     assert!(
         steps < 100 || committed.iter().any(|&c| c > 0),
         "seed {seed}: nothing was stored"
+    );
+    // Both ways of answering a prepare_retrieve ran: from the lookup's lease
+    // and, where its reply left the places out, from the shards.
+    let asked: u64 = h.shards.iter().map(|(_, _, s)| s.read_locked_asks).sum();
+    let from_lease = h.front.metrics.retrieves_from_lease;
+    assert!(
+        steps < 100 || (asked > 0 && from_lease > 0 && from_lease < retrieves),
+        "seed {seed}: {retrieves} prepare_retrieves, {from_lease} from the lease, {asked} shard asks"
     );
 }
 

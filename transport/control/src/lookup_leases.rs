@@ -21,10 +21,17 @@
 //! is dropped before its locks' TTL can have passed (the TTL counts from when the
 //! lookup was sent, which is before the shard locked), so a lock the shard has
 //! already expired and perhaps re-granted to someone else is never released.
+//!
+//! A lease also remembers where each L1 hit lies (its slab's offset, as the
+//! shard reported when it locked it). While the lease holds a lock on every
+//! object a worker asks for, those objects cannot move or go, so the front
+//! answers that worker's `prepare_retrieve` from the lease without asking the
+//! shards ([`LeaseBook::readable`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
+use kvshard_dataplane::messages::NO_SLAB;
 use kvshard_engine::keys::{ChunkHash, Name, ObjectKey};
 use kvshard_engine::l1::MAX_READ_LOCK_COUNT;
 
@@ -45,6 +52,9 @@ struct Lease {
     hashes: Vec<ChunkHash>,
     /// Locks still held, per object (chunk-major, rank-minor).
     held: Vec<u32>,
+    /// Per object: the offset of its slab, or `NO_SLAB` if not known (an
+    /// object the lookup loaded from L2).
+    slabs: Vec<u64>,
     /// Instances that released locks of this lease (they are done with it).
     consumers: Vec<i64>,
     /// When the shard's locks may start expiring: forget the lease then.
@@ -99,6 +109,9 @@ pub struct Grant<'a> {
     pub ranks: &'a [u32],
     /// Chunk-major, rank-minor, from chunk 0.
     pub keys: &'a [ObjectKey],
+    /// Per key: its slab's offset as the shard that locked it reported, or
+    /// `NO_SLAB`; empty when none is known.
+    pub slabs: &'a [u64],
     pub readers: u32,
     /// When the lookup was sent to the shards (before they locked).
     pub sent_at: Instant,
@@ -143,6 +156,11 @@ impl LeaseBook {
             ranks: g.ranks.to_vec(),
             hashes: g.keys.iter().step_by(nr).map(|k| k.chunk_hash).collect(),
             held: vec![clamped(g.readers); g.keys.len()],
+            slabs: if g.slabs.len() == g.keys.len() {
+                g.slabs.to_vec()
+            } else {
+                vec![NO_SLAB; g.keys.len()]
+            },
             consumers: Vec::new(),
             expires: g.sent_at + self.ttl,
             order: 0,
@@ -156,6 +174,12 @@ impl LeaseBook {
             {
                 for (h, o) in lease.held.iter_mut().zip(&old.held) {
                     *h = h.saturating_add(*o);
+                }
+                // An object the old lease still holds stayed where it was.
+                for ((s, o), held) in lease.slabs.iter_mut().zip(&old.slabs).zip(&old.held) {
+                    if *s == NO_SLAB && *held > 0 {
+                        *s = *o;
+                    }
                 }
                 // The older locks may expire first.
                 lease.expires = lease.expires.min(old.expires);
@@ -183,6 +207,31 @@ impl LeaseBook {
         let lease = self.leases.remove(rid)?;
         self.by_expiry.remove(&(lease.expires, lease.order));
         Some(lease)
+    }
+
+    /// The slab offsets of `keys` (the objects of chunks `first_chunk..` of
+    /// request `rid` that one worker reads, one kv rank each) if the lease of
+    /// `rid` holds a lock on every one, knows where each lies, and is in the
+    /// first half of its life at `now` (so its locks outlast the worker's copy
+    /// by far). `None` otherwise: then only the shards can tell.
+    pub fn readable(
+        &self,
+        rid: &str,
+        first_chunk: usize,
+        keys: &[ObjectKey],
+        now: Instant,
+    ) -> Option<Vec<u64>> {
+        let lease = self.leases.get(rid)?;
+        if now + self.ttl / 2 >= lease.expires {
+            return None;
+        }
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let p = lease.position(first_chunk + i, k)?;
+                (lease.held[p] > 0 && lease.slabs[p] != NO_SLAB).then_some(lease.slabs[p])
+            })
+            .collect()
     }
 
     /// Records that `count` locks were released for request `rid` on each key
@@ -317,6 +366,7 @@ mod tests {
             world_size: ranks.len() as u32,
             ranks,
             keys: &keys(n, ranks),
+            slabs: &[],
             readers,
             sent_at: t,
         });
@@ -420,11 +470,90 @@ mod tests {
             world_size: 1,
             ranks: &[0],
             keys: &other,
+            slabs: &[],
             readers: 1,
             sent_at: t,
         });
         assert!(b.orphaned("m", 1, |_, _| 0).is_empty());
         assert_eq!(b.orphaned("n", 1, |_, _| 0), vec![(other[0], 1)]);
+    }
+
+    #[test]
+    fn a_worker_reads_from_the_lease_only_what_it_still_holds_and_knows() {
+        let t = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut b = LeaseBook::new(4, 100 * s);
+        let ks = keys(3, &[0, 1]);
+        // Chunk 2 rank 1 came from L2: where it lies is not known.
+        let slabs = [10, 11, 20, 21, 30, NO_SLAB];
+        b.grant(Grant {
+            request_id: "r",
+            world_size: 2,
+            ranks: &[0, 1],
+            keys: &ks,
+            slabs: &slabs,
+            readers: 1,
+            sent_at: t,
+        });
+        let rank = |r: u32, from: u8, to: u8| -> Vec<ObjectKey> {
+            (from..to).map(|c| key(c, r)).collect()
+        };
+        assert_eq!(
+            b.readable("r", 0, &rank(0, 0, 3), t),
+            Some(vec![10, 20, 30])
+        );
+        assert_eq!(b.readable("r", 1, &rank(1, 1, 2), t), Some(vec![21]));
+        assert_eq!(b.readable("r", 0, &rank(1, 0, 3), t), None, "unknown slab");
+        assert_eq!(b.readable("r", 1, &rank(0, 0, 1), t), None, "wrong chunk");
+        assert_eq!(
+            b.readable("r", 0, &rank(0, 0, 4), t),
+            None,
+            "past the prefix"
+        );
+        assert_eq!(b.readable("q", 0, &rank(0, 0, 1), t), None, "no lease");
+        assert_eq!(
+            b.readable("r", 0, &rank(0, 0, 1), t + 50 * s),
+            None,
+            "half its life"
+        );
+        assert!(b.readable("r", 0, &rank(0, 0, 1), t + 49 * s).is_some());
+        // Worker 7 passes its lock on rank 0 to its transfer: none is left.
+        b.released("r", chunks(0, 1, &rank(0, 0, 3)), 1, Some(7));
+        assert_eq!(b.readable("r", 0, &rank(0, 0, 1), t), None, "released");
+        assert_eq!(b.readable("r", 0, &rank(1, 0, 2), t), Some(vec![11, 21]));
+        // A second lookup that loaded chunk 0 rank 1 keeps its known place.
+        let mut again = slabs;
+        again[1] = NO_SLAB;
+        b.grant(Grant {
+            request_id: "r",
+            world_size: 2,
+            ranks: &[0, 1],
+            keys: &ks,
+            slabs: &again,
+            readers: 1,
+            sent_at: t,
+        });
+        assert_eq!(b.readable("r", 0, &rank(1, 0, 2), t), Some(vec![11, 21]));
+        assert_eq!(b.readable("r", 0, &rank(0, 0, 1), t), Some(vec![10]));
+        // Chunk 0 rank 0 was released by every reader before a lookup that
+        // loaded it again: the old place is not taken for it.
+        b.released("r", chunks(0, 1, &rank(0, 0, 3)), 1, Some(7));
+        let mut third = slabs;
+        third[0] = NO_SLAB;
+        b.grant(Grant {
+            request_id: "r",
+            world_size: 2,
+            ranks: &[0, 1],
+            keys: &ks,
+            slabs: &third,
+            readers: 1,
+            sent_at: t,
+        });
+        assert_eq!(b.readable("r", 0, &rank(0, 0, 1), t), None, "a stale place");
+        assert_eq!(b.readable("r", 1, &rank(0, 1, 3), t), Some(vec![20, 30]));
+        // A forced clear forgets every lease.
+        b.clear();
+        assert_eq!(b.readable("r", 0, &rank(0, 0, 1), t), None);
     }
 
     #[test]

@@ -59,6 +59,9 @@ pub struct Metrics {
     pub stored_chunks: u64,
     pub retrieved_chunks: u64,
     pub retrieve_misses: u64,
+    /// engine_driven `prepare_retrieve`s answered from the lookup's lease,
+    /// without asking the shards.
+    pub retrieves_from_lease: u64,
     pub unregistered_instance: u64,
     pub failed_registrations: u64,
     /// register_kv_cache requests refused for carrying CUDA IPC descriptors.
@@ -294,6 +297,11 @@ impl Metrics {
             "kvshard_retrieve_misses_total",
             "Retrieves that did not find every chunk read-locked",
             self.retrieve_misses,
+        );
+        t.counter(
+            "kvshard_prepare_retrieves_from_lease_total",
+            "engine_driven prepare_retrieves answered from the lookup's read locks without a shard round trip",
+            self.retrieves_from_lease,
         );
         t.counter(
             "kvshard_unregistered_instance_requests_total",

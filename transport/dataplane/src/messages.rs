@@ -24,7 +24,7 @@ pub struct ShardMsg {
 pub enum ShardOp {
     /// Read-lock every present key `readers` times and touch the hits (LRU);
     /// look the misses up in L2 (locking what is found there with `size`
-    /// bytes). Answers [`ShardReplyBody::Found`].
+    /// bytes). Answers [`ShardReplyBody::Found`] with the hits' slabs.
     Lookup {
         keys: Vec<ObjectKey>,
         readers: u32,
@@ -105,8 +105,12 @@ pub enum StoreOutcome {
 }
 
 pub enum ShardReplyBody {
-    /// Per key: `shard_l2::FOUND_*` codes.
-    Found(Vec<u8>),
+    /// Per key: a `FOUND_*` code, and for an L1 hit the offset of its slab
+    /// (which this lookup read-locked) or [`NO_SLAB`].
+    Found {
+        codes: Vec<u8>,
+        slabs: Vec<u64>,
+    },
     Loaded(Vec<bool>),
     Slabs(Vec<Option<Slab>>),
     Stored(Vec<StoreOutcome>),
@@ -144,6 +148,8 @@ pub struct ShardReport {
 /// Where a lookup found a key: [`FOUND_MISS`], [`FOUND_L1`], or
 /// `FOUND_L2 + tier index` (locked in that tier).
 pub const FOUND_MISS: u8 = 0;
+/// A slab offset that names no slab (a key that was no L1 hit).
+pub const NO_SLAB: u64 = u64::MAX;
 pub const FOUND_L1: u8 = 1;
 pub const FOUND_L2: u8 = 2;
 

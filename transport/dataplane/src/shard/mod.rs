@@ -24,7 +24,7 @@ use crate::cpu_shm::CpuShmRegistration;
 use crate::l1_slab::SlabL1;
 use crate::messages::{
     FrontEvent, L2CtlStats, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport,
-    StoreOutcome, FOUND_L1, FOUND_MISS,
+    StoreOutcome, FOUND_L1, FOUND_MISS, NO_SLAB,
 };
 
 pub mod l2;
@@ -137,7 +137,8 @@ impl ShardState {
         let now = Instant::now();
         match op {
             ShardOp::Lookup { keys, readers, .. } => {
-                ShardReplyBody::Found(self.lookup_l1(&keys, readers, now))
+                let (codes, slabs) = self.lookup_l1(&keys, readers, now);
+                ShardReplyBody::Found { codes, slabs }
             }
             ShardOp::Load { .. } | ShardOp::UnlockL2 { .. } => {
                 unreachable!("L2 ops are dispatched by run_shard")
@@ -196,12 +197,17 @@ impl ShardState {
         }
     }
 
-    /// L1 part of a lookup: read-lock and touch the hits.
-    fn lookup_l1(&mut self, keys: &[ObjectKey], readers: u32, now: Instant) -> Vec<u8> {
+    /// L1 part of a lookup: read-lock and touch the hits. Returns per key its
+    /// `FOUND_*` code and its slab's offset ([`NO_SLAB`] for a miss).
+    fn lookup_l1(&mut self, keys: &[ObjectKey], readers: u32, now: Instant) -> (Vec<u8>, Vec<u64>) {
         let res = self.l1.reserve_read(keys, readers, now);
         let found: Vec<u8> = res
             .iter()
             .map(|r| if r.is_ok() { FOUND_L1 } else { FOUND_MISS })
+            .collect();
+        let slabs: Vec<u64> = res
+            .iter()
+            .map(|r| r.as_ref().map_or(NO_SLAB, |s| s.offset))
             .collect();
         let hit_keys: Vec<ObjectKey> = keys
             .iter()
@@ -212,7 +218,7 @@ impl ShardState {
         if !hit_keys.is_empty() {
             self.l1.touch(&hit_keys, now);
         }
-        found
+        (found, slabs)
     }
 
     /// Remembers the keys a finish_write made resident, for the store controller.
@@ -675,9 +681,15 @@ pub async fn run_shard(
                 readers,
                 size,
             } => {
-                let found = state.borrow_mut().lookup_l1(&keys, readers, Instant::now());
+                let (found, slabs) = state.borrow_mut().lookup_l1(&keys, readers, Instant::now());
                 if !l2.is_enabled() || found.iter().all(|f| *f == FOUND_L1) {
-                    to.send(&replies, ShardReplyBody::Found(found));
+                    to.send(
+                        &replies,
+                        ShardReplyBody::Found {
+                            codes: found,
+                            slabs,
+                        },
+                    );
                     continue;
                 }
                 let (l2, replies) = (l2.clone(), replies.clone());
@@ -691,7 +703,13 @@ pub async fn run_shard(
                     for (i, c) in misses.into_iter().zip(codes) {
                         found[i] = c;
                     }
-                    to.send(&replies, ShardReplyBody::Found(found));
+                    to.send(
+                        &replies,
+                        ShardReplyBody::Found {
+                            codes: found,
+                            slabs,
+                        },
+                    );
                 })
                 .detach();
             }
