@@ -1010,6 +1010,8 @@ impl Front {
             Ok(()) if wants_reply => self.mark_unwoken(shard),
             Ok(()) => self.mark_lazy(shard),
             Err(SendError::Full(msg)) => {
+                // Whatever fills the mailbox, the shard is woken to empty it.
+                self.mark_unwoken(shard);
                 self.metrics.mailbox_full += 1;
                 self.overflowing += 1;
                 self.overflow[shard].push_back(msg);
