@@ -451,7 +451,7 @@ pub struct Front {
     checksum_threads: Arc<AtomicUsize>,
     inflight: HashMap<Seq, Inflight>,
     next_seq: Seq,
-    pub(crate) metrics: Metrics,
+    metrics: Metrics,
     unsupported_logged: HashSet<&'static str>,
     /// The lookup-hash log's writer thread (`--lookup-hash-log-dir`).
     lookup_log: Option<LookupLogWriter>,
@@ -1028,6 +1028,12 @@ impl Front {
             self.is_unwoken[shard] = true;
             self.unwoken.push(shard);
         }
+    }
+
+    /// The counters, for the model test.
+    #[cfg(test)]
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     /// Notes a message that wants no reply, queued for `shard` unwoken.

@@ -672,7 +672,7 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
     // Both ways of answering a prepare_retrieve ran: from the lookup's lease
     // and, where its reply left the places out, from the shards.
     let asked: u64 = h.shards.iter().map(|(_, _, s)| s.read_locked_asks).sum();
-    let from_lease = h.front.metrics.retrieves_from_lease;
+    let from_lease = h.front.metrics().retrieves_from_lease;
     assert!(
         steps < 100 || (asked > 0 && from_lease > 0 && from_lease < retrieves),
         "seed {seed}: {retrieves} prepare_retrieves, {from_lease} from the lease, {asked} shard asks"

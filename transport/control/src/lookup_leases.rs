@@ -486,15 +486,19 @@ mod tests {
         let ks = keys(3, &[0, 1]);
         // Chunk 2 rank 1 came from L2: where it lies is not known.
         let slabs = [10, 11, 20, 21, 30, NO_SLAB];
-        b.grant(Grant {
-            request_id: "r",
-            world_size: 2,
-            ranks: &[0, 1],
-            keys: &ks,
-            slabs: &slabs,
-            readers: 1,
-            sent_at: t,
-        });
+        // One lookup of chunks 0..3 over ranks 0 and 1, with these places.
+        let lookup = |b: &mut LeaseBook, slabs: &[u64]| {
+            b.grant(Grant {
+                request_id: "r",
+                world_size: 2,
+                ranks: &[0, 1],
+                keys: &ks,
+                slabs,
+                readers: 1,
+                sent_at: t,
+            })
+        };
+        lookup(&mut b, &slabs);
         let rank = |r: u32, from: u8, to: u8| -> Vec<ObjectKey> {
             (from..to).map(|c| key(c, r)).collect()
         };
@@ -524,15 +528,7 @@ mod tests {
         // A second lookup that loaded chunk 0 rank 1 keeps its known place.
         let mut again = slabs;
         again[1] = NO_SLAB;
-        b.grant(Grant {
-            request_id: "r",
-            world_size: 2,
-            ranks: &[0, 1],
-            keys: &ks,
-            slabs: &again,
-            readers: 1,
-            sent_at: t,
-        });
+        lookup(&mut b, &again);
         assert_eq!(b.readable("r", 0, &rank(1, 0, 2), t), Some(vec![11, 21]));
         assert_eq!(b.readable("r", 0, &rank(0, 0, 1), t), Some(vec![10]));
         // Chunk 0 rank 0 was released by every reader before a lookup that
@@ -540,15 +536,7 @@ mod tests {
         b.released("r", chunks(0, 1, &rank(0, 0, 3)), 1, Some(7));
         let mut third = slabs;
         third[0] = NO_SLAB;
-        b.grant(Grant {
-            request_id: "r",
-            world_size: 2,
-            ranks: &[0, 1],
-            keys: &ks,
-            slabs: &third,
-            readers: 1,
-            sent_at: t,
-        });
+        lookup(&mut b, &third);
         assert_eq!(b.readable("r", 0, &rank(0, 0, 1), t), None, "a stale place");
         assert_eq!(b.readable("r", 1, &rank(0, 1, 3), t), Some(vec![20, 30]));
         // A forced clear forgets every lease.
