@@ -347,6 +347,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
 
     // prepare_store + commit_store of a fresh 2048-token request (8 chunks).
     let mut hp = hist();
+    let (mut hp_prep, mut hp_commit) = (hist(), hist());
     for i in 0..n_pc {
         if i % (n_pc / ECHO_BLOCKS) == 0 {
             echo.sample(n_pc / ECHO_BLOCKS, &mut echo_store);
@@ -358,20 +359,24 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         );
         let t = Instant::now();
         let r = call_frames(&mut c, prep).expect("prepare_store");
+        let prepared = t.elapsed();
         assert_eq!(
             r.get("context").unwrap().get("slots").unwrap().arr().len(),
             TOKENS / CHUNK
         );
         assert_eq!(call_frames(&mut c, commit), Some(V::B(true)));
-        hp.record(t.elapsed().as_nanos() as u64).unwrap();
+        split(&mut hp, &mut hp_prep, &mut hp_commit, t.elapsed(), prepared);
         c.call(OP_END_SESSION, &[s(&format!("s{i}"))]);
     }
     report("prepare+commit store (8 chunks)", &hp);
+    report("  of which the prepare", &hp_prep);
+    report("  of which the commit", &hp_commit);
 
     // lookup + query_prefetch_status of a stored request: a full hit of 8 chunks.
     let mut hl = hist();
     let (mut hl_lookup, mut hl_status) = (hist(), hist());
     let mut hr = hist();
+    let (mut hr_prep, mut hr_commit) = (hist(), hist());
     for i in 0..n_lookup {
         if i % (n_lookup / ECHO_BLOCKS) == 0 {
             echo.sample(n_lookup / ECHO_BLOCKS, &mut echo_lookup);
@@ -391,11 +396,13 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         assert_eq!(call_frames(&mut c, lookup), None);
         let looked_up = t.elapsed();
         let hits = c.prefetch_result(&rid);
-        hl.record(t.elapsed().as_nanos() as u64).unwrap();
-        hl_lookup.record(looked_up.as_nanos() as u64).unwrap();
-        hl_status
-            .record((t.elapsed() - looked_up).as_nanos() as u64)
-            .unwrap();
+        split(
+            &mut hl,
+            &mut hl_lookup,
+            &mut hl_status,
+            t.elapsed(),
+            looked_up,
+        );
         assert_eq!(hits, (TOKENS / CHUNK) as i64);
         // Then the retrieve round trips, which release the lookup's locks.
         let key = key_frame_enc("bench", Some(0), &toks, end, &rid);
@@ -405,15 +412,18 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         );
         let t = Instant::now();
         let r = call_frames(&mut c, prep).expect("prepare_retrieve");
+        let prepared = t.elapsed();
         assert_eq!(r.get("success"), Some(&V::B(true)));
         assert_eq!(call_frames(&mut c, commit), Some(V::B(true)));
-        hr.record(t.elapsed().as_nanos() as u64).unwrap();
+        split(&mut hr, &mut hr_prep, &mut hr_commit, t.elapsed(), prepared);
         c.call(OP_END_SESSION, &[s(&rid)]);
     }
     report("lookup+status (2048 tokens, hit)", &hl);
     report("  of which the lookup", &hl_lookup);
     report("  of which the status", &hl_status);
     report("prepare+commit retrieve (8 chunks)", &hr);
+    report("  of which the prepare", &hr_prep);
+    report("  of which the commit", &hr_commit);
     RoundTrips {
         noop: h,
         lookup: hl,
@@ -424,6 +434,20 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         echo_lookup,
         echo_sized,
     }
+}
+
+/// Records a two-round-trip operation that took `total`, the first of its
+/// round trips having taken `first`, in `whole`, `one` and `two`.
+fn split(
+    whole: &mut Histogram<u64>,
+    one: &mut Histogram<u64>,
+    two: &mut Histogram<u64>,
+    total: Duration,
+    first: Duration,
+) {
+    whole.record(total.as_nanos() as u64).unwrap();
+    one.record(first.as_nanos() as u64).unwrap();
+    two.record((total - first).as_nanos() as u64).unwrap();
 }
 
 /// `--spin-us` for the servers of the round trips and the saturation:
