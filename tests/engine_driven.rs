@@ -397,3 +397,39 @@ fn retrieves_read_through_the_lookups_locks_until_a_forced_clear() {
     );
     assert_eq!(from_lease(&srv), 1.0);
 }
+
+/// Two requests look up the same prefix; the first frees its lookup locks
+/// twice (a retried call). The second release finds nothing of the first
+/// lookup's left and releases nothing: the second request's locks stay, and
+/// its worker reads the stored bytes through them.
+#[test]
+fn a_repeated_free_lookup_locks_leaves_other_requests_locks_alone() {
+    let srv = Server::start(&[]);
+    let mut c = srv.client();
+    let (name, size) = register(&mut c, 7, 1, false);
+    let mut pool = ShmMap::open(&name, size);
+    let toks = tokens(33, 3 * CS);
+    let stored = store_all(&mut c, &mut pool, 7, 1, 0, &toks, "s");
+    c.call(OP_END_SESSION, &[s("s")]);
+    assert_eq!(lookup(&mut c, 1, &toks, "a", 1), 3);
+    assert_eq!(lookup(&mut c, 1, &toks, "b", 1), 3);
+    let free_a = ipc_key("m", 1, None, &toks, 0, 3 * CS as i64, "a", 1);
+    for _ in 0..2 {
+        assert_eq!(
+            c.call(OP_FREE_LOOKUP_LOCKS, &[free_a.clone(), V::I(1)]),
+            None
+        );
+    }
+    assert_eq!(
+        srv.l1_count("read_locked_count"),
+        3,
+        "request b's lookup still holds every chunk"
+    );
+    assert_eq!(
+        srv.metric("kvshard_unheld_lock_releases_total", &[]),
+        Some(3.0),
+        "the repeated call's three locks were not released"
+    );
+    assert_eq!(retrieve_all(&mut c, &pool, 7, 1, 0, &toks, "b"), stored);
+    assert_eq!(srv.l1_count("read_locked_count"), 0);
+}

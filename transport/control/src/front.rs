@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::{self, Name, ObjectKey};
+use kvshard_engine::l1::MAX_READ_LOCK_COUNT;
 use kvshard_engine::slab::Slab;
 use kvshard_gds::device::worker::{ChunkCopy, CopyDir, DeviceJob};
 use kvshard_io::log_limit::Level;
@@ -2034,11 +2035,31 @@ impl Front {
         let objs = Self::object_keys(model, salt, &hashes, &ranks);
         let (first, nr) = (start_chunk as usize, ranks.len());
         let chunks = objs.iter().enumerate().map(|(i, k)| (first + i / nr, k));
-        self.leases.released(&rid, chunks, readers, None);
-        self.post(objs, |keys| ShardOp::Release {
-            keys,
-            count: readers,
-        });
+        // Only what the lookup still holds: a repeated call, or one after the
+        // locks expired or a forced clear, must not take away another
+        // request's locks on the same objects.
+        let held = self.leases.released(&rid, chunks, readers, None);
+        let asked = objs.len() as u64 * u64::from(readers.min(MAX_READ_LOCK_COUNT));
+        let freed: u64 = held.iter().map(|(_, n)| u64::from(*n)).sum();
+        if freed < asked {
+            self.metrics.unheld_lock_releases += asked - freed;
+            log_limited!(
+                Level::Warn,
+                "free_lookup_locks {rid}: {} of the {asked} read locks asked for are no longer held by \
+                 its lookup (released already, expired or cleared); only the rest are released",
+                asked - freed
+            );
+        }
+        let mut by_count: Vec<(u32, Vec<ObjectKey>)> = Vec::new();
+        for (key, n) in held {
+            match by_count.iter_mut().find(|(c, _)| *c == n) {
+                Some((_, keys)) => keys.push(key),
+                None => by_count.push((n, vec![key])),
+            }
+        }
+        for (count, keys) in by_count {
+            self.post(keys, |keys| ShardOp::Release { keys, count });
+        }
     }
 
     fn end_session(&mut self, rid: &str) {

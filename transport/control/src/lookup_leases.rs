@@ -236,23 +236,33 @@ impl LeaseBook {
 
     /// Records that `count` locks were released for request `rid` on each key
     /// of `keys` (with the request's chunk index it belongs to), by instance
-    /// `by` if a worker released them. Keys the lease does not cover are ignored.
+    /// `by` if a worker released them. Keys the lease does not cover are
+    /// ignored. Returns each key with the locks the lease still held on it (at
+    /// most `count`), leaving out keys it held none of: only those are the
+    /// lookup's to give back, so a release repeated, or sent after the lease
+    /// was forgotten (expired, cleared), names nothing that may be someone
+    /// else's.
     pub fn released<'k>(
         &mut self,
         rid: &str,
         keys: impl IntoIterator<Item = (usize, &'k ObjectKey)>,
         count: u32,
         by: Option<i64>,
-    ) {
+    ) -> Vec<(ObjectKey, u32)> {
         let Some(lease) = self.leases.get_mut(rid) else {
-            return;
+            return Vec::new();
         };
         let count = clamped(count);
         let mut covered = false;
+        let mut held = Vec::new();
         for (chunk, k) in keys {
             if let Some(p) = lease.position(chunk, k) {
-                lease.held[p] = lease.held[p].saturating_sub(count);
                 covered = true;
+                let n = lease.held[p].min(count);
+                if n > 0 {
+                    lease.held[p] -= n;
+                    held.push((*k, n));
+                }
             }
         }
         // Only a worker that read this lookup's objects is done with it.
@@ -264,6 +274,7 @@ impl LeaseBook {
         if lease.held.iter().all(|h| *h == 0) {
             self.forget(rid);
         }
+        held
     }
 
     /// The locks of `model`/`world_size` leases that no live instance can
@@ -439,17 +450,18 @@ mod tests {
         grant(&mut b, "r", &[0, 1], 4, 2, t);
         // The scheduler frees chunks 2..4 (both ranks, both readers).
         let tail: Vec<ObjectKey> = keys(4, &[0, 1])[4..].to_vec();
-        b.released("r", chunks(2, 2, &tail), 2, None);
-        let out = b.orphaned("m", 2, |_, _| 0);
+        let freed = b.released("r", chunks(2, 2, &tail), 2, None);
+        assert_eq!(freed, tail.iter().map(|k| (*k, 2)).collect::<Vec<_>>());
+        // Repeated: the lease holds none of them any more, so none is named.
+        assert!(b.released("r", chunks(2, 2, &tail), 2, None).is_empty());
+        // Three locks asked for chunk 0 rank 0: the two held are named.
+        let head = keys(1, &[0, 1]);
         assert_eq!(
-            out,
-            vec![
-                (key(0, 0), 2),
-                (key(0, 1), 2),
-                (key(1, 0), 2),
-                (key(1, 1), 2)
-            ]
+            b.released("r", chunks(0, 2, &head[..1]), 3, None),
+            vec![(head[0], 2)]
         );
+        let out = b.orphaned("m", 2, |_, _| 0);
+        assert_eq!(out, vec![(key(0, 1), 2), (key(1, 0), 2), (key(1, 1), 2)]);
     }
 
     #[test]

@@ -62,6 +62,9 @@ pub struct Metrics {
     /// engine_driven `prepare_retrieve`s answered from the lookup's lease,
     /// without asking the shards.
     pub retrieves_from_lease: u64,
+    /// Read locks `free_lookup_locks` asked to release that the request's
+    /// lookup no longer held (not released).
+    pub unheld_lock_releases: u64,
     pub unregistered_instance: u64,
     pub failed_registrations: u64,
     /// register_kv_cache requests refused for carrying CUDA IPC descriptors.
@@ -302,6 +305,11 @@ impl Metrics {
             "kvshard_prepare_retrieves_from_lease_total",
             "engine_driven prepare_retrieves answered from the lookup's read locks without a shard round trip",
             self.retrieves_from_lease,
+        );
+        t.counter(
+            "kvshard_unheld_lock_releases_total",
+            "Read locks free_lookup_locks asked to release that the request's lookup no longer held (released already, expired or cleared): not released",
+            self.unheld_lock_releases,
         );
         t.counter(
             "kvshard_unregistered_instance_requests_total",
