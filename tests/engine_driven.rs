@@ -398,12 +398,13 @@ fn retrieves_read_through_the_lookups_locks_until_a_forced_clear() {
     assert_eq!(from_lease(&srv), 1.0);
 }
 
-/// Two requests look up the same prefix; the first frees its lookup locks
-/// twice (a retried call). The second release finds nothing of the first
-/// lookup's left and releases nothing: the second request's locks stay, and
-/// its worker reads the stored bytes through them.
+/// Three requests look up the same prefix. The first frees its lookup locks
+/// twice (a retried call); the second's worker retrieves twice. What repeats
+/// finds none of its lookup's locks left: it releases nothing, and the repeated
+/// retrieve reads under a lock of its own. The third request's locks stay,
+/// and its worker reads the stored bytes through them.
 #[test]
-fn a_repeated_free_lookup_locks_leaves_other_requests_locks_alone() {
+fn repeated_releases_and_retrieves_leave_other_requests_locks_alone() {
     let srv = Server::start(&[]);
     let mut c = srv.client();
     let (name, size) = register(&mut c, 7, 1, false);
@@ -411,8 +412,9 @@ fn a_repeated_free_lookup_locks_leaves_other_requests_locks_alone() {
     let toks = tokens(33, 3 * CS);
     let stored = store_all(&mut c, &mut pool, 7, 1, 0, &toks, "s");
     c.call(OP_END_SESSION, &[s("s")]);
-    assert_eq!(lookup(&mut c, 1, &toks, "a", 1), 3);
-    assert_eq!(lookup(&mut c, 1, &toks, "b", 1), 3);
+    for rid in ["a", "b", "c"] {
+        assert_eq!(lookup(&mut c, 1, &toks, rid, 1), 3);
+    }
     let free_a = ipc_key("m", 1, None, &toks, 0, 3 * CS as i64, "a", 1);
     for _ in 0..2 {
         assert_eq!(
@@ -421,15 +423,18 @@ fn a_repeated_free_lookup_locks_leaves_other_requests_locks_alone() {
         );
     }
     assert_eq!(
-        srv.l1_count("read_locked_count"),
-        3,
-        "request b's lookup still holds every chunk"
-    );
-    assert_eq!(
         srv.metric("kvshard_unheld_lock_releases_total", &[]),
         Some(3.0),
         "the repeated call's three locks were not released"
     );
-    assert_eq!(retrieve_all(&mut c, &pool, 7, 1, 0, &toks, "b"), stored);
+    for _ in 0..2 {
+        assert_eq!(retrieve_all(&mut c, &pool, 7, 1, 0, &toks, "b"), stored);
+    }
+    assert_eq!(
+        srv.l1_count("read_locked_count"),
+        3,
+        "request c's lookup still holds every chunk"
+    );
+    assert_eq!(retrieve_all(&mut c, &pool, 7, 1, 0, &toks, "c"), stored);
     assert_eq!(srv.l1_count("read_locked_count"), 0);
 }

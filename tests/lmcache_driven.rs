@@ -675,6 +675,35 @@ fn mla_one_writer_two_readers() {
     assert!(!retrieve(&mut c, 11, rk, &DST, 0), "both locks released");
 }
 
+/// A RETRIEVE repeated after it used its lookup's lock reads under a lock of
+/// its own while another request holds the objects, and takes nothing away
+/// from that request's lookup.
+#[test]
+fn a_repeated_retrieve_leaves_another_requests_locks_alone() {
+    let srv = Server::start(&[]);
+    let mut c = srv.client();
+    let w = Worker::new(13, NHD, 6);
+    w.register(&srv, &mut c, 1);
+    let toks = tokens(8, 3 * CS);
+    let sk = key(1, Some(0), &toks, (0, 3 * CS), "s", 1);
+    assert!(store(&mut c, 13, sk, &SRC));
+    for rid in ["r1", "r2"] {
+        assert_eq!(lookup(&mut c, 1, &toks, 3 * CS, rid, 1), 3);
+    }
+    let r1 = key(1, Some(0), &toks, (0, 3 * CS), "r1", 1);
+    for _ in 0..2 {
+        assert!(retrieve(&mut c, 13, r1.clone(), &DST, 0));
+    }
+    assert_eq!(
+        srv.l1_count("read_locked_count"),
+        3,
+        "r2's lookup still holds every chunk"
+    );
+    let r2 = key(1, Some(0), &toks, (0, 3 * CS), "r2", 1);
+    assert!(retrieve(&mut c, 13, r2, &DST, 0));
+    assert_eq!(srv.l1_count("read_locked_count"), 0);
+}
+
 #[test]
 fn retrieve_without_lookup_lock_fails() {
     let srv = Server::start(&[]);

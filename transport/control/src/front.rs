@@ -27,9 +27,9 @@ use kvshard_dataplane::cuda_refusal::{
 use kvshard_dataplane::cuda_transfer::{CudaExecutor, CudaOp, L1Memory, PendingRegistration};
 use kvshard_dataplane::layout::Layout;
 use kvshard_dataplane::messages::{
-    ControlBody, ControlRequest, ControlResponse, CudaEvent, FrontEvent, ReplyTo, Responder, Seq,
-    ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome, FOUND_L1, FOUND_L2,
-    FOUND_MISS, NO_SLAB,
+    ControlBody, ControlRequest, ControlResponse, CudaEvent, FrontEvent, ReplyTo, Responder,
+    RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome,
+    FOUND_L1, FOUND_L2, FOUND_MISS, NO_SLAB,
 };
 
 use crate::lookup_leases::{Grant, LeaseBook};
@@ -68,8 +68,6 @@ struct Transfer {
 
 /// What a CUDA RETRIEVE's shards found read-locked.
 struct CudaFound {
-    request_id: String,
-    first_chunk: usize,
     keys: Vec<ObjectKey>,
     slabs: Vec<Option<Slab>>,
 }
@@ -111,10 +109,6 @@ enum InflightKind {
     PrepareRetrieve {
         to: ReplyTo,
         tkey: TransferKey,
-        /// The request and its chunk index of `keys[0]`: the locks read here
-        /// are that request's lookup's.
-        request_id: String,
-        first_chunk: usize,
         keys: Vec<ObjectKey>,
         layout: Layout,
         slabs: Vec<Option<Slab>>,
@@ -136,8 +130,6 @@ enum InflightKind {
     CudaRetrieve {
         to: ReplyTo,
         iid: i64,
-        request_id: String,
-        first_chunk: usize,
         keys: Vec<ObjectKey>,
         blocks: Vec<Vec<i64>>,
         /// Blocks each chunk leaves untouched (skip_first_n_tokens).
@@ -179,17 +171,6 @@ struct PendingLoad {
     size: u64,
     /// When the lookup was sent to the shards (its read locks' TTL starts after).
     sent_at: Instant,
-}
-
-/// A `prepare_retrieve` whose objects are read-locked: see
-/// [`Front::hand_over_reads`].
-struct HandOver<'a> {
-    tkey: TransferKey,
-    request_id: &'a str,
-    /// The request's chunk index of `keys[0]`.
-    first_chunk: usize,
-    /// One per chunk, the worker's kv rank.
-    keys: Vec<ObjectKey>,
 }
 
 /// Limits and facts the front needs beyond the config.
@@ -1395,31 +1376,16 @@ impl Front {
             InflightKind::PrepareRetrieve {
                 to,
                 tkey,
-                request_id,
-                first_chunk,
                 keys,
                 layout,
                 slabs,
             } => {
-                let iid = tkey.instance_id;
                 if slabs.iter().all(Option::is_some) && !slabs.is_empty() {
                     let offsets: Vec<u64> = slabs.iter().flatten().map(|s| s.offset).collect();
-                    let read = HandOver {
-                        tkey,
-                        request_id: &request_id,
-                        first_chunk,
-                        keys,
-                    };
-                    self.hand_over_reads(&to, read, &offsets, &layout);
+                    self.hand_over_reads(&to, tkey, keys, &offsets, &layout);
                 } else {
-                    // Not all read-locked: release this worker's share of what was found.
-                    let chunks = keys
-                        .iter()
-                        .enumerate()
-                        .zip(&slabs)
-                        .filter(|(_, s)| s.is_some())
-                        .map(|((i, k), _)| (first_chunk + i, k));
-                    self.leases.released(&request_id, chunks, 1, Some(iid));
+                    // Not all read-locked: release the lock this transfer
+                    // holds on each object found.
                     let found: Vec<ObjectKey> = keys
                         .into_iter()
                         .zip(&slabs)
@@ -1454,20 +1420,13 @@ impl Front {
             InflightKind::CudaRetrieve {
                 to,
                 iid,
-                request_id,
-                first_chunk,
                 keys,
                 blocks,
                 skips,
                 event,
                 slabs,
             } => {
-                let found = CudaFound {
-                    request_id,
-                    first_chunk,
-                    keys,
-                    slabs,
-                };
+                let found = CudaFound { keys, slabs };
                 self.cuda_retrieve_locked(to, iid, found, blocks, skips, event)
             }
             InflightKind::Retrieve { to, oks } => {
@@ -2327,51 +2286,64 @@ impl Front {
             .readable(&key.request_id, first_chunk, &objs, now)
         {
             self.metrics.retrieves_from_lease += 1;
-            let read = HandOver {
-                tkey,
-                request_id: &key.request_id,
-                first_chunk,
-                keys: objs,
-            };
-            return self.hand_over_reads(&to, read, &offsets, &layout);
+            let take = self.hand_over_locks(&key.request_id, first_chunk, &objs, iid);
+            debug_assert!(
+                !take.contains(&true),
+                "readable: the lease holds every lock"
+            );
+            return self.hand_over_reads(&to, tkey, objs, &offsets, &layout);
         }
         let n = objs.len();
         let keys_ref = objs.clone();
+        let take = self.hand_over_locks(&key.request_id, first_chunk, &objs, iid);
         let kind = InflightKind::PrepareRetrieve {
             to,
             tkey,
-            request_id: key.request_id.clone(),
-            first_chunk,
             keys: objs,
             layout,
             slabs: vec![None; n],
         };
         if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReadLocked {
             keys: idx.iter().map(|i| keys_ref[*i]).collect(),
+            take: idx.iter().map(|i| take[*i]).collect(),
         }) {
             self.complete(0, kind);
         }
     }
 
+    /// Passes to a transfer of instance `iid` one of request `rid`'s lookup
+    /// locks on each of `keys` (the request's chunks `first_chunk..`, one kv
+    /// rank each) where its lease still holds one. Returns per key whether the
+    /// transfer got none and must take a lock of its own: a repeated
+    /// transfer, or one after the lease was forgotten, never releases a lock
+    /// that may be another request's.
+    fn hand_over_locks(
+        &mut self,
+        rid: &str,
+        first_chunk: usize,
+        keys: &[ObjectKey],
+        iid: i64,
+    ) -> Vec<bool> {
+        let chunks = keys.iter().enumerate().map(|(i, k)| (first_chunk + i, k));
+        let held = self.leases.released(rid, chunks, 1, Some(iid));
+        // `held` is the keys handed over, in the order of `keys`.
+        let mut held = held.iter().map(|(k, _)| k).peekable();
+        keys.iter()
+            .map(|k| held.next_if(|h| *h == k).is_none())
+            .collect()
+    }
+
     /// Answers a `prepare_retrieve` whose objects are all read-locked at
-    /// `offsets`: one lock per key passes from the lookup to this transfer,
-    /// which `commit_retrieve` (or the worker's departure) releases.
+    /// `offsets`, this transfer holding one lock on each, which
+    /// `commit_retrieve` (or the worker's departure) releases.
     fn hand_over_reads(
         &mut self,
         to: &ReplyTo,
-        read: HandOver<'_>,
+        tkey: TransferKey,
+        keys: Vec<ObjectKey>,
         offsets: &[u64],
         layout: &Layout,
     ) {
-        let HandOver {
-            tkey,
-            request_id,
-            first_chunk,
-            keys,
-        } = read;
-        let chunks = keys.iter().enumerate().map(|(i, k)| (first_chunk + i, k));
-        self.leases
-            .released(request_id, chunks, 1, Some(tkey.instance_id));
         let slots: Vec<_> = offsets.iter().map(|o| layout.slot(*o)).collect();
         if let Some(old) = self.registry.push_pending_read(tkey, keys) {
             self.post(old, |keys| ShardOp::Release { keys, count: 1 });
@@ -2698,18 +2670,10 @@ impl Front {
                 };
                 self.reply(&to, Some(reply));
             }
-            CudaOp::Retrieve {
-                to,
-                iid,
-                request_id,
-                locked,
-            } => {
+            CudaOp::Retrieve { to, iid, locked } => {
                 self.metrics.finished_retrieves += 1;
-                let chunks = locked.iter().map(|(c, k)| (*c, k));
-                self.leases.released(&request_id, chunks, 1, Some(iid));
                 let n = locked.len() as u64;
-                let keys = locked.into_iter().map(|(_, k)| k).collect();
-                self.post(keys, |keys| ShardOp::Release { keys, count: 1 });
+                self.post(locked, |keys| ShardOp::Release { keys, count: 1 });
                 let reply = match result {
                     Ok(handle) => {
                         self.metrics.retrieved_chunks += n;
@@ -2791,18 +2755,12 @@ impl Front {
         skips: Vec<usize>,
         event: Vec<u8>,
     ) {
-        let CudaFound {
-            request_id,
-            first_chunk,
-            keys,
-            slabs,
-        } = found;
-        let locked: Vec<(usize, ObjectKey)> = keys
+        let CudaFound { keys, slabs } = found;
+        let locked: Vec<ObjectKey> = keys
             .iter()
             .zip(&slabs)
-            .enumerate()
-            .filter(|(_, (_, s))| s.is_some())
-            .map(|(i, (k, _))| (first_chunk + i, *k))
+            .filter(|(_, s)| s.is_some())
+            .map(|(k, _)| *k)
             .collect();
         let missing = keys.len() - locked.len();
         let target = match (
@@ -2820,12 +2778,7 @@ impl Front {
         let (base, ordinal) = match target {
             Ok(t) => t,
             Err(e) => {
-                let op = CudaOp::Retrieve {
-                    to,
-                    iid,
-                    request_id,
-                    locked,
-                };
+                let op = CudaOp::Retrieve { to, iid, locked };
                 return self.finish_cuda_op(op, Err(e));
             }
         };
@@ -2839,12 +2792,7 @@ impl Front {
                 skip_blocks,
             })
             .collect();
-        let op = CudaOp::Retrieve {
-            to,
-            iid,
-            request_id,
-            locked,
-        };
+        let op = CudaOp::Retrieve { to, iid, locked };
         self.submit_cuda_transfer(ordinal, iid, CopyDir::ToDevice, event, chunks, op);
     }
 
@@ -3113,11 +3061,10 @@ impl Front {
                     })
                     .collect();
                 // The lookup's read locks are released once the copies end.
+                let take = self.hand_over_locks(&key.request_id, first, &objs, iid);
                 let kind = InflightKind::CudaRetrieve {
                     to,
                     iid,
-                    request_id: key.request_id.clone(),
-                    first_chunk: first,
                     keys: objs.clone(),
                     blocks,
                     skips,
@@ -3126,16 +3073,16 @@ impl Front {
                 };
                 if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReadLocked {
                     keys: idx.iter().map(|i| objs[*i]).collect(),
+                    take: idx.iter().map(|i| take[*i]).collect(),
                 }) {
                     self.complete(0, kind);
                 }
                 return;
             }
         };
-        // The shard releases one lock on each object it finds read-locked: on
-        // the objects this request's lookup holds, that is one of its locks.
-        let chunks = objs.iter().enumerate().map(|(i, k)| (first + i, k));
-        self.leases.released(&key.request_id, chunks, 1, Some(iid));
+        // The shard releases the one lock this transfer holds on each object
+        // it finds read-locked: one of the lookup's, or one taken for it.
+        let take = self.hand_over_locks(&key.request_id, first, &objs, iid);
         let kind = InflightKind::Retrieve {
             to,
             oks: vec![false; n],
@@ -3144,12 +3091,11 @@ impl Front {
             reg: reg.clone(),
             items: idx
                 .iter()
-                .map(|i| {
-                    (
-                        objs[*i],
-                        blocks[*i].clone(),
-                        kvshard_dataplane::cpu_shm::chunk_skip_tokens(skip, *i, cs),
-                    )
+                .map(|i| RetrieveItem {
+                    key: objs[*i],
+                    blocks: blocks[*i].clone(),
+                    skip: kvshard_dataplane::cpu_shm::chunk_skip_tokens(skip, *i, cs),
+                    take: take[*i],
                 })
                 .collect(),
         }) {

@@ -170,15 +170,18 @@ impl ModelShard {
                 }
                 ShardReplyBody::Done
             }
-            ShardOp::ReadLocked { keys } => {
+            ShardOp::ReadLocked { keys, take } => {
                 self.read_locked_asks += 1;
                 ShardReplyBody::Slabs(
                     keys.iter()
-                        .map(|k| {
-                            self.keys
-                                .get(k)
-                                .filter(|s| s.locks > 0)
-                                .and_then(|s| s.resident)
+                        .zip(take)
+                        .map(|(k, take)| {
+                            let s = self
+                                .keys
+                                .get_mut(k)
+                                .filter(|s| s.locks > 0 && s.resident.is_some())?;
+                            s.locks += u32::from(take);
+                            s.resident
                         })
                         .collect(),
                 )

@@ -348,9 +348,8 @@ pub enum CudaOp {
     Retrieve {
         to: crate::messages::ReplyTo,
         iid: i64,
-        request_id: String,
-        /// (chunk index, key) of every read-locked object, to release.
-        locked: Vec<(usize, kvshard_engine::keys::ObjectKey)>,
+        /// Every object the transfer holds one read lock on, to release.
+        locked: Vec<kvshard_engine::keys::ObjectKey>,
     },
 }
 

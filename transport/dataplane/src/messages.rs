@@ -64,9 +64,13 @@ pub enum ShardOp {
         keys: Vec<ObjectKey>,
         tag: u64,
     },
-    /// Slabs of keys that must already be read-locked (by a lookup).
+    /// Slabs of keys that must already be read-locked (by a lookup), for a
+    /// transfer that then holds one lock on each key answered with a slab:
+    /// the lookup's lock it was handed, or, where `take[i]` is set (the
+    /// lookup's lease held none left for it), one more lock taken for it.
     ReadLocked {
         keys: Vec<ObjectKey>,
+        take: Vec<bool>,
     },
     /// lmcache_driven STORE: reserve, gather the worker's blocks, finish.
     Store {
@@ -75,10 +79,11 @@ pub enum ShardOp {
         size: u64,
         tag: u64,
     },
-    /// lmcache_driven RETRIEVE: scatter each read-locked object, then release one lock.
+    /// lmcache_driven RETRIEVE: scatter each read-locked object, then release
+    /// the one lock the transfer holds on it (see [`RetrieveItem::take`]).
     Retrieve {
         reg: Arc<CpuShmRegistration>,
-        items: Vec<(ObjectKey, Vec<i64>, usize)>,
+        items: Vec<RetrieveItem>,
     },
     Clear {
         force: bool,
@@ -92,6 +97,19 @@ pub enum ShardOp {
         cache_salt: String,
     },
     ResetStats,
+}
+
+/// One chunk of an lmcache_driven RETRIEVE.
+#[derive(Debug)]
+pub struct RetrieveItem {
+    pub key: ObjectKey,
+    /// The worker's blocks to scatter the chunk into.
+    pub blocks: Vec<i64>,
+    /// Tokens at the chunk's start that the worker already has.
+    pub skip: usize,
+    /// The request's lookup handed this transfer none of its locks on the
+    /// object (its lease held none left): a lock is taken for the copy first.
+    pub take: bool,
 }
 
 /// Outcome of storing one chunk.

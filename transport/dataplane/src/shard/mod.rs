@@ -23,8 +23,8 @@ use crate::config::L2Settings;
 use crate::cpu_shm::CpuShmRegistration;
 use crate::l1_slab::SlabL1;
 use crate::messages::{
-    FrontEvent, L2CtlStats, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport,
-    StoreOutcome, FOUND_L1, FOUND_MISS, NO_SLAB,
+    FrontEvent, L2CtlStats, RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody,
+    ShardReport, StoreOutcome, FOUND_L1, FOUND_MISS, NO_SLAB,
 };
 
 pub mod l2;
@@ -168,9 +168,10 @@ impl ShardState {
                 self.l1.abort_write(&keys, WriterTag(tag));
                 ShardReplyBody::Done
             }
-            ShardOp::ReadLocked { keys } => ShardReplyBody::Slabs(
+            ShardOp::ReadLocked { keys, take } => ShardReplyBody::Slabs(
                 keys.iter()
-                    .map(|k| self.l1.read_locked(k, now).ok())
+                    .enumerate()
+                    .map(|(i, k)| self.lock_for_transfer(k, take.get(i) == Some(&true), now))
                     .collect(),
             ),
             ShardOp::Store { .. } | ShardOp::Retrieve { .. } => {
@@ -195,6 +196,19 @@ impl ShardState {
                 ShardReplyBody::Done
             }
         }
+    }
+
+    /// The slab of `key` if a lookup read-locked it, for a transfer that
+    /// holds one of those locks, or one more taken for it when `take`.
+    fn lock_for_transfer(&mut self, key: &ObjectKey, take: bool, now: Instant) -> Option<Slab> {
+        let slab = self.l1.read_locked(key, now).ok()?;
+        if take {
+            self.l1
+                .reserve_read(std::slice::from_ref(key), 1, now)
+                .pop()?
+                .ok()?;
+        }
+        Some(slab)
     }
 
     /// L1 part of a lookup: read-lock and touch the hits. Returns per key its
@@ -436,15 +450,21 @@ async fn store_in_memory(
 async fn retrieve_in_memory(
     state: &State,
     reg: &CpuShmRegistration,
-    items: Vec<(ObjectKey, Vec<i64>, usize)>,
+    items: Vec<RetrieveItem>,
 ) -> Vec<bool> {
     let mut out = Vec::with_capacity(items.len());
     let mut done = Vec::with_capacity(items.len());
-    for (key, blocks, skip) in items {
+    for RetrieveItem {
+        key,
+        blocks,
+        skip,
+        take,
+    } in items
+    {
         glommio::yield_if_needed().await;
-        let shard = state.borrow();
-        match shard.l1.read_locked(&key, Instant::now()) {
-            Ok(slab) => {
+        let mut shard = state.borrow_mut();
+        match shard.lock_for_transfer(&key, take, Instant::now()) {
+            Some(slab) => {
                 // SAFETY: the object is read-locked, so it is neither freed
                 // nor rewritten while this synchronous copy runs.
                 let src =
@@ -453,10 +473,10 @@ async fn retrieve_in_memory(
                 out.push(scatter_logged(reg, &key, src, &blocks, skip));
                 done.push(key);
             }
-            Err(_) => out.push(false),
+            None => out.push(false),
         }
     }
-    // One read lock per retrieved key, as the lookup reserved one per reader.
+    // The one read lock this transfer holds per retrieved key.
     if !done.is_empty() {
         state.borrow_mut().l1.finish_read(&done, 1, Instant::now());
     }
@@ -514,16 +534,16 @@ async fn retrieve_from_slab(
     state: &State,
     slab_l1: &SlabL1,
     reg: &CpuShmRegistration,
-    items: Vec<(ObjectKey, Vec<i64>, usize)>,
+    items: Vec<RetrieveItem>,
 ) -> Vec<bool> {
     let mut out = vec![false; items.len()];
     let mut locked = Vec::with_capacity(items.len());
     {
-        let st = state.borrow();
+        let mut st = state.borrow_mut();
         let now = Instant::now();
-        for (i, (key, blocks, skip)) in items.into_iter().enumerate() {
-            if let Ok(slab) = st.l1.read_locked(&key, now) {
-                locked.push((i, key, blocks, skip, slab));
+        for (i, it) in items.into_iter().enumerate() {
+            if let Some(slab) = st.lock_for_transfer(&it.key, it.take, now) {
+                locked.push((i, it.key, it.blocks, it.skip, slab));
             }
         }
     }
