@@ -103,6 +103,12 @@ fn fs_chunks_outlive_a_restart_and_load_back_from_l2() {
         srv.metric("lmcache_mp_l2_prefetch_load_completed_chunks_total", &[]),
         Some(4.0)
     );
+    // The shards said where they loaded each chunk: the worker's
+    // prepare_retrieve was answered from the lookup's locks.
+    assert_eq!(
+        srv.metric("kvshard_prepare_retrieves_from_lease_total", &[]),
+        Some(1.0)
+    );
     // Default prefetch policy: loaded objects are temporary, freed once read.
     wait_until("temporary objects freed", || {
         srv.l1_count("total_object_count") == 0

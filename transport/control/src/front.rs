@@ -98,6 +98,8 @@ enum InflightKind {
         /// Indices (into `load.keys`) of the keys being loaded, in send order.
         loading: Vec<usize>,
         loaded: Vec<bool>,
+        /// Where each loaded key's slab lies (`NO_SLAB` if not loaded).
+        slabs: Vec<u64>,
     },
     PrepareStore {
         to: ReplyTo,
@@ -1337,8 +1339,9 @@ impl Front {
                 load,
                 loading,
                 loaded,
+                slabs,
             } => {
-                if let Some((waiters, hits)) = self.finish_load(load, &loading, &loaded) {
+                if let Some((waiters, hits)) = self.finish_load(load, &loading, &loaded, &slabs) {
                     self.answer_waiters(waiters, hits);
                 }
             }
@@ -1802,6 +1805,7 @@ impl Front {
         let (size, readers) = (p.size, p.readers);
         let kind = InflightKind::Load {
             loaded: vec![false; lkeys.len()],
+            slabs: vec![NO_SLAB; lkeys.len()],
             load: p,
             loading,
         };
@@ -1832,13 +1836,15 @@ impl Front {
         mut p: PendingLoad,
         loading: &[usize],
         loaded: &[bool],
+        slabs: &[u64],
     ) -> Option<(Vec<Waiter>, i64)> {
         self.loads_inflight -= 1;
         let nr = p.num_ranks;
-        // Per key: readable in L1 now (holding `readers` locks).
+        // Per key: readable in L1 now (holding `readers` locks), and where.
         let mut ok: Vec<bool> = p.found.iter().map(|f| *f == FOUND_L1).collect();
-        for (&i, &l) in loading.iter().zip(loaded) {
+        for ((&i, &l), &at) in loading.iter().zip(loaded).zip(slabs) {
             ok[i] = l;
+            p.slabs[i] = if l { at } else { NO_SLAB };
         }
         let num_chunks = p.keys.len() / nr;
         let prefix = (0..num_chunks)
@@ -3480,9 +3486,10 @@ fn fail_items(kind: &mut InflightKind, idx: &[usize]) {
                 outcomes[*i] = StoreOutcome::Failed;
             }
         }
-        InflightKind::Load { loaded, .. } => {
+        InflightKind::Load { loaded, slabs, .. } => {
             for i in idx {
                 loaded[*i] = false;
+                slabs[*i] = NO_SLAB;
             }
         }
         InflightKind::Retrieve { oks, .. } => {
@@ -3518,9 +3525,10 @@ fn merge(kind: &mut InflightKind, idx: &[usize], shard: usize, body: ShardReplyB
                 lookup.slabs[*i] = s;
             }
         }
-        (InflightKind::Load { loaded, .. }, ShardReplyBody::Loaded(l)) => {
-            for (i, v) in idx.iter().zip(l) {
+        (InflightKind::Load { loaded, slabs, .. }, ShardReplyBody::Loaded { ok, slabs: at }) => {
+            for ((i, v), s) in idx.iter().zip(ok).zip(at) {
                 loaded[*i] = v;
+                slabs[*i] = s;
             }
         }
         (

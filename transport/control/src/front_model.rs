@@ -100,8 +100,8 @@ impl ModelShard {
     fn handle(&mut self, op: ShardOp) -> ShardReplyBody {
         match op {
             ShardOp::Lookup { keys, readers, .. } => {
-                // Every third lookup's reply leaves the places out, as for
-                // objects loaded from L2: its retrieves must ask the shards.
+                // Every third lookup's reply leaves the places out: its
+                // retrieves must ask the shards.
                 self.lookups += 1;
                 let tell = self.lookups % 3 != 0;
                 let (codes, slabs) = keys

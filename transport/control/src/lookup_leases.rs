@@ -52,8 +52,7 @@ struct Lease {
     hashes: Vec<ChunkHash>,
     /// Locks still held, per object (chunk-major, rank-minor).
     held: Vec<u32>,
-    /// Per object: the offset of its slab, or `NO_SLAB` if not known (an
-    /// object the lookup loaded from L2).
+    /// Per object: the offset of its slab, or `NO_SLAB` if no shard said.
     slabs: Vec<u64>,
     /// Instances that released locks of this lease (they are done with it).
     consumers: Vec<i64>,
@@ -496,7 +495,7 @@ mod tests {
         let s = Duration::from_secs(1);
         let mut b = LeaseBook::new(4, 100 * s);
         let ks = keys(3, &[0, 1]);
-        // Chunk 2 rank 1 came from L2: where it lies is not known.
+        // Where chunk 2 rank 1 lies is not known.
         let slabs = [10, 11, 20, 21, 30, NO_SLAB];
         // One lookup of chunks 0..3 over ranks 0 and 1, with these places.
         let lookup = |b: &mut LeaseBook, slabs: &[u64]| {

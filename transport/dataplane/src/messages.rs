@@ -129,7 +129,12 @@ pub enum ShardReplyBody {
         codes: Vec<u8>,
         slabs: Vec<u64>,
     },
-    Loaded(Vec<bool>),
+    /// Per key: whether it is readable in L1 now, holding the load's read
+    /// locks, and if so the offset of its slab (else [`NO_SLAB`]).
+    Loaded {
+        ok: Vec<bool>,
+        slabs: Vec<u64>,
+    },
     Slabs(Vec<Option<Slab>>),
     Stored(Vec<StoreOutcome>),
     Retrieved(Vec<bool>),

@@ -32,7 +32,7 @@ use kvshard_engine::l2::{kv_rank_world_size, L2Adapter, ObjectBytes, StoreResult
 use kvshard_gds::slab::AlignedBuf;
 
 use crate::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
-use crate::messages::{L2CtlStats, TierReport, FOUND_L2, FOUND_MISS};
+use crate::messages::{L2CtlStats, TierReport, FOUND_L2, FOUND_MISS, NO_SLAB};
 use crate::shard::State;
 
 pub struct L2Shard {
@@ -468,7 +468,8 @@ pub fn unlock(l2: &L2Shard, keys: &[(ObjectKey, u8)]) {
 
 /// Loads `keys` (locked by [`lookup`] in the tier their code names) into new L1
 /// objects of `size` bytes with `readers` read locks each; releases the L2
-/// locks. Answers per key whether it is now readable in L1.
+/// locks. Answers per key whether it is now readable in L1, and where its
+/// slab lies if so ([`NO_SLAB`] if not).
 pub(crate) async fn load(
     state: &State,
     l2: &L2Shard,
@@ -476,7 +477,7 @@ pub(crate) async fn load(
     size: u64,
     readers: u32,
     tag: u64,
-) -> Vec<bool> {
+) -> (Vec<bool>, Vec<u64>) {
     let now = Instant::now();
     let tag = WriterTag(tag);
     let temporary = l2.prefetch_policy == L2PrefetchPolicy::Default;
@@ -629,9 +630,13 @@ pub(crate) async fn load(
     let res = st
         .l1
         .finish_write_and_reserve_read(&done_keys, tag, readers, now);
+    let mut at = vec![NO_SLAB; keys.len()];
     let mut lapsed = 0;
     for ((i, key), r) in done.into_iter().zip(res) {
         ok[i] = r.is_ok();
+        if let Ok(slab) = &r {
+            at[i] = slab.offset;
+        }
         if r.is_err() {
             // The reservation lapsed (only if the shard stalled for most of
             // the write TTL): the stage is gone or another writer's (nothing
@@ -651,6 +656,9 @@ pub(crate) async fn load(
         let rk: Vec<ObjectKey> = resident.iter().map(|&i| plain[i]).collect();
         for (&i, r) in resident.iter().zip(st.l1.reserve_read(&rk, readers, now)) {
             ok[i] = r.is_ok();
+            if let Ok(slab) = r {
+                at[i] = slab.offset;
+            }
         }
     }
     drop(st);
@@ -661,7 +669,7 @@ pub(crate) async fn load(
         s.prefetch_load_completed_objects += loaded;
         s.prefetch_failure_objects += keys.len() as u64 - loaded;
     });
-    ok
+    (ok, at)
 }
 
 /// A load's L1 write reservations lapsed before it finished: the objects

@@ -741,8 +741,8 @@ pub async fn run_shard(
             } => {
                 let (state, l2, replies) = (state.clone(), l2.clone(), replies.clone());
                 glommio::spawn_local(async move {
-                    let ok = l2::load(&state, &l2, keys, size, readers, tag).await;
-                    to.send(&replies, ShardReplyBody::Loaded(ok));
+                    let (ok, slabs) = l2::load(&state, &l2, keys, size, readers, tag).await;
+                    to.send(&replies, ShardReplyBody::Loaded { ok, slabs });
                 })
                 .detach();
             }
