@@ -835,13 +835,14 @@ impl Front {
                 request_id,
                 timeout_seconds,
             } => self.wait_prefetch(to, &request_id, timeout_seconds, now),
+            // Acked alike whatever follows: the ack goes first.
             Request::FreeLookupLocks { key, .. } => {
-                self.free_lookup_locks(&key, now);
-                self.reply(&to, None)
+                self.reply(&to, None);
+                self.free_lookup_locks(&key, now)
             }
             Request::EndSession { request_id } => {
-                self.end_session(&request_id);
-                self.reply(&to, None)
+                self.reply(&to, None);
+                self.end_session(&request_id)
             }
             Request::RegisterEngineDriven(p) => {
                 let reply = self.register_engine_driven(p, now);
@@ -1554,11 +1555,15 @@ impl Front {
 
     fn lookup(&mut self, to: ReplyTo, key: IpcKey, now: Instant) {
         self.metrics.lookups += 1;
+        // Every lookup is acked alike, with no payload (as 0.5.6 does), so the
+        // ack leaves first and the hashing and posting below overlap its trip.
+        // Nothing can see the difference: the front reads the client's next
+        // request (its status query) only once this one has registered its job.
+        self.reply(&to, None);
         let rid = key.request_id.clone();
         let early = |front: &mut Front, reason: &'static str| {
             front.metrics.count_early_exit(reason);
             front.set_job(rid.clone(), None);
-            front.reply(&to, None);
         };
         let Some(layout) = u32::try_from(key.world_size)
             .ok()
@@ -1686,10 +1691,8 @@ impl Front {
             immediate.is_none(),
             "a non-empty lookup always involves a shard"
         );
+        // A status query read after this is held until the shards answer.
         self.set_job(rid, Some(seq));
-        // The job is registered, so a status query after this ack is held
-        // until the shards answer instead of finding no job.
-        self.reply(&to, None);
     }
 
     /// First half of a finished lookup: plans the prefix from L1 and L2 hits,
