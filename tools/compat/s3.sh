@@ -57,7 +57,7 @@ phase() { # store|load sums mode start port http
         || { echo "compat-s3: $1 ($3) failed"; tail -20 "$WORK/client.err"; tail -30 "$LOG"; exit 1; }
 }
 wait_objects() { # bucket count
-    python3 - "$WORK/s3/$1" "$2" <<'PY' || { echo "compat-s3: $2 objects did not reach bucket $1"; find "$WORK/s3/$1" -type f | wc -l; tail -20 "$LOG"; exit 1; }
+    python3 - "$WORK/s3/$1" "$2" <<'PY' || { echo "compat-s3: $2 objects did not reach bucket $1"; find "$WORK/s3/$1" -type f | wc -l; df -h "$WORK"; tail -20 "$LOG"; exit 1; }
 import os, sys, time
 d, want = sys.argv[1], int(sys.argv[2])
 for _ in range(1200):
