@@ -200,6 +200,8 @@ struct Echo {
     c: Client,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The echo thread's id, for its CPU time.
+    tid: Arc<std::sync::atomic::AtomicI32>,
 }
 
 impl Echo {
@@ -211,8 +213,12 @@ impl Echo {
         router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
+        let tid = Arc::new(std::sync::atomic::AtomicI32::new(0));
+        let tid_out = tid.clone();
         let thread = std::thread::spawn(move || {
             let _ctx = ctx;
+            // SAFETY: gettid takes no arguments and cannot fail.
+            tid_out.store(unsafe { libc::gettid() }, Ordering::Relaxed);
             while !flag.load(Ordering::Relaxed) {
                 if let Ok(mut frames) = router.recv_multipart(0) {
                     // [identity, uid, op] and a short answer, whatever came after.
@@ -230,7 +236,14 @@ impl Echo {
             c,
             stop,
             thread: Some(thread),
+            tid,
         }
+    }
+
+    /// CPU time the echo thread has used so far.
+    fn cpu(&self) -> Duration {
+        let tid = self.tid.load(Ordering::Relaxed) as u32;
+        thread_cpu(std::process::id(), tid).unwrap_or_default()
     }
 
     /// `n` echo round trips recorded into `h`.
@@ -260,6 +273,76 @@ impl Drop for Echo {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// CPU time (user + system) thread `tid` of process `pid` has used so far,
+/// from `/proc`; `None` where it cannot be read (the thread is gone).
+fn thread_cpu(pid: u32, tid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+    // After the command name's closing parenthesis come the state (field 3)
+    // and, 11 and 12 fields on, utime and stime (fields 14 and 15), in ticks.
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Some(Duration::from_nanos(ticks * 1_000_000_000 / hz))
+}
+
+/// The server's CPU time so far: its front (the main thread), its shards,
+/// and every thread (ZeroMQ's and the HTTP thread's included).
+#[derive(Clone, Copy, Default)]
+struct ServerCpu {
+    front: Duration,
+    shards: Duration,
+    all: Duration,
+}
+
+impl ServerCpu {
+    fn of(pid: u32) -> ServerCpu {
+        let mut cpu = ServerCpu {
+            front: thread_cpu(pid, pid).unwrap_or_default(),
+            ..ServerCpu::default()
+        };
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return cpu;
+        };
+        for task in tasks.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+                continue;
+            };
+            let t = thread_cpu(pid, tid).unwrap_or_default();
+            cpu.all += t;
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if comm.starts_with("kvshard-shard") {
+                cpu.shards += t;
+            }
+        }
+        cpu
+    }
+
+    /// Prints the CPU time each of `n` operations of `what` (of `requests`
+    /// requests each) cost the server since `before`, beside what each of
+    /// the `echoes` round trips cost the echo's thread meanwhile.
+    fn report(
+        &self,
+        before: &ServerCpu,
+        what: &str,
+        n: usize,
+        requests: usize,
+        echo: (Duration, usize),
+    ) {
+        let per = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n.max(1) as f64;
+        println!(
+            "  server CPU per {what}: front {:.1}us, shards {:.1}us, all threads {:.1}us \
+             ({requests} requests; the echo's thread: {:.1}us per round trip; /proc ticks of {}ms)",
+            per(self.front.saturating_sub(before.front), n),
+            per(self.shards.saturating_sub(before.shards), n),
+            per(self.all.saturating_sub(before.all), n),
+            per(echo.0, echo.1),
+            // SAFETY: sysconf only reads a system constant.
+            1000 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1),
+        );
     }
 }
 
@@ -305,6 +388,8 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     for _ in 0..n_noop / 10 {
         c.noop_ok();
     }
+    let pid = srv.child.id();
+    let (cpu, echo_cpu) = (ServerCpu::of(pid), echo.cpu());
     let mut h = hist();
     for i in 0..n_noop {
         if i % (n_noop / ECHO_BLOCKS) == 0 {
@@ -315,6 +400,11 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         h.record(t.elapsed().as_nanos() as u64).unwrap();
     }
     report("noop round trip", &h);
+    let echoed = (
+        echo.cpu().saturating_sub(echo_cpu),
+        echo_noop.len() as usize,
+    );
+    ServerCpu::of(pid).report(&cpu, "noop", n_noop, 1, echoed);
 
     // A small layout keeps the data copy out of the RPC figures.
     let reg = c
@@ -346,6 +436,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     };
 
     // prepare_store + commit_store of a fresh 2048-token request (8 chunks).
+    let (cpu, echo_cpu) = (ServerCpu::of(pid), echo.cpu());
     let mut hp = hist();
     let (mut hp_prep, mut hp_commit) = (hist(), hist());
     for i in 0..n_pc {
@@ -371,8 +462,14 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     report("prepare+commit store (8 chunks)", &hp);
     report("  of which the prepare", &hp_prep);
     report("  of which the commit", &hp_commit);
+    let echoed = (
+        echo.cpu().saturating_sub(echo_cpu),
+        echo_store.len() as usize,
+    );
+    ServerCpu::of(pid).report(&cpu, "store and end_session", n_pc, 3, echoed);
 
     // lookup + query_prefetch_status of a stored request: a full hit of 8 chunks.
+    let (cpu, echo_cpu) = (ServerCpu::of(pid), echo.cpu());
     let mut hl = hist();
     let (mut hl_lookup, mut hl_status) = (hist(), hist());
     let mut hr = hist();
@@ -424,6 +521,12 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     report("prepare+commit retrieve (8 chunks)", &hr);
     report("  of which the prepare", &hr_prep);
     report("  of which the commit", &hr_commit);
+    let echoed = (
+        echo.cpu().saturating_sub(echo_cpu),
+        (echo_lookup.len() + echo_sized.len()) as usize,
+    );
+    let what = "lookup, status, retrieve and end_session";
+    ServerCpu::of(pid).report(&cpu, what, n_lookup, 5, echoed);
     RoundTrips {
         noop: h,
         lookup: hl,

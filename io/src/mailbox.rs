@@ -70,6 +70,10 @@ impl Wake {
 }
 
 /// Read everything pending on a nonblocking fd; returns whether anything was.
+/// A read that does not fill the buffer took everything there was (an
+/// eventfd's whole counter, or a socketpair's last bytes): no second read
+/// is spent to hear EAGAIN. Whatever is written after it makes the fd
+/// readable again for the next wait.
 fn drain_fd(fd: RawFd) -> bool {
     let mut buf = [0u8; 64];
     let mut any = false;
@@ -78,6 +82,9 @@ fn drain_fd(fd: RawFd) -> bool {
         let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
         if n > 0 {
             any = true;
+            if (n as usize) < buf.len() {
+                return true;
+            }
             continue;
         }
         if n < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
