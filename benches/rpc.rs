@@ -284,9 +284,15 @@ fn thread_cpu(pid: u32, tid: u32) -> Option<Duration> {
     // and, 11 and 12 fields on, utime and stime (fields 14 and 15), in ticks.
     let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
     let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_nanos(
+        ticks * 1_000_000_000 / clock_ticks_per_s(),
+    ))
+}
+
+/// The unit of `/proc`'s CPU times, per second.
+fn clock_ticks_per_s() -> u64 {
     // SAFETY: sysconf only reads a system constant.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Some(Duration::from_nanos(ticks * 1_000_000_000 / hz))
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64
 }
 
 /// The server's CPU time so far: its front (the main thread), its shards,
@@ -300,10 +306,7 @@ struct ServerCpu {
 
 impl ServerCpu {
     fn of(pid: u32) -> ServerCpu {
-        let mut cpu = ServerCpu {
-            front: thread_cpu(pid, pid).unwrap_or_default(),
-            ..ServerCpu::default()
-        };
+        let mut cpu = ServerCpu::default();
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             return cpu;
         };
@@ -313,6 +316,9 @@ impl ServerCpu {
             };
             let t = thread_cpu(pid, tid).unwrap_or_default();
             cpu.all += t;
+            if tid == pid {
+                cpu.front = t;
+            }
             let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
             if comm.starts_with("kvshard-shard") {
                 cpu.shards += t;
@@ -320,28 +326,40 @@ impl ServerCpu {
         }
         cpu
     }
+}
+
+/// The CPU time the server and the echo's thread use over one section of
+/// the round trips.
+struct CpuWindow {
+    pid: u32,
+    server: ServerCpu,
+    echo: Duration,
+}
+
+impl CpuWindow {
+    fn start(pid: u32, echo: &Echo) -> CpuWindow {
+        CpuWindow {
+            pid,
+            server: ServerCpu::of(pid),
+            echo: echo.cpu(),
+        }
+    }
 
     /// Prints the CPU time each of `n` operations of `what` (of `requests`
-    /// requests each) cost the server since `before`, beside what each of
+    /// requests each) cost the server since the start, beside what each of
     /// the `echoes` round trips cost the echo's thread meanwhile.
-    fn report(
-        &self,
-        before: &ServerCpu,
-        what: &str,
-        n: usize,
-        requests: usize,
-        echo: (Duration, usize),
-    ) {
-        let per = |d: Duration, n: usize| d.as_secs_f64() * 1e6 / n.max(1) as f64;
+    fn report(&self, what: &str, n: usize, requests: usize, echo: &Echo, echoes: u64) {
+        let now = ServerCpu::of(self.pid);
+        let per = |d: Duration, n: u64| d.as_secs_f64() * 1e6 / n.max(1) as f64;
+        let n = n as u64;
         println!(
             "  server CPU per {what}: front {:.1}us, shards {:.1}us, all threads {:.1}us \
              ({requests} requests; the echo's thread: {:.1}us per round trip; /proc ticks of {}ms)",
-            per(self.front.saturating_sub(before.front), n),
-            per(self.shards.saturating_sub(before.shards), n),
-            per(self.all.saturating_sub(before.all), n),
-            per(echo.0, echo.1),
-            // SAFETY: sysconf only reads a system constant.
-            1000 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1),
+            per(now.front.saturating_sub(self.server.front), n),
+            per(now.shards.saturating_sub(self.server.shards), n),
+            per(now.all.saturating_sub(self.server.all), n),
+            per(echo.cpu().saturating_sub(self.echo), echoes),
+            1000 / clock_ticks_per_s(),
         );
     }
 }
@@ -389,7 +407,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         c.noop_ok();
     }
     let pid = srv.child.id();
-    let (cpu, echo_cpu) = (ServerCpu::of(pid), echo.cpu());
+    let cpu = CpuWindow::start(pid, &echo);
     let mut h = hist();
     for i in 0..n_noop {
         if i % (n_noop / ECHO_BLOCKS) == 0 {
@@ -400,11 +418,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         h.record(t.elapsed().as_nanos() as u64).unwrap();
     }
     report("noop round trip", &h);
-    let echoed = (
-        echo.cpu().saturating_sub(echo_cpu),
-        echo_noop.len() as usize,
-    );
-    ServerCpu::of(pid).report(&cpu, "noop", n_noop, 1, echoed);
+    cpu.report("noop", n_noop, 1, &echo, echo_noop.len());
 
     // A small layout keeps the data copy out of the RPC figures.
     let reg = c
@@ -436,7 +450,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     };
 
     // prepare_store + commit_store of a fresh 2048-token request (8 chunks).
-    let (cpu, echo_cpu) = (ServerCpu::of(pid), echo.cpu());
+    let cpu = CpuWindow::start(pid, &echo);
     let mut hp = hist();
     let (mut hp_prep, mut hp_commit) = (hist(), hist());
     for i in 0..n_pc {
@@ -462,14 +476,10 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     report("prepare+commit store (8 chunks)", &hp);
     report("  of which the prepare", &hp_prep);
     report("  of which the commit", &hp_commit);
-    let echoed = (
-        echo.cpu().saturating_sub(echo_cpu),
-        echo_store.len() as usize,
-    );
-    ServerCpu::of(pid).report(&cpu, "store and end_session", n_pc, 3, echoed);
+    cpu.report("store and end_session", n_pc, 3, &echo, echo_store.len());
 
     // lookup + query_prefetch_status of a stored request: a full hit of 8 chunks.
-    let (cpu, echo_cpu) = (ServerCpu::of(pid), echo.cpu());
+    let cpu = CpuWindow::start(pid, &echo);
     let mut hl = hist();
     let (mut hl_lookup, mut hl_status) = (hist(), hist());
     let mut hr = hist();
@@ -521,12 +531,9 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     report("prepare+commit retrieve (8 chunks)", &hr);
     report("  of which the prepare", &hr_prep);
     report("  of which the commit", &hr_commit);
-    let echoed = (
-        echo.cpu().saturating_sub(echo_cpu),
-        (echo_lookup.len() + echo_sized.len()) as usize,
-    );
     let what = "lookup, status, retrieve and end_session";
-    ServerCpu::of(pid).report(&cpu, what, n_lookup, 5, echoed);
+    let echoes = echo_lookup.len() + echo_sized.len();
+    cpu.report(what, n_lookup, 5, &echo, echoes);
     RoundTrips {
         noop: h,
         lookup: hl,

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::{self, Name, ObjectKey};
-use kvshard_engine::l1::MAX_READ_LOCK_COUNT;
 use kvshard_engine::slab::Slab;
 use kvshard_gds::device::worker::{ChunkCopy, CopyDir, DeviceJob};
 use kvshard_io::log_limit::Level;
@@ -32,7 +31,7 @@ use kvshard_dataplane::messages::{
     FOUND_L1, FOUND_L2, FOUND_MISS, NO_SLAB,
 };
 
-use crate::lookup_leases::{Grant, LeaseBook};
+use crate::lookup_leases::{clamped, Grant, LeaseBook};
 use crate::lookup_log::{
     LookupHashLog, LookupLogWriter, LookupRecord, SendOutcome, WRITER_QUEUE_RECORDS,
 };
@@ -2007,7 +2006,7 @@ impl Front {
         // locks expired or a forced clear, must not take away another
         // request's locks on the same objects.
         let held = self.leases.released(&rid, chunks, readers, None);
-        let asked = objs.len() as u64 * u64::from(readers.min(MAX_READ_LOCK_COUNT));
+        let asked = objs.len() as u64 * u64::from(clamped(readers));
         let freed: u64 = held.iter().map(|(_, n)| u64::from(*n)).sum();
         if freed < asked {
             self.metrics.unheld_lock_releases += asked - freed;

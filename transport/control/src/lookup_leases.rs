@@ -36,7 +36,7 @@ use kvshard_engine::keys::{ChunkHash, Name, ObjectKey};
 use kvshard_engine::l1::MAX_READ_LOCK_COUNT;
 
 /// Locks one call takes or releases per key, as the shard clamps it.
-fn clamped(count: u32) -> u32 {
+pub(crate) fn clamped(count: u32) -> u32 {
     count.clamp(1, MAX_READ_LOCK_COUNT)
 }
 
