@@ -477,6 +477,12 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     report("  of which the prepare", &hp_prep);
     report("  of which the commit", &hp_commit);
     cpu.report("store and end_session", n_pc, 3, &echo, echo_store.len());
+    let credit = |name| counter(srv.http_port, name).map_or("?".into(), |v| v.to_string());
+    println!(
+        "  prepare_stores answered from write credits: {}; that asked the shards for lack of them: {}",
+        credit("kvshard_prepare_stores_from_credits_total"),
+        credit("kvshard_prepare_store_credit_misses_total")
+    );
 
     // lookup + query_prefetch_status of a stored request: a full hit of 8 chunks.
     let cpu = CpuWindow::start(pid, &echo);
@@ -708,6 +714,13 @@ fn try_call(c: &mut Client, t: &mut Tally, frames: Vec<Vec<u8>>) -> Option<Optio
 /// if the server did not answer within 5 s.
 fn http_get(port: u16, path: &str) -> Option<(u16, Duration)> {
     let t = Instant::now();
+    let (code, _) = http_fetch(port, path)?;
+    Some((code, t.elapsed()))
+}
+
+/// `GET path`: the status code and the whole response; `None` if the server
+/// did not answer within 5 s.
+fn http_fetch(port: u16, path: &str) -> Option<(u16, Vec<u8>)> {
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let mut st = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
     st.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
@@ -721,7 +734,15 @@ fn http_get(port: u16, path: &str) -> Option<(u16, Duration)> {
         .nth(1)?
         .parse()
         .ok()?;
-    Some((code, t.elapsed()))
+    Some((code, out))
+}
+
+/// The value of the unlabelled counter `name` on the server's `/metrics`.
+fn counter(port: u16, name: &str) -> Option<f64> {
+    let (_, body) = http_fetch(port, "/metrics")?;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// Lookup client `t` of the saturation: lookup + status of a stored request

@@ -718,6 +718,14 @@ pub struct KvshardArgs {
         allow_negative_numbers = true
     )]
     pub shard_queue_depth: usize,
+    /// [kvshard only] Write credits per shard and object size: L1 slabs a shard lends the front
+    /// ahead of time, so an engine_driven prepare_store is answered without waiting for the shard.
+    /// Raised to the most chunks one request puts on a shard, and at most 1/64 of a shard's memory
+    /// per size; taken from memory (evicting under LRU) and counted as used. Chunks the request's lookup found are left out of the reply; other
+    /// chunks that are already stored are copied again and dropped at commit. 0 asks the shards
+    /// at every prepare_store, which leaves out every chunk already stored (as lmcache does).
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub write_credits: u32,
     /// [kvshard only] Maximum live request sessions; more are refused and counted.
     #[arg(
         long,
@@ -1018,6 +1026,7 @@ impl ServerArgs {
             disable_metrics: obs.disable_metrics,
             disable_logging: obs.disable_logging,
             shard_queue_depth: kvshard.shard_queue_depth,
+            write_credits: kvshard.write_credits,
             max_sessions: kvshard.max_sessions,
             max_registrations: kvshard.max_registrations,
             max_frame_bytes: kvshard.max_frame_bytes,
@@ -1813,6 +1822,7 @@ struct Kvshard {
     cores: Vec<usize>,
     front_core: Option<usize>,
     shard_queue_depth: usize,
+    write_credits: u32,
     max_sessions: usize,
     max_registrations: usize,
     max_frame_bytes: usize,
@@ -1864,6 +1874,7 @@ impl KvshardArgs {
             cores,
             front_core,
             shard_queue_depth: nonzero("--shard-queue-depth", self.shard_queue_depth)?,
+            write_credits: self.write_credits,
             max_sessions: nonzero("--max-sessions", self.max_sessions)?,
             max_registrations: nonzero("--max-registrations", self.max_registrations)?,
             max_frame_bytes: nonzero("--max-frame-bytes", self.max_frame_bytes)?,

@@ -176,11 +176,26 @@ fn one_chunk(seed: u32) -> (Vec<u32>, V) {
 
 #[test]
 fn a_stopped_shard_fails_its_requests_and_the_others_keep_serving() {
+    // Without write credits: the registration sends the shards nothing, and
+    // the first store part for shard 1 is the message that stops it.
+    stopped_shard(false);
+}
+
+/// The same with write credits: the registration asks every shard for them,
+/// which stops shard 1 then; each later prepare_store of its chunks is
+/// refused before anything is handed out.
+#[test]
+fn a_stopped_shard_fails_its_stores_on_write_credits_too() {
+    stopped_shard(true);
+}
+
+fn stopped_shard(credits: bool) {
     let dir = std::env::temp_dir().join(unique("kvshard_dead_shard"));
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("server.log");
+    let write_credits = if credits { "32" } else { "0" };
     let mut srv = Server::start_logged_env(
-        &["--cores", "0-1"],
+        &["--cores", "0-1", "--write-credits", write_credits],
         &log,
         &[("KVSHARD_TEST_STOP_SHARD", "1")],
     );
@@ -216,12 +231,19 @@ fn a_stopped_shard_fails_its_requests_and_the_others_keep_serving() {
     }
     assert!(!stored.is_empty(), "shard 0 keeps serving");
     assert!(failed >= 2, "shard 1's chunks fail");
-    // The first failure was in flight when the shard stopped; the rest were
-    // refused before being sent.
+    // Without credits the first failure was in flight when the shard
+    // stopped, and the rest were refused before being sent; with them, all
+    // were refused.
     assert_eq!(
         counter(&srv, "kvshard_shard_dead_refused_total"),
-        (failed - 1) as f64
+        (failed - usize::from(!credits)) as f64
     );
+    if credits {
+        assert!(
+            counter(&srv, "kvshard_prepare_stores_from_credits_total") > 0.0,
+            "shard 0's stores were answered from its credits"
+        );
+    }
     assert_eq!(counter(&srv, "kvshard_dead_shards"), 1.0);
 
     let (st, body) = srv.http("GET", "/healthcheck", None);

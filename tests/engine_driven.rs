@@ -95,6 +95,13 @@ fn store_lookup_retrieve_round_trip() {
     round_trip_with(&["--cores", "0,1"]);
 }
 
+/// The same with every prepare_store reserved on the shards (no write
+/// credits): a chunk already stored is never handed out again.
+#[test]
+fn store_lookup_retrieve_round_trip_without_write_credits() {
+    round_trip_with(&["--cores", "0,1", "--write-credits", "0"]);
+}
+
 /// The same with shards and front polling for work before they sleep
 /// (`--spin-us`): nothing is missed or answered twice.
 #[test]
@@ -103,6 +110,7 @@ fn store_lookup_retrieve_round_trip_spinning() {
 }
 
 fn round_trip_with(flags: &[&str]) {
+    let credits = !flags.contains(&"--write-credits");
     let srv = Server::start(flags);
     let mut c = srv.client();
     assert_eq!(c.call(OP_GET_CHUNK_SIZE, &[]), Some(V::I(CS as i64)));
@@ -111,6 +119,16 @@ fn round_trip_with(flags: &[&str]) {
     assert_eq!(name, srv.shm_name);
     assert_eq!(size, 64 << 20);
     let mut pool = ShmMap::open(&name, size);
+    // The shards lend the front write credits for the registered size (or
+    // nothing without them), counted as used L1 memory.
+    let credit_bytes = |srv: &Server| {
+        srv.get_json("/status")["storage_manager"]["l1_manager"]["write_credit_bytes"].as_u64()
+    };
+    if credits {
+        wait_until("write credits lent", || credit_bytes(&srv) > Some(0));
+    } else {
+        assert_eq!(credit_bytes(&srv), Some(0));
+    }
 
     let toks = tokens(1, 5 * CS + 3);
     assert_eq!(lookup(&mut c, 1, &toks, "cold", 1), 0, "cold lookup misses");
@@ -132,12 +150,51 @@ fn round_trip_with(flags: &[&str]) {
     assert_eq!(back, stored, "bytes read back equal the bytes stored");
     c.call(OP_END_SESSION, &[s("warm")]);
 
-    // Storing the same chunks again reserves nothing: the client skips the commit.
+    // Storing the same chunks again after the request's lookup found them
+    // reserves nothing: the client skips the commit.
+    assert_eq!(lookup(&mut c, 1, &toks, "again", 1), 5);
     let key = ipc_key("m", 1, Some(0), &toks, 0, 5 * CS as i64, "again", 1);
-    let r = c.call(OP_PREPARE_STORE, &[key, V::I(1000)]).unwrap();
+    let r = c
+        .call(OP_PREPARE_STORE, &[key.clone(), V::I(1000)])
+        .unwrap();
     assert_eq!(
         r.get("context").unwrap().get("slots").unwrap().arr().len(),
         0
+    );
+    c.call(OP_FREE_LOOKUP_LOCKS, &[key, V::I(1)]);
+    c.call(OP_END_SESSION, &[s("again")]);
+    // Without a lookup, write credits hand out a slot per chunk (the shards
+    // are not asked); the copy is dropped at commit and the stored bytes
+    // stay. Reserved on the shards, nothing is handed out.
+    let key = ipc_key("m", 1, Some(0), &toks, 0, 5 * CS as i64, "blind", 1);
+    let r = c
+        .call(OP_PREPARE_STORE, &[key.clone(), V::I(1000)])
+        .unwrap();
+    let slots = ed_slots(&r);
+    assert_eq!(slots.len(), if credits { 5 } else { 0 });
+    for slot in &slots {
+        let off = slot.get("offset").unwrap().int() as usize;
+        let len = slot.get("length").unwrap().int() as usize;
+        pool.bytes_mut()[off..off + len].fill(0xab);
+    }
+    if credits {
+        assert_eq!(
+            c.call(OP_COMMIT_STORE, &[key, V::I(1000), V::Bin(vec![])]),
+            Some(V::B(true))
+        );
+    }
+    c.call(OP_END_SESSION, &[s("blind")]);
+    assert_eq!(lookup(&mut c, 1, &toks, "reread", 1), 5);
+    let back = retrieve_all(&mut c, &pool, 1000, 1, 0, &toks, "reread");
+    assert_eq!(back, stored, "the first copy stays");
+    c.call(OP_END_SESSION, &[s("reread")]);
+    let from_credits = srv
+        .metric("kvshard_prepare_stores_from_credits_total", &[])
+        .expect("kvshard_prepare_stores_from_credits_total exposed");
+    assert_eq!(
+        from_credits > 0.0,
+        credits,
+        "{from_credits} prepare_stores from credits"
     );
 
     // A prefix of another request: shares the first chunks only.
@@ -157,6 +214,8 @@ fn round_trip_with(flags: &[&str]) {
     assert_eq!(c.call(OP_CLEAR, &[V::B(false)]), None);
     assert_eq!(lookup(&mut c, 1, &toks, "after-clear", 1), 0);
     assert_eq!(c.call(OP_UNREGISTER_ENGINE, &[V::I(1000)]), None);
+    // No registration uses the size any more: its credits are given back.
+    wait_until("write credits returned", || credit_bytes(&srv) == Some(0));
 }
 
 #[test]

@@ -228,10 +228,12 @@ fn metrics_count_lookups_and_stores() {
     assert_eq!(get("lmcache_mp_lookup_hit_tokens_total"), 7.0 * cs);
     assert_eq!(get("lmcache_mp_lookups_requests_total"), 3.0);
     assert_eq!(get("lmcache_mp_l1_write_chunks_total"), 5.0);
+    // The objects, and the memory lent as write credits.
     assert_eq!(
         get("lmcache_mp_l1_memory_usage_bytes"),
-        5.0 * ED_CHUNK_BYTES as f64
+        5.0 * ED_CHUNK_BYTES as f64 + get("kvshard_l1_write_credit_bytes")
     );
+    assert!(get("kvshard_l1_write_credit_bytes") > 0.0);
     assert!(get("kvshard_requests_total") >= 10.0);
 }
 
@@ -270,7 +272,7 @@ fn metrics_reset_zeroes_counters_but_keeps_data() {
     // Gauges describe state, which a reset does not touch.
     assert_eq!(
         counter(&srv, "lmcache_mp_l1_memory_usage_bytes"),
-        3.0 * ED_CHUNK_BYTES as f64
+        3.0 * ED_CHUNK_BYTES as f64 + counter(&srv, "kvshard_l1_write_credit_bytes")
     );
     assert_eq!(ed_lookup(&mut c, &ed_key("m", None, &toks, 3, "b")), 3);
     assert_eq!(

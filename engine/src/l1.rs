@@ -504,6 +504,11 @@ pub struct L1Shard {
     /// What `status` reports, so it need not walk the table.
     tally: Tally,
     stats: L1Stats,
+    /// Write credits: slabs allocated ahead of any key and lent out (to the
+    /// front, which hands them to writers without asking the shard), by
+    /// offset. Counted in the allocator's usage; owned by no key and no salt
+    /// until [`adopt_write`](L1Shard::adopt_write) stages a key in one.
+    credits: HashMap<u64, Slab>,
 }
 
 impl L1Shard {
@@ -518,6 +523,7 @@ impl L1Shard {
             bytes_by_salt: KeyMap::default(),
             tally: Tally::default(),
             stats: L1Stats::default(),
+            credits: HashMap::new(),
         }
     }
 
@@ -690,29 +696,7 @@ impl L1Shard {
                 continue; // out[i] already says OutOfMemory
             };
             self.account(key.cache_salt, slab.len);
-            let mut write_lock = TtlLock::new();
-            write_lock.lock(1, now, write_ttl);
-            let stage = Stage {
-                tag,
-                slab,
-                size,
-                write_lock,
-                temporary,
-            };
-            self.tally.add_stage(&stage);
-            match self.entries.get_mut(key) {
-                Some(entry) => entry.stages.push(stage),
-                None => {
-                    self.entries.insert(
-                        *key,
-                        Entry {
-                            resident: None,
-                            stages: vec![stage],
-                        },
-                    );
-                }
-            }
-            self.settle(key);
+            self.stage_slab(key, tag, slab, size, temporary, now);
             out[i] = Ok(slab);
             reserved.push(i);
         }
@@ -883,6 +867,158 @@ impl L1Shard {
             }
         }
         out
+    }
+
+    /// Allocates up to `count` write credits of `size` bytes: slabs lent out
+    /// before their keys are known (see [`adopt_write`](Self::adopt_write)).
+    /// Free memory is used first; under LRU, evictable keys are evicted to
+    /// make room for the rest. Under IsolatedLRU and noop nothing is evicted
+    /// for a credit (it has no cache_salt to charge), so fewer may be granted.
+    pub fn grant_credits(&mut self, size: u64, count: usize, now: Instant) -> Vec<Slab> {
+        let mut out = Vec::new();
+        let Some(need) = self.alloc.aligned_len(size).filter(|_| size > 0) else {
+            return out;
+        };
+        if need > self.alloc.capacity_bytes() {
+            return out;
+        }
+        while out.len() < count {
+            if let Some(slab) = self.alloc.alloc(size) {
+                self.credits.insert(slab.offset, slab);
+                out.push(slab);
+                continue;
+            }
+            if self.policy.kind() != PolicyKind::Lru {
+                break;
+            }
+            let want = need
+                .saturating_mul((count - out.len()) as u64)
+                .saturating_sub(self.alloc.free_bytes())
+                .max(1);
+            let victims = self.victims(Scope::All, 1, want, now);
+            if victims.is_empty() {
+                break;
+            }
+            for key in &victims {
+                self.evict_key(key, now);
+            }
+            self.stats.pressure_evicted_chunks += victims.len() as u64;
+        }
+        out
+    }
+
+    /// Frees write credits that were not used. Returns how many were; a slab
+    /// that is not an outstanding credit is ignored (and counted out).
+    pub fn return_credits(&mut self, slabs: &[Slab]) -> usize {
+        let mut freed = 0;
+        for slab in slabs {
+            if self.credits.get(&slab.offset) == Some(slab) {
+                self.credits.remove(&slab.offset);
+                self.alloc.free(*slab);
+                freed += 1;
+            } else {
+                kvshard_io::log_limited!(
+                    log::Level::Error,
+                    "L1: returned write credit {slab:?} is not an outstanding credit; ignored"
+                );
+            }
+        }
+        freed
+    }
+
+    /// Write credits outstanding: (count, bytes).
+    pub fn credits(&self) -> (usize, u64) {
+        (
+            self.credits.len(),
+            self.credits.values().map(|s| s.len).sum(),
+        )
+    }
+
+    /// Stages each key in a write credit it was given, owned by `tag`, with a
+    /// fresh write lock: the writer is already writing into the slab. Unlike
+    /// [`reserve_write`](Self::reserve_write), the key may be resident or
+    /// staged by other writers (the credit was handed out without asking):
+    /// [`finish_write`](Self::finish_write) then drops the copy as
+    /// `AlreadyResident`. `tag` must be unique to this write (it may stage
+    /// nothing else for the key): `KeyNotWritable` if it does, and
+    /// `KeyNotExist` if the slab is not an outstanding credit of `size`
+    /// bytes; the slab stays a credit in both cases, for the caller to return.
+    pub fn adopt_write(
+        &mut self,
+        writes: &[(ObjectKey, Slab)],
+        size: u64,
+        tag: WriterTag,
+        now: Instant,
+    ) -> Vec<Result<(), L1Error>> {
+        let need = self.alloc.aligned_len(size);
+        let mut created = Vec::new();
+        let out = writes
+            .iter()
+            .map(|(key, slab)| {
+                if size == 0
+                    || self.credits.get(&slab.offset) != Some(slab)
+                    || Some(slab.len) != need
+                {
+                    return Err(L1Error::KeyNotExist);
+                }
+                if self
+                    .entries
+                    .get(key)
+                    .is_some_and(|e| e.stages.iter().any(|s| s.tag == tag))
+                {
+                    return Err(L1Error::KeyNotWritable);
+                }
+                self.credits.remove(&slab.offset);
+                self.account(key.cache_salt, slab.len);
+                if self.stage_slab(key, tag, *slab, size, false, now) {
+                    created.push(*key);
+                }
+                Ok(())
+            })
+            .collect();
+        // Tracked from staging, as reserve_write's keys are.
+        self.policy.on_keys_created(created.iter());
+        out
+    }
+
+    /// Stages `slab` (already charged to the key's salt) for `key` under
+    /// `tag` with a fresh write lock. Returns whether the key's entry is new.
+    fn stage_slab(
+        &mut self,
+        key: &ObjectKey,
+        tag: WriterTag,
+        slab: Slab,
+        size: u64,
+        temporary: bool,
+        now: Instant,
+    ) -> bool {
+        let mut write_lock = TtlLock::new();
+        write_lock.lock(1, now, self.cfg.write_ttl);
+        let stage = Stage {
+            tag,
+            slab,
+            size,
+            write_lock,
+            temporary,
+        };
+        self.tally.add_stage(&stage);
+        let created = match self.entries.get_mut(key) {
+            Some(entry) => {
+                entry.stages.push(stage);
+                false
+            }
+            None => {
+                let stages = vec![stage];
+                let entry = Entry {
+                    resident: None,
+                    stages,
+                };
+                self.entries.insert(*key, entry);
+                true
+            }
+        };
+        self.settle(key);
+        created
     }
 
     /// Takes `count` read locks (clamped to 1..=max) on each resident key and
@@ -1312,6 +1448,7 @@ impl L1Shard {
         self.alloc.validate();
         self.policy.validate();
         let mut slabs: Vec<Slab> = self.slabs().map(|(_, _, s)| s).collect();
+        slabs.extend(self.credits.values().copied());
         slabs.sort_unstable();
         for pair in slabs.windows(2) {
             assert!(
@@ -1645,6 +1782,105 @@ mod tests {
         // An expired lock is not brought back.
         assert_eq!(sh.renew_read(&ks[..1], secs(t0, 9)), vec![false]);
         assert_eq!(sh.renew_read(&keys(&[7]), t0), vec![false]);
+    }
+
+    #[test]
+    fn write_credits_are_lent_adopted_and_returned() {
+        let t0 = Instant::now();
+        let mut sh = shard(8, PolicyKind::Lru);
+        let credits = sh.grant_credits(100, 3, t0);
+        assert_eq!(credits.len(), 3);
+        assert_eq!(sh.credits(), (3, 3 * A));
+        assert_eq!(sh.usage().0, 3 * A, "credits count as used memory");
+        sh.validate();
+        // A resident key and a fresh one are both staged in their credits.
+        write(&mut sh, &keys(&[1]), t0);
+        let t3 = WriterTag(3);
+        let adopted = vec![(key(1), credits[0]), (key(2), credits[1])];
+        assert_eq!(sh.adopt_write(&adopted, 100, t3, t0), vec![Ok(()), Ok(())]);
+        sh.validate();
+        assert_eq!(sh.credits(), (1, A));
+        assert_eq!(sh.status(t0).staging_object_count, 2);
+        // The same tag cannot stage a key twice; a slab that is not a credit
+        // (or of another size) is refused; neither uses up the credit.
+        assert_eq!(
+            sh.adopt_write(&[(key(2), credits[2])], 100, t3, t0),
+            vec![Err(L1Error::KeyNotWritable)]
+        );
+        assert_eq!(
+            sh.adopt_write(&[(key(4), credits[0])], 100, t3, t0),
+            vec![Err(L1Error::KeyNotExist)]
+        );
+        assert_eq!(
+            sh.adopt_write(&[(key(4), credits[2])], 3 * A, WriterTag(4), t0),
+            vec![Err(L1Error::KeyNotExist)]
+        );
+        assert_eq!(sh.credits(), (1, A));
+        // Another writer's reservation of key 2 coexists with the credit's.
+        assert!(sh.reserve_write(&keys(&[2]), 100, T2, false, t0)[0].is_ok());
+        let done = sh.finish_write(&keys(&[1, 2]), t3, t0);
+        assert_eq!(
+            done,
+            vec![Ok(Admission::AlreadyResident), Ok(Admission::Admitted)]
+        );
+        assert_eq!(
+            sh.get(&key(2)),
+            Some(credits[1]),
+            "the credit's bytes are resident"
+        );
+        assert_eq!(
+            sh.finish_write(&keys(&[2]), T2, t0),
+            vec![Ok(Admission::AlreadyResident)]
+        );
+        sh.validate();
+        assert_eq!(
+            sh.return_credits(&[credits[2], credits[0]]),
+            1,
+            "only outstanding credits"
+        );
+        assert_eq!(sh.credits(), (0, 0));
+        assert_eq!(sh.usage().0, 2 * A);
+        sh.validate();
+    }
+
+    #[test]
+    fn adopted_writes_expire_and_abort_like_reservations() {
+        let t0 = Instant::now();
+        let mut sh = shard(4, PolicyKind::Lru);
+        let c = sh.grant_credits(A, 2, t0);
+        let t3 = WriterTag(3);
+        sh.adopt_write(&[(key(1), c[0]), (key(2), c[1])], A, t3, t0);
+        assert_eq!(sh.abort_write(&keys(&[1]), t3), vec![Ok(())]);
+        // Write TTL 10 s: the other stage is reclaimed after it, not before.
+        assert_eq!(sh.expire(secs(t0, 9)).stages, 0);
+        assert_eq!(sh.expire(secs(t0, 10)).stages, 1);
+        assert_eq!(sh.usage().0, 0);
+        assert_eq!(
+            sh.finish_write(&keys(&[2]), t3, secs(t0, 10)),
+            vec![Err(L1Error::KeyNotExist)]
+        );
+        sh.validate();
+    }
+
+    #[test]
+    fn credits_evict_under_lru_only() {
+        let t0 = Instant::now();
+        let mut sh = shard(4, PolicyKind::Lru);
+        write(&mut sh, &keys(&[1, 2, 3]), t0);
+        assert_eq!(sh.grant_credits(A, 2, t0).len(), 2, "one free, one evicted");
+        assert_eq!(
+            keys(&[1, 2, 3]).iter().filter(|k| sh.contains(k)).count(),
+            2
+        );
+        sh.validate();
+        let mut iso = shard(4, PolicyKind::IsolatedLru);
+        iso.policy_mut().set_quota("", 4 * A);
+        write(&mut iso, &keys(&[1, 2, 3]), t0);
+        assert_eq!(iso.grant_credits(A, 2, t0).len(), 1, "free memory only");
+        assert!(iso.contains(&key(1)));
+        assert!(sh.grant_credits(0, 1, t0).is_empty());
+        assert!(sh.grant_credits(5 * A, 1, t0).is_empty());
+        iso.validate();
     }
 
     #[test]

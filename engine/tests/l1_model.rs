@@ -7,6 +7,9 @@
 //! eviction order and counters must agree, and the shard's own invariant
 //! check must pass (no overlapping slabs, usage = sum of slabs, ...).
 //!
+//! Write credits (slabs lent ahead of their keys, then adopted as stages or
+//! returned) run in the same sequences.
+//!
 //! One object size is used per run, so whether an allocation fits depends
 //! only on how many slots are free, which the model can predict.
 //!
@@ -150,9 +153,86 @@ struct Model {
     ratio: f64,
     evicted: u64,
     alloc_failures: u64,
+    /// Write credits lent (slabs the shard chose), counted in `used`.
+    credits: Vec<Slab>,
 }
 
 impl Model {
+    /// How many of `count` credits the shard can lend: free slots, then
+    /// (under LRU) evicting for the rest.
+    fn grant_credits(&mut self, count: usize, now: u64) -> usize {
+        let mut got = 0;
+        while got < count {
+            if self.used < self.cap {
+                self.used += 1;
+                got += 1;
+                continue;
+            }
+            if self.noop {
+                break;
+            }
+            let victims = self.victims(1, (count - got) as u64, now);
+            if victims.is_empty() {
+                break;
+            }
+            for v in victims {
+                self.evict_key(v, now);
+            }
+        }
+        got
+    }
+
+    fn adopt_write(
+        &mut self,
+        writes: &[(u8, Slab)],
+        tag: u64,
+        now: u64,
+    ) -> Vec<Result<(), L1Error>> {
+        let mut created = Vec::new();
+        let out = writes
+            .iter()
+            .map(|&(k, slab)| {
+                let Some(at) = self.credits.iter().position(|c| *c == slab) else {
+                    return Err(L1Error::KeyNotExist);
+                };
+                if self
+                    .entries
+                    .get(&k)
+                    .is_some_and(|e| e.stages.iter().any(|s| s.tag == tag))
+                {
+                    return Err(L1Error::KeyNotWritable);
+                }
+                self.credits.swap_remove(at);
+                if !self.entries.contains_key(&k) {
+                    created.push(k);
+                }
+                let mut lock = Lock::new();
+                lock.lock(1, now, WRITE_TTL);
+                self.entries.entry(k).or_default().stages.push(MStage {
+                    tag,
+                    slab,
+                    lock,
+                    temp: false,
+                });
+                Ok(())
+            })
+            .collect();
+        self.created(&created);
+        out
+    }
+
+    fn return_credits(&mut self, slabs: &[Slab]) -> usize {
+        let mut freed = 0;
+        for slab in slabs {
+            if let Some(at) = self.credits.iter().position(|c| c == slab) {
+                self.credits.swap_remove(at);
+                self.used -= 1;
+                freed += 1;
+            }
+        }
+        freed
+    }
+
     fn created(&mut self, ks: &[u8]) {
         if self.noop {
             return;
@@ -604,6 +684,7 @@ fn run(seed: u64, ops: usize, step: &mut usize) {
         ratio,
         evicted: 0,
         alloc_failures: 0,
+        credits: Vec::new(),
     };
     let t0 = Instant::now();
     let mut clock = 0u64;
@@ -617,7 +698,8 @@ fn run(seed: u64, ops: usize, step: &mut usize) {
             _ => 4 + rng.below(WRITE_TTL),
         };
         let now = t0 + Duration::from_secs(clock);
-        let op = rng.below(100);
+        // 0..100: the reservation-based operations; 100..110: write credits.
+        let op = rng.below(110);
         // Mostly pick keys in the state the operation acts on, so that
         // finishes find stages and reads find residents; the rest random.
         let mut tag = 1 + rng.below(TAGS);
@@ -738,6 +820,60 @@ fn run(seed: u64, ops: usize, step: &mut usize) {
                     "evict"
                 );
             }
+            100..=102 => {
+                let count = 1 + rng.below(3) as usize;
+                let expect = model.grant_credits(count, clock);
+                let got = shard.grant_credits(size, count, now);
+                assert_eq!(got.len(), expect, "grant_credits {count}");
+                for s in &got {
+                    assert_eq!(s.len, ALIGN);
+                }
+                model.credits.extend(got);
+            }
+            103..=107 => {
+                // Mostly lent credits; now and then a slab that is none (a
+                // resident's, or one already adopted).
+                let writes: Vec<(u8, Slab)> = ids
+                    .iter()
+                    .map(|&k| {
+                        let slab = if !model.credits.is_empty() && rng.chance(85) {
+                            model.credits[rng.below(model.credits.len() as u64) as usize]
+                        } else {
+                            let held = model.held();
+                            match held.get(rng.below(held.len() as u64 + 1) as usize) {
+                                Some(h) => h.2,
+                                None => Slab {
+                                    offset: base,
+                                    len: ALIGN,
+                                },
+                            }
+                        };
+                        (k, slab)
+                    })
+                    .collect();
+                let ws: Vec<(ObjectKey, Slab)> = writes.iter().map(|&(k, s)| (key(k), s)).collect();
+                let expect = model.adopt_write(&writes, tag, clock);
+                assert_eq!(
+                    shard.adopt_write(&ws, size, WriterTag(tag), now),
+                    expect,
+                    "adopt_write {writes:?}"
+                );
+            }
+            108..=109 => {
+                let mut slabs: Vec<Slab> = model
+                    .credits
+                    .iter()
+                    .filter(|_| rng.chance(50))
+                    .copied()
+                    .collect();
+                if rng.chance(20) {
+                    if let Some(h) = model.held().first() {
+                        slabs.push(h.2); // not a credit: ignored
+                    }
+                }
+                let expect = model.return_credits(&slabs);
+                assert_eq!(shard.return_credits(&slabs), expect, "return_credits");
+            }
             _ => {
                 let (stages, temps) = model.expire(clock);
                 let out = shard.expire(now);
@@ -753,6 +889,11 @@ fn run(seed: u64, ops: usize, step: &mut usize) {
         held.sort_unstable();
         assert_eq!(held, model.held(), "held slabs differ");
         assert_eq!(shard.usage(), (model.used * ALIGN, cap * ALIGN));
+        assert_eq!(
+            shard.credits(),
+            (model.credits.len(), model.credits.len() as u64 * ALIGN),
+            "credits"
+        );
         assert_eq!(shard.status(now), model.status(clock), "status");
         let order: Vec<u8> = shard.policy().eviction_order(Scope::All).map(id).collect();
         assert_eq!(order, model.lru, "eviction order");

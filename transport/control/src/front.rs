@@ -37,7 +37,9 @@ use crate::lookup_log::{
 };
 use crate::metrics::{FrontGauges, Metrics, PromText};
 use crate::prefetch::{Job, PrefetchJobs, Waiter};
-use crate::registry::{EngineEntry, Layouts, LmcEntry, LmcTransfer, Registry, TransferKey};
+use crate::registry::{
+    EngineEntry, Layouts, LmcEntry, LmcTransfer, PendingWrite, Registry, TransferKey,
+};
 use crate::session::{LookupScope, Sessions};
 use crate::status::StatusSnapshot;
 
@@ -47,6 +49,11 @@ use crate::status::StatusSnapshot;
 /// registration ([`writer_tag`] checks it at every use). vLLM's ids are
 /// `uuid4 & (2^63 - 1)`: never negative, and any value below 2^63.
 const LOAD_TAG_BIT: u64 = 1 << 63;
+
+/// Writer tags of prepare_stores served from write credits:
+/// `LOAD_TAG_BIT | CREDIT_TAG_BIT | n`, one per prepare (the loads' `n`
+/// never reaches this bit).
+const CREDIT_TAG_BIT: u64 = 1 << 62;
 
 /// `/cache/checksums` computations running at once; one more is answered 503.
 /// Each hashes a whole KV cache on a thread of its own.
@@ -117,6 +124,12 @@ enum InflightKind {
     Store {
         to: ReplyTo,
         outcomes: Vec<StoreOutcome>,
+    },
+    /// Write credits asked of one shard.
+    Credits {
+        shard: usize,
+        size: u64,
+        slabs: Vec<Option<Slab>>,
     },
     /// A GPU worker's STORE, reserving its objects.
     CudaStore {
@@ -430,6 +443,11 @@ pub struct Front {
     dead_parts_pending: bool,
     /// See [`TEST_STOP_SHARD_ENV`].
     test_stop_shard: Option<usize>,
+    /// Per shard and object size: write credits lent by the shard, handed to
+    /// engine_driven writers without asking it (`--write-credits`).
+    credits: Vec<HashMap<u64, CreditPool>>,
+    /// The `n` of the next credit writer tag ([`CREDIT_TAG_BIT`]).
+    next_credit_tag: u64,
     /// `/cache/checksums` threads running.
     checksum_threads: Arc<AtomicUsize>,
     inflight: HashMap<Seq, Inflight>,
@@ -452,6 +470,17 @@ pub struct Front {
 }
 
 const SESSION_SWEEP: Duration = Duration::from_secs(60);
+
+/// Write credits the front holds for one shard and object size.
+struct CreditPool {
+    free: Vec<Slab>,
+    /// A `GrantCredits` to the shard is awaited.
+    asked: bool,
+    /// Credits to keep: `--write-credits` at first, raised to the largest
+    /// part of one request for the shard that found too few (within the
+    /// memory bound of [`Front::credit_cap`]).
+    target: usize,
+}
 
 /// The longest a `query_prefetch_status` is held for a lookup's first phase
 /// (the shards' L1 reservation and L2 existence check) before it is answered
@@ -511,6 +540,8 @@ impl Front {
             dead_parts_pending: false,
             test_stop_shard,
             checksum_threads: Arc::new(AtomicUsize::new(0)),
+            credits: (0..n).map(|_| HashMap::new()).collect(),
+            next_credit_tag: 0,
             sessions: Sessions::new(cfg.session_ttl, cfg.max_sessions),
             leases: LeaseBook::new(cfg.max_sessions, cfg.l1.read_ttl),
             registry: Registry::new(cfg.max_registrations),
@@ -974,6 +1005,14 @@ impl Front {
     /// A message for a dead shard is dropped; a request's part of it is failed
     /// by [`Front::fail_dead_parts`] (its `Inflight` still awaits that shard).
     fn send(&mut self, shard: usize, msg: ShardMsg) {
+        let wake = msg.seq != 0;
+        self.send_waking(shard, msg, wake);
+    }
+
+    /// [`send`](Self::send), waking the shard for the message only when
+    /// `wake`: a message that wants a reply but no prompt one (a credit top-up)
+    /// rides along with the next wake-up, as replyless ones do.
+    fn send_waking(&mut self, shard: usize, msg: ShardMsg, wake: bool) {
         if self.test_stop_shard == Some(shard) {
             self.test_stop_shard = None;
             self.stop_shard_for_test(shard);
@@ -989,9 +1028,8 @@ impl Front {
                 return;
             }
         }
-        let wants_reply = msg.seq != 0;
         match self.shards[shard].try_send_unwoken(msg) {
-            Ok(()) if wants_reply => self.mark_unwoken(shard),
+            Ok(()) if wake => self.mark_unwoken(shard),
             Ok(()) => self.mark_lazy(shard),
             Err(SendError::Full(msg)) => {
                 // Whatever fills the mailbox, the shard is woken to empty it.
@@ -1267,16 +1305,22 @@ impl Front {
 
     /// Sends `make(keys)` to every shard owning some of `keys`, wanting no reply.
     fn post(&mut self, keys: Vec<ObjectKey>, make: impl Fn(Vec<ObjectKey>) -> ShardOp) {
+        self.post_waking(keys, false, make);
+    }
+
+    /// [`post`](Self::post), waking the shards at once when `wake` (see
+    /// [`send_waking`](Self::send_waking)).
+    fn post_waking(
+        &mut self,
+        keys: Vec<ObjectKey>,
+        wake: bool,
+        make: impl Fn(Vec<ObjectKey>) -> ShardOp,
+    ) {
         let n = self.shards.len();
         if n == 1 {
             if !keys.is_empty() {
-                self.send(
-                    0,
-                    ShardMsg {
-                        seq: 0,
-                        op: make(keys),
-                    },
-                );
+                let op = make(keys);
+                self.send_waking(0, ShardMsg { seq: 0, op }, wake);
             }
             return;
         }
@@ -1286,13 +1330,8 @@ impl Front {
         }
         for (i, ks) in per.into_iter().enumerate() {
             if !ks.is_empty() {
-                self.send(
-                    i,
-                    ShardMsg {
-                        seq: 0,
-                        op: make(ks),
-                    },
-                );
+                let op = make(ks);
+                self.send_waking(i, ShardMsg { seq: 0, op }, wake);
             }
         }
     }
@@ -1363,13 +1402,8 @@ impl Front {
                     }
                 }
                 if !reserved.is_empty() {
-                    if let Some(old) = self.registry.pending_writes.insert(tkey.clone(), reserved) {
-                        // Prepared twice without a commit: the earlier reservation is abandoned.
-                        self.post(old, |keys| ShardOp::AbortWrite {
-                            keys,
-                            tag: writer_tag(tkey.instance_id),
-                        });
-                    }
+                    let tag = writer_tag(tkey.instance_id);
+                    self.pend_write(tkey, reserved, tag);
                 }
                 self.reply(
                     &to,
@@ -1399,6 +1433,9 @@ impl Front {
                     self.post(found, |keys| ShardOp::Release { keys, count: 1 });
                     self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
                 }
+            }
+            InflightKind::Credits { shard, size, slabs } => {
+                self.credits_granted(shard, size, slabs.into_iter().flatten().collect())
             }
             InflightKind::Store { to, outcomes } => {
                 let failed = outcomes
@@ -2138,6 +2175,7 @@ impl Front {
             );
             return None;
         }
+        let size = layout.bytes;
         let entry = EngineEntry {
             model_name: p.model_name.clone(),
             world_size: ws,
@@ -2159,6 +2197,9 @@ impl Front {
             p.instance_id,
             p.model_name
         );
+        for shard in 0..self.shards.len() {
+            self.stock_credits(shard, size);
+        }
         Some(reply)
     }
 
@@ -2199,6 +2240,11 @@ impl Front {
             }
         };
         let tkey = TransferKey::new(iid, &key);
+        if self.cfg.write_credits > 0
+            && self.prepare_store_on_credits(&to, &key, &tkey, &objs, &layout)
+        {
+            return;
+        }
         let size = layout.bytes;
         let kind = InflightKind::PrepareStore {
             to,
@@ -2208,6 +2254,198 @@ impl Front {
             slabs: vec![None; objs.len()],
         };
         self.reserve_writes(kind, &objs, size, iid);
+    }
+
+    /// Answers a prepare_store from the write credits the shards lent, without
+    /// waiting for them: each object the request's lookup did not find gets a
+    /// credit of its shard, and the shard is told to stage it there (its
+    /// mailbox brings that ahead of the commit). Returns false, having done
+    /// nothing, when some shard's credits do not cover its part: the shards
+    /// are asked instead (and the credits topped up).
+    fn prepare_store_on_credits(
+        &mut self,
+        to: &ReplyTo,
+        key: &IpcKey,
+        tkey: &TransferKey,
+        objs: &[ObjectKey],
+        layout: &Layout,
+    ) -> bool {
+        let n = self.shards.len();
+        let size = layout.bytes;
+        let first_chunk = first_chunk_of(key, self.cfg.chunk_size);
+        let mut skip = self.leases.found(&key.request_id, first_chunk, objs);
+        // An object named twice is written once (as the shards reserve it).
+        let mut seen: keys::KeySet<ObjectKey> =
+            keys::KeySet::with_capacity_and_hasher(objs.len(), Default::default());
+        let mut need = vec![0usize; n];
+        for (k, skip) in objs.iter().zip(skip.iter_mut()) {
+            if !*skip && seen.insert(*k) {
+                need[k.shard(n)] += 1;
+            } else {
+                *skip = true;
+            }
+        }
+        let short =
+            (0..n).find(|&s| need[s] > self.credits[s].get(&size).map_or(0, |p| p.free.len()));
+        if let Some(s) = short {
+            self.metrics.store_credit_misses += 1;
+            let cap = self.credit_cap(size);
+            if let Some(pool) = self.credits[s].get_mut(&size) {
+                pool.target = pool.target.max(need[s].min(cap));
+            }
+            self.stock_credits(s, size);
+            return false;
+        }
+        let involved: Vec<usize> = (0..n).filter(|&s| need[s] > 0).collect();
+        if self.refused(to, involved.iter().copied()) {
+            self.reply_failure(to);
+            return true;
+        }
+        let mut per: Vec<Vec<(ObjectKey, Slab)>> = vec![Vec::new(); n];
+        let (mut slots, mut indices, mut reserved) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, k) in objs.iter().enumerate() {
+            if skip[i] {
+                continue;
+            }
+            let s = k.shard(n);
+            let slab = self.credits[s]
+                .get_mut(&size)
+                .and_then(|p| p.free.pop())
+                .expect("credits counted above");
+            per[s].push((*k, slab));
+            slots.push(layout.slot(slab.offset));
+            indices.push(i as i64);
+            reserved.push(*k);
+        }
+        if !reserved.is_empty() {
+            self.next_credit_tag += 1;
+            let tag = LOAD_TAG_BIT | CREDIT_TAG_BIT | self.next_credit_tag;
+            // Any earlier prepare's abort goes first, then the adoption.
+            self.pend_write(tkey.clone(), reserved, tag);
+            for (s, writes) in per.into_iter().enumerate() {
+                if !writes.is_empty() {
+                    let op = ShardOp::AdoptWrite { writes, size, tag };
+                    self.send_waking(s, ShardMsg { seq: 0, op }, true);
+                }
+            }
+            self.metrics.store_credit_prepares += 1;
+        }
+        self.reply(to, Some(wire::encode_prepare_store_reply(&slots, &indices)));
+        for s in involved {
+            self.stock_credits(s, size);
+        }
+        true
+    }
+
+    /// Records `keys`, staged under `tag`, as the pending write of `tkey`; an
+    /// earlier prepare of it never committed is abandoned.
+    fn pend_write(&mut self, tkey: TransferKey, keys: Vec<ObjectKey>, tag: u64) {
+        let pending = PendingWrite { keys, tag };
+        if let Some(old) = self.registry.pending_writes.insert(tkey, pending) {
+            self.post(old.keys, |keys| ShardOp::AbortWrite { keys, tag: old.tag });
+        }
+    }
+
+    /// The most credits a shard lends for objects of `size` bytes: 1/64 of
+    /// its memory.
+    fn credit_cap(&self, size: u64) -> usize {
+        let align = self.cfg.l1.align_bytes.max(1);
+        let aligned = size.div_ceil(align).saturating_mul(align).max(1);
+        let shard_bytes = self.cfg.l1.size_bytes / self.shards.len().max(1) as u64;
+        (shard_bytes / 64 / aligned).min(u32::MAX as u64) as usize
+    }
+
+    /// Asks shard `shard` for write credits of `size` bytes when it has lent
+    /// fewer than its pool's target and no request for more is out.
+    fn stock_credits(&mut self, shard: usize, size: u64) {
+        let first = (self.cfg.write_credits as usize).min(self.credit_cap(size));
+        if first == 0 || self.dead[shard] {
+            return;
+        }
+        let pool = self.credits[shard]
+            .entry(size)
+            .or_insert_with(|| CreditPool {
+                free: Vec::new(),
+                asked: false,
+                target: first,
+            });
+        let target = pool.target;
+        if pool.asked || pool.free.len() >= target {
+            return;
+        }
+        pool.asked = true;
+        let count = target - pool.free.len();
+        let mut parts = vec![Vec::new(); self.shards.len()];
+        parts[shard] = (0..count).collect();
+        let mut waiting = vec![false; self.shards.len()];
+        waiting[shard] = true;
+        let seq = self.alloc_seq();
+        let op = ShardOp::GrantCredits {
+            size,
+            count: count as u32,
+        };
+        // Not woken for: the credits left cover the next requests meanwhile.
+        self.send_waking(shard, ShardMsg { seq, op }, false);
+        let kind = InflightKind::Credits {
+            shard,
+            size,
+            slabs: vec![None; count],
+        };
+        self.inflight.insert(
+            seq,
+            Inflight {
+                remaining: 1,
+                parts,
+                waiting,
+                kind,
+            },
+        );
+    }
+
+    /// Shard `shard` lent `slabs` of `size` bytes: pooled, or given back when
+    /// no registration uses that size any more.
+    fn credits_granted(&mut self, shard: usize, size: u64, slabs: Vec<Slab>) {
+        let wanted = self.registry.engine_sizes().contains(&size);
+        match self.credits[shard].get_mut(&size) {
+            Some(pool) if wanted => {
+                pool.asked = false;
+                pool.free.extend(slabs);
+            }
+            _ => {
+                self.credits[shard].remove(&size);
+                if !slabs.is_empty() {
+                    let op = ShardOp::ReturnCredits { slabs };
+                    self.send(shard, ShardMsg { seq: 0, op });
+                }
+            }
+        }
+    }
+
+    /// Gives back the credits of sizes no engine_driven registration uses.
+    fn trim_credits(&mut self) {
+        let sizes = self.registry.engine_sizes();
+        for shard in 0..self.shards.len() {
+            let unused: Vec<u64> = self.credits[shard]
+                .keys()
+                .filter(|s| !sizes.contains(s))
+                .copied()
+                .collect();
+            for size in unused {
+                let pool = self.credits[shard].remove(&size).expect("listed above");
+                if !pool.free.is_empty() {
+                    let op = ShardOp::ReturnCredits { slabs: pool.free };
+                    self.send(shard, ShardMsg { seq: 0, op });
+                }
+                if pool.asked {
+                    // Its grant is given back when it arrives (`credits_granted`).
+                    let asked = CreditPool {
+                        free: Vec::new(),
+                        ..pool
+                    };
+                    self.credits[shard].insert(size, asked);
+                }
+            }
+        }
     }
 
     /// Reserves the L1 writes of `keys` (`size` bytes each, writer `iid`) on
@@ -2242,7 +2480,7 @@ impl Front {
             return false;
         }
         self.registry.touch_traffic(iid, now);
-        let Some(keys) = self
+        let Some(PendingWrite { keys, tag }) = self
             .registry
             .pending_writes
             .remove(&TransferKey::new(iid, key))
@@ -2256,10 +2494,7 @@ impl Front {
         };
         let n = keys.len() as u64;
         // Shards run their mailbox in order: a lookup sent after this sees the objects.
-        self.post(keys, |keys| ShardOp::FinishWrite {
-            keys,
-            tag: writer_tag(iid),
-        });
+        self.post_waking(keys, true, |keys| ShardOp::FinishWrite { keys, tag });
         self.metrics.stored_chunks += n;
         self.metrics.finished_stores += 1;
         true
@@ -3124,17 +3359,15 @@ impl Front {
         // Pending SHM transfers belong to the engine_driven context only.
         if matches!(released, crate::registry::Released::Engine(..)) {
             let (writes, reads) = self.registry.take_pending(iid);
-            for keys in writes {
-                self.post(keys, |keys| ShardOp::AbortWrite {
-                    keys,
-                    tag: writer_tag(iid),
-                });
+            for PendingWrite { keys, tag } in writes {
+                self.post(keys, |keys| ShardOp::AbortWrite { keys, tag });
             }
             for keys in reads {
                 self.post(keys, |keys| ShardOp::Release { keys, count: 1 });
             }
         }
         self.release_orphaned_locks(&model, ws, iid);
+        self.trim_credits();
     }
 
     /// Releases the read locks of `model`/`ws` lookups beyond what the live
@@ -3502,7 +3735,8 @@ fn fail_items(kind: &mut InflightKind, idx: &[usize]) {
         InflightKind::PrepareStore { slabs, .. }
         | InflightKind::PrepareRetrieve { slabs, .. }
         | InflightKind::CudaStore { slabs, .. }
-        | InflightKind::CudaRetrieve { slabs, .. } => {
+        | InflightKind::CudaRetrieve { slabs, .. }
+        | InflightKind::Credits { slabs, .. } => {
             for i in idx {
                 slabs[*i] = None;
             }
@@ -3537,7 +3771,8 @@ fn merge(kind: &mut InflightKind, idx: &[usize], shard: usize, body: ShardReplyB
             InflightKind::PrepareStore { slabs, .. }
             | InflightKind::PrepareRetrieve { slabs, .. }
             | InflightKind::CudaStore { slabs, .. }
-            | InflightKind::CudaRetrieve { slabs, .. },
+            | InflightKind::CudaRetrieve { slabs, .. }
+            | InflightKind::Credits { slabs, .. },
             ShardReplyBody::Slabs(s),
         ) => {
             for (i, v) in idx.iter().zip(s) {

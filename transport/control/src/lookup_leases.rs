@@ -233,6 +233,19 @@ impl LeaseBook {
             .collect()
     }
 
+    /// Per key of `keys` (laid out as for [`readable`](Self::readable)):
+    /// whether the lookup of `rid` found it. A hint, not a guarantee: an
+    /// object the lease no longer holds a lock on may have gone since.
+    pub fn found(&self, rid: &str, first_chunk: usize, keys: &[ObjectKey]) -> Vec<bool> {
+        let Some(lease) = self.leases.get(rid) else {
+            return vec![false; keys.len()];
+        };
+        keys.iter()
+            .enumerate()
+            .map(|(i, k)| lease.position(first_chunk + i, k).is_some())
+            .collect()
+    }
+
     /// Records that `count` locks were released for request `rid` on each key
     /// of `keys` (with the request's chunk index it belongs to), by instance
     /// `by` if a worker released them. Keys the lease does not cover are

@@ -62,6 +62,11 @@ pub struct Metrics {
     /// engine_driven `prepare_retrieve`s answered from the lookup's lease,
     /// without asking the shards.
     pub retrieves_from_lease: u64,
+    /// engine_driven `prepare_store`s answered from write credits, without
+    /// asking the shards.
+    pub store_credit_prepares: u64,
+    /// Those that found too few credits and asked the shards.
+    pub store_credit_misses: u64,
     /// Read locks `free_lookup_locks` asked to release that the request's
     /// lookup no longer held (not released).
     pub unheld_lock_releases: u64,
@@ -291,6 +296,11 @@ impl Metrics {
             "Chunks of client stores (both transfer modes) refused for lack of L1 memory",
             sum(&|r| r.store_oom_chunks),
         );
+        t.gauge(
+            "kvshard_l1_write_credit_bytes",
+            "L1 memory lent to the front as write credits for prepare_stores (counted as used)",
+            sum(&|r| r.write_credit_bytes) as f64,
+        );
         t.counter(
             "kvshard_l2_load_oom_chunks_total",
             "Chunks found in L2 that could not be loaded for lack of L1 memory",
@@ -305,6 +315,16 @@ impl Metrics {
             "kvshard_prepare_retrieves_from_lease_total",
             "engine_driven prepare_retrieves answered from the lookup's read locks without a shard round trip",
             self.retrieves_from_lease,
+        );
+        t.counter(
+            "kvshard_prepare_stores_from_credits_total",
+            "engine_driven prepare_stores answered from write credits without a shard round trip",
+            self.store_credit_prepares,
+        );
+        t.counter(
+            "kvshard_prepare_store_credit_misses_total",
+            "engine_driven prepare_stores that found too few write credits and asked the shards",
+            self.store_credit_misses,
         );
         t.counter(
             "kvshard_unheld_lock_releases_total",

@@ -138,10 +138,18 @@ impl Released {
     }
 }
 
+/// A prepare_store not committed yet: the objects staged for it and the
+/// writer tag they are staged under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingWrite {
+    pub keys: Vec<ObjectKey>,
+    pub tag: u64,
+}
+
 pub struct Registry {
     engine: HashMap<i64, EngineEntry>,
     lmc: HashMap<i64, LmcEntry>,
-    pub pending_writes: HashMap<TransferKey, Vec<ObjectKey>>,
+    pub pending_writes: HashMap<TransferKey, PendingWrite>,
     /// Read-locked objects of each prepare_retrieve not committed yet, oldest
     /// first. One instance may retrieve the same token range for two requests
     /// at once (the transfer key leaves the request id out, as 0.5.6's does):
@@ -276,6 +284,14 @@ impl Registry {
         ids
     }
 
+    /// The object sizes of the engine_driven registrations, each once.
+    pub fn engine_sizes(&self) -> Vec<u64> {
+        let mut sizes: Vec<u64> = self.engine.values().map(|e| e.layout.bytes).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        sizes
+    }
+
     pub fn engine_layout(&mut self, iid: i64, now: Instant) -> Option<Layout> {
         let e = self.engine.get_mut(&iid)?;
         e.last_seen = now;
@@ -353,7 +369,7 @@ impl Registry {
     }
 
     /// Takes every pending reservation of `iid` (writes, reads).
-    pub fn take_pending(&mut self, iid: i64) -> (Vec<Vec<ObjectKey>>, Vec<Vec<ObjectKey>>) {
+    pub fn take_pending(&mut self, iid: i64) -> (Vec<PendingWrite>, Vec<Vec<ObjectKey>>) {
         let of_iid = |k: &TransferKey| k.instance_id == iid;
         let wkeys: Vec<TransferKey> = self
             .pending_writes

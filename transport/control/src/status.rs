@@ -63,6 +63,8 @@ impl StatusSnapshot {
             "temporary_count": sum(&|r| r.status.temporary_count as u64),
             "staging_object_count": sum(&|r| r.status.staging_object_count as u64),
             "staging_bytes": sum(&|r| r.status.staging_bytes),
+            // kvshard only: memory lent to the front for prepare_stores.
+            "write_credit_bytes": sum(&|r| r.write_credit_bytes),
             "memory_used_bytes": used,
             "memory_total_bytes": total,
             "memory_configured_bytes": configured,

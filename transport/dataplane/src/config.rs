@@ -311,6 +311,9 @@ pub struct ServerConfig {
     pub disable_logging: bool,
     /// Bound of each shard's request mailbox.
     pub shard_queue_depth: usize,
+    /// Write credits each shard lends the front per object size
+    /// (`--write-credits`); 0 reserves every prepare_store on the shards.
+    pub write_credits: u32,
     pub max_sessions: usize,
     pub max_registrations: usize,
     /// Request frames larger than this are refused with the op's failure reply.
@@ -379,6 +382,7 @@ impl ServerConfig {
             disable_metrics: false,
             disable_logging: false,
             shard_queue_depth: 4096,
+            write_credits: 32,
             max_sessions: 65536,
             max_registrations: 4096,
             max_frame_bytes: 512 << 20,

@@ -56,6 +56,25 @@ pub enum ShardOp {
         size: u64,
         tag: u64,
     },
+    /// Lend the front up to `count` write credits of `size` bytes (slabs it
+    /// hands to writers without asking the shard); answers
+    /// [`ShardReplyBody::Slabs`] with those granted.
+    GrantCredits {
+        size: u64,
+        count: u32,
+    },
+    /// Credits the front no longer needs: freed.
+    ReturnCredits {
+        slabs: Vec<Slab>,
+    },
+    /// Stage each key in the credit the front gave its writer, under `tag`
+    /// (unique to this write), as if reserved now. Sent before the front
+    /// answers the writer, so the mailbox brings it ahead of the commit.
+    AdoptWrite {
+        writes: Vec<(ObjectKey, Slab)>,
+        size: u64,
+        tag: u64,
+    },
     FinishWrite {
         keys: Vec<ObjectKey>,
         tag: u64,
@@ -162,6 +181,9 @@ pub struct ShardReport {
     /// room (`l2_ctl.prefetch_load_oom_objects`) these are every L1 allocation
     /// failure (`stats.allocation_failure_chunks`).
     pub store_oom_chunks: u64,
+    /// Bytes of L1 memory lent to the front as write credits (in
+    /// `status.memory_used_bytes`, held by no object yet).
+    pub write_credit_bytes: u64,
     pub l2: Vec<TierReport>,
     pub l2_ctl: L2CtlStats,
     /// The shard's GDS slab (file, counters), when the L1 lives in one.

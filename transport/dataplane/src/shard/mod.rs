@@ -159,6 +159,29 @@ impl ShardState {
                 self.store_oom_chunks += count_oom(&res);
                 ShardReplyBody::Slabs(res.into_iter().map(|r| r.ok()).collect())
             }
+            ShardOp::GrantCredits { size, count } => {
+                self.maybe_grow(size.saturating_mul(count as u64), None);
+                let slabs = self.l1.grant_credits(size, count as usize, now);
+                ShardReplyBody::Slabs(slabs.into_iter().map(Some).collect())
+            }
+            ShardOp::ReturnCredits { slabs } => {
+                self.l1.return_credits(&slabs);
+                ShardReplyBody::Done
+            }
+            ShardOp::AdoptWrite { writes, size, tag } => {
+                let res = self.l1.adopt_write(&writes, size, WriterTag(tag), now);
+                let refused = res.iter().filter(|r| r.is_err()).count();
+                if refused > 0 {
+                    // Only a front that lost track of its credits gets here;
+                    // a refused slab stays lent (its writer may be writing).
+                    log::error!(
+                        "shard {}: {refused} of {} writes could not be staged in their credits (tag {tag})",
+                        self.cfg.id,
+                        writes.len()
+                    );
+                }
+                ShardReplyBody::Done
+            }
             ShardOp::FinishWrite { keys, tag } => {
                 let res = self.l1.finish_write(&keys, WriterTag(tag), now);
                 self.note_admitted(keys, &res);
@@ -317,6 +340,7 @@ impl ShardState {
                 .collect(),
             mailbox_full: 0,
             store_oom_chunks: self.store_oom_chunks,
+            write_credit_bytes: self.l1.credits().1,
             l2: Vec::new(),
             l2_ctl: L2CtlStats::default(),
             l1_slab: self.slab_l1().map(|s| s.status()),
@@ -689,6 +713,9 @@ pub async fn run_shard(
         match &msg.op {
             ShardOp::Lookup { keys, size, .. } | ShardOp::ReserveWrite { keys, size, .. } => {
                 l2.note_layout(keys, *size)
+            }
+            ShardOp::AdoptWrite { writes, size, .. } => {
+                l2.note_layout(writes.iter().map(|(k, _)| k), *size)
             }
             ShardOp::Store { items, size, .. } => {
                 l2.note_layout(items.iter().map(|(k, _)| k), *size)
