@@ -2198,7 +2198,7 @@ impl Front {
             p.model_name
         );
         for shard in 0..self.shards.len() {
-            self.stock_credits(shard, size);
+            self.stock_credits(shard, size, true);
         }
         Some(reply)
     }
@@ -2293,7 +2293,7 @@ impl Front {
             if let Some(pool) = self.credits[s].get_mut(&size) {
                 pool.target = pool.target.max(need[s].min(cap));
             }
-            self.stock_credits(s, size);
+            self.stock_credits(s, size, true);
             return false;
         }
         let involved: Vec<usize> = (0..n).filter(|&s| need[s] > 0).collect();
@@ -2324,15 +2324,18 @@ impl Front {
             self.pend_write(tkey.clone(), reserved, tag);
             for (s, writes) in per.into_iter().enumerate() {
                 if !writes.is_empty() {
+                    // Not woken for: the commit's wake-up brings it along
+                    // (mailbox order), or the lazy wake-up before the write
+                    // TTL could matter.
                     let op = ShardOp::AdoptWrite { writes, size, tag };
-                    self.send_waking(s, ShardMsg { seq: 0, op }, true);
+                    self.send(s, ShardMsg { seq: 0, op });
                 }
             }
             self.metrics.store_credit_prepares += 1;
         }
         self.reply(to, Some(wire::encode_prepare_store_reply(&slots, &indices)));
         for s in involved {
-            self.stock_credits(s, size);
+            self.stock_credits(s, size, false);
         }
         true
     }
@@ -2355,9 +2358,10 @@ impl Front {
         (shard_bytes / 64 / aligned).min(u32::MAX as u64) as usize
     }
 
-    /// Asks shard `shard` for write credits of `size` bytes when it has lent
-    /// fewer than its pool's target and no request for more is out.
-    fn stock_credits(&mut self, shard: usize, size: u64) {
+    /// Asks shard `shard` for write credits of `size` bytes, up to its pool's
+    /// target, when no request for more is out and half of them are used (or
+    /// any, when `short`: a request just found too few).
+    fn stock_credits(&mut self, shard: usize, size: u64, short: bool) {
         let first = (self.cfg.write_credits as usize).min(self.credit_cap(size));
         if first == 0 || self.dead[shard] {
             return;
@@ -2370,7 +2374,9 @@ impl Front {
                 target: first,
             });
         let target = pool.target;
-        if pool.asked || pool.free.len() >= target {
+        // Topped up once half is used: one grant per few requests.
+        let low = if short { target } else { target.div_ceil(2) };
+        if pool.asked || pool.free.len() >= low {
             return;
         }
         pool.asked = true;
@@ -2384,8 +2390,10 @@ impl Front {
             size,
             count: count as u32,
         };
-        // Not woken for: the credits left cover the next requests meanwhile.
-        self.send_waking(shard, ShardMsg { seq, op }, false);
+        // Woken for only when short: otherwise the credits left cover the
+        // next requests meanwhile, and the grant rides along with the next
+        // wake-up.
+        self.send_waking(shard, ShardMsg { seq, op }, short);
         let kind = InflightKind::Credits {
             shard,
             size,
