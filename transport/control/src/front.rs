@@ -2240,9 +2240,10 @@ impl Front {
             }
         };
         let tkey = TransferKey::new(iid, &key);
-        if self.cfg.write_credits > 0
-            && self.prepare_store_on_credits(&to, &key, &tkey, &objs, &layout)
-        {
+        // Credits of this size exist only where --write-credits and the
+        // shards' memory allow one.
+        let credits = self.cfg.write_credits > 0 && self.credit_cap(layout.bytes) > 0;
+        if credits && self.prepare_store_on_credits(&to, &key, &tkey, &objs, &layout) {
             return;
         }
         let size = layout.bytes;

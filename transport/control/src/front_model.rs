@@ -1,7 +1,9 @@
 //! Model test of the front core: the real [`Front`] driven without sockets or
 //! threads. Clients are a recorded [`ReplyPort`], time a hand-moved clock,
 //! and the shards are played by this test over the real mailboxes, with a
-//! small model of the L1 (resident, staged, read locks per key). Random
+//! small model of the L1 (resident, staged, read locks per key, and the
+//! write credits lent to the front: a few, so that prepare_stores are served
+//! both from them and, when they run short, by the shards). Random
 //! engine_driven flows (store, lookup + status + retrieve, end of session),
 //! junk frames and unknown ops interleave with shard replies delivered in
 //! random order across shards. Checked: every request gets exactly one reply
