@@ -121,13 +121,12 @@ fn round_trip_with(flags: &[&str]) {
     let mut pool = ShmMap::open(&name, size);
     // The shards lend the front write credits for the registered size (or
     // nothing without them), counted as used L1 memory.
-    let credit_bytes = |srv: &Server| {
-        srv.get_json("/status")["storage_manager"]["l1_manager"]["write_credit_bytes"].as_u64()
-    };
     if credits {
-        wait_until("write credits lent", || credit_bytes(&srv) > Some(0));
+        wait_until("write credits lent", || {
+            srv.l1_count("write_credit_bytes") > 0
+        });
     } else {
-        assert_eq!(credit_bytes(&srv), Some(0));
+        assert_eq!(srv.l1_count("write_credit_bytes"), 0);
     }
 
     let toks = tokens(1, 5 * CS + 3);
@@ -215,7 +214,9 @@ fn round_trip_with(flags: &[&str]) {
     assert_eq!(lookup(&mut c, 1, &toks, "after-clear", 1), 0);
     assert_eq!(c.call(OP_UNREGISTER_ENGINE, &[V::I(1000)]), None);
     // No registration uses the size any more: its credits are given back.
-    wait_until("write credits returned", || credit_bytes(&srv) == Some(0));
+    wait_until("write credits returned", || {
+        srv.l1_count("write_credit_bytes") == 0
+    });
 }
 
 #[test]

@@ -79,12 +79,6 @@ fn used_total(srv: &Server) -> (u64, u64) {
     )
 }
 
-/// L1 memory the shards lent the front as write credits: used, held by no
-/// object.
-fn credit_bytes(srv: &Server) -> u64 {
-    l1(srv)["write_credit_bytes"].as_u64().unwrap()
-}
-
 fn metric(srv: &Server, name: &str) -> u64 {
     let (st, body) = srv.http("GET", "/metrics", None);
     assert_eq!(st, 200);
@@ -323,7 +317,7 @@ fn noop_policy_never_evicts() {
     assert_eq!(total, CONFIGURED);
     // Write credits lent before the L1 filled up stay lent (noop evicts
     // nothing to make room for more).
-    let credits = credit_bytes(&srv);
+    let credits = srv.l1_count("write_credit_bytes");
     assert_eq!(
         (total_chunks * OBJ) as u64 + credits,
         CONFIGURED,
@@ -357,7 +351,11 @@ fn lazy_l1_grows_on_demand() {
     let mut c = srv.client();
     let mut pool = register(&mut c);
     let (used0, total0) = used_total(&srv);
-    assert_eq!(used0, credit_bytes(&srv), "only the write credits");
+    assert_eq!(
+        used0,
+        srv.l1_count("write_credit_bytes"),
+        "only the write credits"
+    );
     assert!(
         total0 < (2 * PER * OBJ) as u64,
         "lazy start is small: {total0}"
@@ -401,7 +399,7 @@ fn eager_l1_is_fully_allocated_from_the_start() {
     let mut c = srv.client();
     let mut pool = register(&mut c);
     assert_eq!(store(&mut c, &mut pool, 0).len(), PER);
-    let credits = credit_bytes(&srv);
+    let credits = srv.l1_count("write_credit_bytes");
     assert_eq!(used_total(&srv), ((PER * OBJ) as u64 + credits, CONFIGURED));
 }
 

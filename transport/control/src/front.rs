@@ -1277,6 +1277,18 @@ impl Front {
         &mut self,
         parts: Vec<Vec<usize>>,
         kind: InflightKind,
+        make: impl FnMut(&[usize]) -> ShardOp,
+    ) -> Option<InflightKind> {
+        self.fan_out_waking(parts, kind, true, make)
+    }
+
+    /// [`fan_out`](Self::fan_out), waking the shards for the messages only
+    /// when `wake` (see [`send_waking`](Self::send_waking)).
+    fn fan_out_waking(
+        &mut self,
+        parts: Vec<Vec<usize>>,
+        kind: InflightKind,
+        wake: bool,
         mut make: impl FnMut(&[usize]) -> ShardOp,
     ) -> Option<InflightKind> {
         let involved = parts.iter().filter(|p| !p.is_empty()).count();
@@ -1287,7 +1299,7 @@ impl Front {
         for (shard, idx) in parts.iter().enumerate() {
             if !idx.is_empty() {
                 let op = make(idx);
-                self.send(shard, ShardMsg { seq, op });
+                self.send_waking(shard, ShardMsg { seq, op }, wake);
             }
         }
         let waiting = parts.iter().map(|p| !p.is_empty()).collect();
@@ -2384,31 +2396,21 @@ impl Front {
         let count = target - pool.free.len();
         let mut parts = vec![Vec::new(); self.shards.len()];
         parts[shard] = (0..count).collect();
-        let mut waiting = vec![false; self.shards.len()];
-        waiting[shard] = true;
-        let seq = self.alloc_seq();
-        let op = ShardOp::GrantCredits {
+        let kind = InflightKind::Credits {
+            shard,
+            size,
+            slabs: vec![None; count],
+        };
+        let grant = |_: &[usize]| ShardOp::GrantCredits {
             size,
             count: count as u32,
         };
         // Woken for only when short: otherwise the credits left cover the
         // next requests meanwhile, and the grant rides along with the next
         // wake-up.
-        self.send_waking(shard, ShardMsg { seq, op }, short);
-        let kind = InflightKind::Credits {
-            shard,
-            size,
-            slabs: vec![None; count],
-        };
-        self.inflight.insert(
-            seq,
-            Inflight {
-                remaining: 1,
-                parts,
-                waiting,
-                kind,
-            },
-        );
+        if let Some(kind) = self.fan_out_waking(parts, kind, short, grant) {
+            self.complete(0, kind); // not reached: the shard's part is not empty
+        }
     }
 
     /// Shard `shard` lent `slabs` of `size` bytes: pooled, or given back when
