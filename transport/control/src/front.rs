@@ -40,7 +40,7 @@ use crate::prefetch::{Job, PrefetchJobs, Waiter};
 use crate::registry::{
     EngineEntry, Layouts, LmcEntry, LmcTransfer, PendingWrite, Registry, TransferKey,
 };
-use crate::session::{LookupScope, Sessions};
+use crate::session::{self, LookupScope, Sessions};
 use crate::status::StatusSnapshot;
 
 /// Writer tags of L2 loads (staged objects of a prefetch): `LOAD_TAG_BIT | n`.
@@ -2236,6 +2236,17 @@ impl Front {
         Ok(Self::object_keys(model, salt, &hashes, &ranks))
     }
 
+    /// The [`TransferKey`] of `key` from instance `iid`. Its token digest is
+    /// the session's when the session of `key`'s request holds these tokens
+    /// (a prepare's hashing left them there; its commit reuses the digest).
+    fn transfer_key(&mut self, iid: i64, key: &IpcKey) -> TransferKey {
+        let tokens = match self.sessions.get_mut(&key.request_id) {
+            Some(s) if s.tokens() == key.token_ids.as_slice() => s.token_digest(),
+            _ => session::token_digest(&key.token_ids),
+        };
+        TransferKey::new(iid, key, &tokens)
+    }
+
     fn prepare_store(&mut self, to: ReplyTo, key: IpcKey, iid: i64, now: Instant) {
         self.metrics.submitted_stores += 1;
         let Some(layout) = self.registry.engine_layout(iid, now) else {
@@ -2251,7 +2262,7 @@ impl Front {
                 return self.reply(&to, Some(wire::encode_prepare_store_reply(&[], &[])));
             }
         };
-        let tkey = TransferKey::new(iid, &key);
+        let tkey = self.transfer_key(iid, &key);
         // Credits of this size exist only where --write-credits and the
         // shards' memory allow one.
         let credits = self.cfg.write_credits > 0 && self.credit_cap(layout.bytes) > 0;
@@ -2491,11 +2502,8 @@ impl Front {
             return false;
         }
         self.registry.touch_traffic(iid, now);
-        let Some(PendingWrite { keys, tag }) = self
-            .registry
-            .pending_writes
-            .remove(&TransferKey::new(iid, key))
-        else {
+        let tkey = self.transfer_key(iid, key);
+        let Some(PendingWrite { keys, tag }) = self.registry.pending_writes.remove(&tkey) else {
             log_limited!(
                 Level::Warn,
                 "commit_store from instance {iid} without a pending prepare_store"
@@ -2527,7 +2535,7 @@ impl Front {
                 return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
             }
         };
-        let tkey = TransferKey::new(iid, &key);
+        let tkey = self.transfer_key(iid, &key);
         let parts = self.split(&objs);
         if self.refused(&to, involved(&parts)) {
             return self.reply_failure(&to);
@@ -2607,7 +2615,8 @@ impl Front {
 
     fn commit_retrieve(&mut self, key: &IpcKey, iid: i64, now: Instant) -> bool {
         self.registry.touch_traffic(iid, now);
-        match self.registry.pop_pending_read(&TransferKey::new(iid, key)) {
+        let tkey = self.transfer_key(iid, key);
+        match self.registry.pop_pending_read(&tkey) {
             Some(keys) => {
                 let n = keys.len() as u64;
                 self.post(keys, |keys| ShardOp::Release { keys, count: 1 });

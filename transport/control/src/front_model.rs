@@ -757,3 +757,54 @@ fn front_model_random_flows_three_shards() {
         run_model(seed, 3, 600);
     }
 }
+
+/// A commit is matched to its prepare by the key without its request_id (as
+/// 0.5.6 compares them): one under another request's id commits, one of
+/// other tokens does not.
+#[test]
+fn commit_store_matches_the_key_not_the_request_id() {
+    let mut h = Harness::new(7, 1);
+    let mut replies: HashMap<Vec<u8>, Option<Value>> = HashMap::new();
+    let reg = map(&[
+        ("instance_id", Value::Int(IID)),
+        ("model_name", Value::Str("model".into())),
+        ("world_size", Value::Int(1)),
+        ("block_size", Value::Int(16)),
+        ("num_layers", Value::Int(1)),
+        ("hidden_dim_size", Value::Int(8)),
+        ("dtype_str", Value::Str("float16".into())),
+        ("use_mla", Value::Bool(false)),
+        ("num_physical_slots", Value::Int(CHUNK as i64)),
+    ]);
+    h.send(0, OP_REGISTER_ENGINE, &[reg]);
+    let mut answer = |h: &mut Harness, op: i64, args: &[Value]| {
+        let uid = h.send(0, op, args);
+        while h.progress() {}
+        h.take_replies(&mut replies);
+        replies.remove(&uid).expect("answered")
+    };
+    while h.progress() {}
+    let one = Value::Int(1);
+    for (p, commit_rid, committed) in [(0, "other", true), (1, "a", false)] {
+        let prep = answer(
+            &mut h,
+            OP_PREPARE_STORE,
+            &[key(p, 2, Some(0), "a"), one.clone()],
+        );
+        assert!(get(prep.as_ref().unwrap(), "context").is_some(), "{prep:?}");
+        // The prefix 2 commit names tokens no prepare gave slots to.
+        let p = if committed { p } else { 2 };
+        let commit = [
+            key(p, 2, Some(0), commit_rid),
+            one.clone(),
+            Value::Bin(vec![]),
+        ];
+        let reply = answer(&mut h, OP_COMMIT_STORE, &commit);
+        assert_eq!(
+            reply,
+            Some(Value::Bool(committed)),
+            "commit under {commit_rid}"
+        );
+        answer(&mut h, OP_END_SESSION, &[Value::Str("a".into())]);
+    }
+}

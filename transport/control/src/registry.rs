@@ -66,7 +66,9 @@ pub struct TransferKey {
 }
 
 impl TransferKey {
-    pub fn new(instance_id: i64, key: &IpcKey) -> Self {
+    /// `tokens` is the [`token_digest`](crate::session::token_digest) of
+    /// `key.token_ids`, which the caller may have at hand.
+    pub fn new(instance_id: i64, key: &IpcKey, tokens: &[u8; 32]) -> Self {
         let mut h = blake3::Hasher::new();
         h.update(&(key.model_name.len() as u64).to_le_bytes());
         h.update(key.model_name.as_bytes());
@@ -76,14 +78,7 @@ impl TransferKey {
         h.update(&key.end.to_le_bytes());
         h.update(&(key.cache_salt.len() as u64).to_le_bytes());
         h.update(key.cache_salt.as_bytes());
-        // Tokens go in a block at a time: per-token updates cost more than the hashing.
-        let mut buf = [0u8; 4096];
-        for block in key.token_ids.chunks(buf.len() / 4) {
-            for (i, t) in block.iter().enumerate() {
-                buf[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
-            }
-            h.update(&buf[..block.len() * 4]);
-        }
+        h.update(tokens);
         TransferKey {
             instance_id,
             digest: *h.finalize().as_bytes(),

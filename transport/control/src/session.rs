@@ -25,6 +25,8 @@ pub struct LookupScope {
 pub struct Session {
     tokens: Vec<u32>,
     hashes: ChunkHashes,
+    /// [`token_digest`] of `tokens`, once something asked for it.
+    digest: Option<TokenDigest>,
     last_used: Instant,
     /// Position in `Sessions::order`: set on every use, increasing.
     use_seq: u64,
@@ -38,6 +40,7 @@ impl Session {
         Session {
             tokens: Vec::new(),
             hashes: ChunkHashes::new(),
+            digest: None,
             last_used: now,
             use_seq: 0,
             lookup: None,
@@ -59,7 +62,16 @@ impl Session {
         if self.tokens.as_slice() != tokens {
             self.tokens.clear();
             self.tokens.extend_from_slice(tokens);
+            self.digest = None;
         }
+    }
+
+    /// [`token_digest`] of the session's tokens, computed once for them: a
+    /// request's prepare and commit name the same tokens.
+    pub fn token_digest(&mut self) -> TokenDigest {
+        *self
+            .digest
+            .get_or_insert_with(|| token_digest(&self.tokens))
     }
 
     /// When the session was last created or used through `get_or_create`.
@@ -85,6 +97,24 @@ impl Session {
     pub fn all_hashes(&self) -> &[ChunkHash] {
         self.hashes.all()
     }
+}
+
+/// A blake3 digest of a request's token ids.
+pub type TokenDigest = [u8; 32];
+
+/// blake3 over the token ids as little-endian u32s. They go in from offset 0
+/// in blocks of whole 1 KiB chunks, so blake3 hashes the chunks of a block side
+/// by side instead of one after another.
+pub fn token_digest(tokens: &[u32]) -> TokenDigest {
+    let mut h = blake3::Hasher::new();
+    let mut buf = [0u8; 16 << 10];
+    for block in tokens.chunks(buf.len() / 4) {
+        for (b, t) in buf.chunks_exact_mut(4).zip(block) {
+            b.copy_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..block.len() * 4]);
+    }
+    *h.finalize().as_bytes()
 }
 
 /// Token ids all sessions may hold together (256 MiB of u32s): a few huge
@@ -244,6 +274,26 @@ impl Sessions {
 mod tests {
     use super::*;
     use kvshard_engine::keys::chunk_hashes;
+
+    #[test]
+    fn token_digest_follows_token_changes() {
+        // Past one 16 KiB block, so the blocks join as one byte string.
+        let toks: Vec<u32> = (0..5000).map(|i| i * 2_654_435_761).collect();
+        let le: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(token_digest(&toks), *blake3::hash(&le).as_bytes());
+        let now = Instant::now();
+        let mut s = Sessions::new(Duration::from_secs(10), 4);
+        let sess = s.get_or_create("a", now);
+        sess.set_tokens(&toks[..100]);
+        assert_eq!(sess.token_digest(), token_digest(&toks[..100]));
+        // Extended, shortened or changed tokens get their own digest.
+        sess.set_tokens(&toks[..200]);
+        assert_eq!(sess.token_digest(), token_digest(&toks[..200]));
+        sess.set_tokens(&toks[..150]);
+        assert_eq!(sess.token_digest(), token_digest(&toks[..150]));
+        sess.set_tokens(&toks[1..151]);
+        assert_eq!(sess.token_digest(), token_digest(&toks[1..151]));
+    }
 
     #[test]
     fn hashes_follow_token_changes() {

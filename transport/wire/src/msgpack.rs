@@ -1101,6 +1101,58 @@ mod tests {
     }
 
     #[test]
+    fn u32_elements_match_one_by_one_reads() {
+        // Every width of value, in every form an encoder may pick (the
+        // smallest, or a wider unsigned one), in a random order, read as
+        // arrays of every length: the tight loop agrees with `read_u32`
+        // element by element and stops where it does.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..50 {
+            let mut w = Writer::new();
+            let mut want = Vec::new();
+            for _ in 0..64 {
+                let r = next();
+                let v = match r % 4 {
+                    0 => r as u32 % 0x80,
+                    1 => r as u32 % 0x100,
+                    2 => r as u32 % 0x1_0000,
+                    _ => (r >> 8) as u32,
+                };
+                match (r >> 40) % 3 {
+                    0 => w.write_uint(v as u64),
+                    1 => {
+                        w.buf.push(0xce);
+                        w.buf.extend_from_slice(&v.to_be_bytes());
+                    }
+                    _ => {
+                        w.buf.push(0xcf);
+                        w.buf.extend_from_slice(&(v as u64).to_be_bytes());
+                    }
+                }
+                want.push(v);
+            }
+            let bytes = w.into_vec();
+            for n in 0..=want.len() {
+                let mut r = Reader::new(&bytes);
+                let mut out = Vec::new();
+                r.read_u32_elements(n, &mut out).unwrap();
+                assert_eq!(out, want[..n]);
+                let mut one = Reader::new(&bytes);
+                for _ in 0..n {
+                    one.read_u32().unwrap();
+                }
+                assert_eq!(r.offset(), one.offset());
+            }
+        }
+    }
+
+    #[test]
     fn lengths_pick_smallest_form() {
         assert_eq!(&enc(|w| w.write_str(&"x".repeat(31)))[..2], "bf");
         assert_eq!(&enc(|w| w.write_str(&"x".repeat(32)))[..4], "d920");
