@@ -264,6 +264,20 @@ impl Value {
     }
 }
 
+/// An int in `0..2^32` in the forms that hold one without a sign or a wider
+/// type (positive fixint, uint8, uint16, uint32) at the start of `rest`: its
+/// value and length; `None` for any other form or too few bytes.
+#[inline(always)]
+fn short_u32(rest: &[u8]) -> Option<(u32, usize)> {
+    match *rest {
+        [b @ 0x00..=0x7f, ..] => Some((b as u32, 1)),
+        [0xcc, b, ..] => Some((b as u32, 2)),
+        [0xcd, b0, b1, ..] => Some((u16::from_be_bytes([b0, b1]) as u32, 3)),
+        [0xce, b0, b1, b2, b3, ..] => Some((u32::from_be_bytes([b0, b1, b2, b3]), 5)),
+        _ => None,
+    }
+}
+
 /// Appends msgpack encodings to a byte vector, always in the smallest form.
 #[derive(Debug, Default, Clone)]
 pub struct Writer {
@@ -648,65 +662,61 @@ impl<'a> Reader<'a> {
     /// the per-token path of every key.
     #[inline]
     pub fn read_u32(&mut self) -> Result<u32, DecodeError> {
-        let rest = &self.buf[self.pos..];
-        match *rest {
-            [b @ 0x00..=0x7f, ..] => {
-                self.pos += 1;
-                return Ok(b as u32);
-            }
-            [0xcc, b, ..] => {
-                self.pos += 2;
-                return Ok(b as u32);
-            }
-            [0xcd, b0, b1, ..] => {
-                self.pos += 3;
-                return Ok(u16::from_be_bytes([b0, b1]) as u32);
-            }
-            [0xce, b0, b1, b2, b3, ..] => {
-                self.pos += 5;
-                return Ok(u32::from_be_bytes([b0, b1, b2, b3]));
-            }
-            _ => {}
+        if let Some((v, len)) = short_u32(&self.buf[self.pos..]) {
+            self.pos += len;
+            return Ok(v);
         }
         self.read_int_as("uint32")
     }
 
     /// Reads `n` consecutive ints in `0..2^32` (the elements of an array whose
     /// header was just read) onto `out`; an error names the element's index.
-    /// The common encodings are decoded in a tight loop: this is the per-token
-    /// path of every key.
+    /// This is the per-token path of every key. Four uint16s are taken at
+    /// once where the next four are (most token ids are under 65536), else
+    /// four elements one by one; any other encoding, and the last elements,
+    /// go through [`read_u32`](Self::read_u32).
     pub fn read_u32_elements(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), DecodeError> {
-        out.reserve(n);
+        let start = out.len();
+        out.resize(start + n, 0);
+        let dst = &mut out[start..];
         let buf = self.buf;
         let mut pos = self.pos;
-        for i in 0..n {
-            let v = match buf[pos..] {
-                [b @ 0x00..=0x7f, ..] => {
-                    pos += 1;
-                    b as u32
-                }
-                [0xcc, b, ..] => {
-                    pos += 2;
-                    b as u32
-                }
-                [0xcd, b0, b1, ..] => {
-                    pos += 3;
-                    u16::from_be_bytes([b0, b1]) as u32
-                }
-                [0xce, b0, b1, b2, b3, ..] => {
-                    pos += 5;
-                    u32::from_be_bytes([b0, b1, b2, b3])
-                }
-                _ => {
-                    self.pos = pos;
-                    let v = self.read_u32().map_err(|e| e.at_index(i))?;
-                    pos = self.pos;
-                    v
-                }
+        let mut i = 0;
+        'quads: while i + 4 <= n {
+            let Some(word) = buf.get(pos..pos + 16) else {
+                break;
             };
-            out.push(v);
+            let w = u128::from_be_bytes(word.try_into().expect("16 bytes"));
+            // The type bytes of four uint16s sit at offsets 0, 3, 6 and 9.
+            let tag = |at: u32| ((w >> (120 - 8 * at)) as u32 & 0xff) << (8 * (at / 3));
+            if tag(0) | tag(3) | tag(6) | tag(9) == 0xcdcd_cdcd {
+                for (k, d) in dst[i..i + 4].iter_mut().enumerate() {
+                    *d = (w >> (104 - 24 * k)) as u32 & 0xffff;
+                }
+                pos += 12;
+                i += 4;
+                continue;
+            }
+            for _ in 0..4 {
+                let Some((v, len)) = short_u32(&buf[pos..]) else {
+                    break 'quads;
+                };
+                dst[i] = v;
+                pos += len;
+                i += 1;
+            }
         }
         self.pos = pos;
+        while i < n {
+            match self.read_u32() {
+                Ok(v) => dst[i] = v,
+                Err(e) => {
+                    out.truncate(start + i);
+                    return Err(e.at_index(i));
+                }
+            }
+            i += 1;
+        }
         Ok(())
     }
 
@@ -1113,18 +1123,25 @@ mod tests {
             x ^= x << 17;
             x
         };
-        for _ in 0..50 {
+        for run in 0..60 {
             let mut w = Writer::new();
             let mut want = Vec::new();
             for _ in 0..64 {
                 let r = next();
-                let v = match r % 4 {
+                // Every other run is mostly uint16s, in runs of four and more.
+                let class = if run % 2 == 0 && r % 8 != 0 { 2 } else { r % 4 };
+                let v = match class {
                     0 => r as u32 % 0x80,
                     1 => r as u32 % 0x100,
-                    2 => r as u32 % 0x1_0000,
+                    2 => 0x100 + r as u32 % 0xff00,
                     _ => (r >> 8) as u32,
                 };
-                match (r >> 40) % 3 {
+                let form = if class == 2 && run % 2 == 0 {
+                    0
+                } else {
+                    (r >> 40) % 3
+                };
+                match form {
                     0 => w.write_uint(v as u64),
                     1 => {
                         w.buf.push(0xce);
