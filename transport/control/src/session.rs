@@ -278,7 +278,9 @@ mod tests {
     #[test]
     fn token_digest_follows_token_changes() {
         // Past one 16 KiB block, so the blocks join as one byte string.
-        let toks: Vec<u32> = (0..5000).map(|i| i * 2_654_435_761).collect();
+        let toks: Vec<u32> = (0..5000u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
         let le: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
         assert_eq!(token_digest(&toks), *blake3::hash(&le).as_bytes());
         let now = Instant::now();
