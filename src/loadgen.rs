@@ -25,6 +25,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
+use kvshard_io::termination;
 use kvshard_transport::msgpack::{decode_value, Value, Writer};
 
 const OP_REGISTER_KV_CACHE: i64 = 1;
@@ -118,8 +119,11 @@ pub struct LoadgenArgs {
     pub format: String,
 }
 
-/// Runs the load and prints the report; the process exit status.
+/// Runs the load and prints the report; the process exit status. SIGINT or
+/// SIGTERM ends the timed phase early: the report covers what ran, and the
+/// KV caches' shm segments are removed as at a normal end.
 pub fn run(args: LoadgenArgs) -> i32 {
+    termination::catch_signals();
     match Load::new(args).and_then(Load::run) {
         Ok(report) => report.exit_code(),
         Err(e) => {
@@ -756,6 +760,11 @@ impl Load {
         for t in threads {
             let _ = t.join();
         }
+        if termination::requested() {
+            eprintln!(
+                "kvshard loadgen: interrupted; the report covers the requests sent until then"
+            );
+        }
         let stats = std::mem::replace(
             &mut *total.lock().unwrap_or_else(|p| p.into_inner()),
             Stats::new(),
@@ -875,11 +884,12 @@ impl Instance {
             });
         let mut n = 0u64;
         let mut heartbeat = Heartbeat::new(self.args.heartbeat_seconds);
-        while Instant::now() < stop_at && !abort.load(Ordering::Relaxed) {
+        let stopped = || abort.load(Ordering::Relaxed) || termination::requested();
+        while Instant::now() < stop_at && !stopped() {
             heartbeat.beat(self, &mut conn, &mut stats);
             let scheduled = match gap {
                 Some(g) => {
-                    while next > Instant::now() {
+                    while next > Instant::now() && !stopped() {
                         let wait = next - Instant::now();
                         std::thread::sleep(wait.min(heartbeat.until_due()));
                         heartbeat.beat(self, &mut conn, &mut stats);

@@ -205,8 +205,31 @@ fn every_rank_sends_the_heartbeat() {
                 })
             },
         );
-        let _ = child.kill();
-        let _ = child.wait();
+        // Stopped as Ctrl-C or a supervisor stops it: it ends well before its
+        // 30 s, and its KV caches' shm segments (lmcache_driven) go with it.
+        let pid = child.id();
+        // SAFETY: kill takes no pointers; `pid` is our child, not yet waited for.
+        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+        wait_until_within(
+            &format!("{mode}: kvshard loadgen ends on SIGTERM"),
+            std::time::Duration::from_secs(15),
+            std::time::Duration::from_millis(50),
+            || {
+                child
+                    .try_wait()
+                    .expect("wait for kvshard loadgen")
+                    .is_some()
+            },
+        );
+        let left: Vec<String> = std::fs::read_dir("/dev/shm")
+            .expect("list /dev/shm")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with(&format!("kvshard_loadgen_{pid}_")))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "{mode}: shm segments left behind: {left:?}"
+        );
         if !pings {
             for (iid, pinged) in seen.iter().filter(|(i, _)| want.contains(i)) {
                 assert!(!pinged, "rank {iid} pinged with the heartbeat off");

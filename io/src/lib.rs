@@ -8,4 +8,5 @@ pub mod json_text;
 pub mod log_limit;
 pub mod mailbox;
 pub mod shm_segment;
+pub mod termination;
 pub mod timeout;

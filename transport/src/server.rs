@@ -3,7 +3,6 @@
 
 use std::net::ToSocketAddrs;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +14,7 @@ use kvshard_gds::slab::{GdsSlab, SlabOptions};
 use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
 use kvshard_io::executor::{spawn_shard, ShardHandle};
 use kvshard_io::mailbox::{mailbox, notify_queue, MailboxSender};
+use kvshard_io::termination;
 
 use kvshard_control::control::ControlHandle;
 use kvshard_control::front::{FrontLoop, FrontSetup};
@@ -23,23 +23,6 @@ use kvshard_dataplane::cuda_transfer::L1Memory;
 use kvshard_dataplane::messages::ShardMsg;
 use kvshard_dataplane::shard::{run_shard, ShardBacking, ShardConfig};
 use kvshard_http::HttpInfo;
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::Relaxed);
-}
-
-fn install_signal_handlers() {
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_signal as *const () as usize;
-        libc::sigemptyset(&mut sa.sa_mask);
-        libc::sigaction(libc::SIGINT, &sa, std::ptr::null_mut());
-        libc::sigaction(libc::SIGTERM, &sa, std::ptr::null_mut());
-    }
-}
 
 /// Raises the soft open-file limit to the hard one: every HTTP connection,
 /// ZeroMQ peer, shm mapping and L2 file is a descriptor, and soft limits of
@@ -64,7 +47,7 @@ fn raise_open_file_limit() {
 
 /// Asks a running server (this process) to stop, as SIGTERM does.
 pub fn request_stop() {
-    STOP.store(true, Ordering::Relaxed);
+    termination::request();
 }
 
 /// Slices of the arena per shard: (offset, max capacity, initial capacity).
@@ -99,7 +82,7 @@ fn policy_of(cfg: &ServerConfig) -> EvictionPolicy {
 /// the operator.
 pub fn run(cfg: ServerConfig) -> Result<(), String> {
     let cfg = Arc::new(cfg);
-    install_signal_handlers();
+    termination::catch_signals();
     raise_open_file_limit();
     let n = cfg.cores.len().max(1);
     let align = cfg.l1.align_bytes;
@@ -271,7 +254,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             log::info!("the shards take every allowed core: the front runs unpinned beside them")
         }
     }
-    front.run(&STOP);
+    front.run(termination::flag());
     log::info!("shutting down");
     drop(front);
     for h in handles {
