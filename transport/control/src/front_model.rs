@@ -451,10 +451,9 @@ fn as_int(v: &Option<Value>) -> Option<i64> {
     }
 }
 
-fn run_model(seed: u64, num_shards: usize, steps: usize) {
-    let mut h = Harness::new(seed, num_shards);
-    let mut replies: HashMap<Vec<u8>, Option<Value>> = HashMap::new();
-    let reg = map(&[
+/// The engine_driven registration of instance [`IID`] the model tests send.
+fn registration() -> Value {
+    map(&[
         ("instance_id", Value::Int(IID)),
         ("model_name", Value::Str("model".into())),
         ("world_size", Value::Int(1)),
@@ -464,8 +463,13 @@ fn run_model(seed: u64, num_shards: usize, steps: usize) {
         ("dtype_str", Value::Str("float16".into())),
         ("use_mla", Value::Bool(false)),
         ("num_physical_slots", Value::Int(CHUNK as i64)),
-    ]);
-    let uid = h.send(0, OP_REGISTER_ENGINE, &[reg]);
+    ])
+}
+
+fn run_model(seed: u64, num_shards: usize, steps: usize) {
+    let mut h = Harness::new(seed, num_shards);
+    let mut replies: HashMap<Vec<u8>, Option<Value>> = HashMap::new();
+    let uid = h.send(0, OP_REGISTER_ENGINE, &[registration()]);
     h.take_replies(&mut replies);
     let r = replies.remove(&uid).expect("register answered at once");
     assert!(
@@ -765,18 +769,7 @@ fn front_model_random_flows_three_shards() {
 fn commit_store_matches_the_key_not_the_request_id() {
     let mut h = Harness::new(7, 1);
     let mut replies: HashMap<Vec<u8>, Option<Value>> = HashMap::new();
-    let reg = map(&[
-        ("instance_id", Value::Int(IID)),
-        ("model_name", Value::Str("model".into())),
-        ("world_size", Value::Int(1)),
-        ("block_size", Value::Int(16)),
-        ("num_layers", Value::Int(1)),
-        ("hidden_dim_size", Value::Int(8)),
-        ("dtype_str", Value::Str("float16".into())),
-        ("use_mla", Value::Bool(false)),
-        ("num_physical_slots", Value::Int(CHUNK as i64)),
-    ]);
-    h.send(0, OP_REGISTER_ENGINE, &[reg]);
+    h.send(0, OP_REGISTER_ENGINE, &[registration()]);
     let mut answer = |h: &mut Harness, op: i64, args: &[Value]| {
         let uid = h.send(0, op, args);
         while h.progress() {}
