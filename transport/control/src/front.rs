@@ -494,6 +494,46 @@ const LAZY_WAKE_AFTER: Duration = Duration::from_millis(1);
 
 /// Replyless messages for one shard that wake it without waiting.
 const LAZY_WAKE_BACKLOG: u32 = 32;
+
+/// The kv_ranks a key addresses: one worker's, or every worker's of a world
+/// (a scheduler key), without a list of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ranks {
+    world_size: u32,
+    /// Workers `first..end`.
+    first: u32,
+    end: u32,
+}
+
+impl Ranks {
+    /// Worker `worker`'s rank in a world of `world_size`, or every worker's.
+    fn of(world_size: u32, worker: Option<u32>) -> Ranks {
+        let (first, end) = match worker {
+            Some(w) => (w, w + 1),
+            None => (0, world_size),
+        };
+        Ranks {
+            world_size,
+            first,
+            end,
+        }
+    }
+
+    fn len(&self) -> usize {
+        (self.end - self.first) as usize
+    }
+
+    fn iter(&self) -> impl Iterator<Item = u32> {
+        let ws = self.world_size;
+        (self.first..self.end).map(move |w| keys::worker_kv_rank(ws, w))
+    }
+
+    /// The rank, when there is one.
+    fn single(&self) -> Option<u32> {
+        (self.len() == 1).then(|| keys::worker_kv_rank(self.world_size, self.first))
+    }
+}
+
 /// Objects (chunks x kv ranks) one request may address: bounds the memory and
 /// shard work of a single request (a 128k-token context of 256-token chunks at
 /// world size 8 is 4096).
@@ -1431,7 +1471,8 @@ impl Front {
             } => {
                 if slabs.iter().all(Option::is_some) && !slabs.is_empty() {
                     let offsets: Vec<u64> = slabs.iter().flatten().map(|s| s.offset).collect();
-                    self.hand_over_reads(&to, tkey, keys, &offsets, &layout);
+                    self.reply_reads(&to, &offsets, &layout);
+                    self.pend_reads(tkey, keys);
                 } else {
                     // Not all read-locked: release the lock this transfer
                     // holds on each object found.
@@ -1524,15 +1565,15 @@ impl Front {
         model: Name,
         salt: Name,
         hashes: &[keys::ChunkHash],
-        ranks: &[u32],
+        ranks: Ranks,
     ) -> Vec<ObjectKey> {
         let mut out = Vec::with_capacity(hashes.len() * ranks.len());
         for h in hashes {
-            for r in ranks {
+            for kv_rank in ranks.iter() {
                 out.push(ObjectKey {
                     chunk_hash: *h,
                     model_name: model,
-                    kv_rank: *r,
+                    kv_rank,
                     object_group_id: 0,
                     cache_salt: salt,
                 });
@@ -1549,7 +1590,7 @@ impl Front {
     }
 
     /// kv_ranks a key addresses: one worker's, or every worker's for a scheduler key.
-    fn ranks_of(key: &IpcKey) -> Result<Vec<u32>, String> {
+    fn ranks_of(key: &IpcKey) -> Result<Ranks, String> {
         let ws = u32::try_from(key.world_size)
             .ok()
             .filter(|w| (1..=keys::MAX_WORLD_SIZE).contains(w))
@@ -1561,11 +1602,10 @@ impl Front {
                 )
             })?;
         match key.worker_id {
-            None => Ok((0..ws).map(|w| keys::worker_kv_rank(ws, w)).collect()),
-            Some(w) if w >= 0 && (w as u64) < ws as u64 => {
-                Ok(vec![keys::worker_kv_rank(ws, w as u32)])
+            Some(w) if w < 0 || w as u64 >= ws as u64 => {
+                Err(format!("worker_id {w} outside world_size {ws}"))
             }
-            Some(w) => Err(format!("worker_id {w} outside world_size {ws}")),
+            w => Ok(Ranks::of(ws, w.map(|w| w as u32))),
         }
     }
 
@@ -1679,8 +1719,8 @@ impl Front {
                 model_name: key.model_name.clone(),
                 chunk_size: self.cfg.chunk_size,
                 seq_len: key.token_ids.len(),
-                dtype: layout.dtype.clone(),
-                shape: layout.shape.clone(),
+                dtype: layout.dtype.to_string(),
+                shape: layout.shape.to_vec(),
                 chunk_hashes: hashes.clone(),
             });
             match outcome {
@@ -1702,7 +1742,7 @@ impl Front {
         }
         self.metrics.lookup_requested_tokens += (hashes.len() * self.cfg.chunk_size) as u64;
         let num_ranks = ranks.len();
-        let objs = Self::object_keys(model, salt, &hashes, &ranks);
+        let objs = Self::object_keys(model, salt, &hashes, ranks);
         let parts = self.split(&objs);
         if self.refused(&to, involved(&parts)) {
             return early(self, "shard_unavailable");
@@ -2048,7 +2088,7 @@ impl Front {
             Ok(n) => n,
             Err(e) => return log_limited!(Level::Error, "free_lookup_locks {rid}: {e}"),
         };
-        let objs = Self::object_keys(model, salt, &hashes, &ranks);
+        let objs = Self::object_keys(model, salt, &hashes, ranks);
         let (first, nr) = (start_chunk as usize, ranks.len());
         let chunks = objs.iter().enumerate().map(|(i, k)| (first + i / nr, k));
         // Only what the lookup still holds: a repeated call, or one after the
@@ -2090,17 +2130,12 @@ impl Front {
         let Some(scope) = s.lookup.as_ref() else {
             return;
         };
-        let ranks: Vec<u32> = match scope.worker_id {
-            None => (0..scope.world_size)
-                .map(|w| keys::worker_kv_rank(scope.world_size, w))
-                .collect(),
-            Some(w) => vec![keys::worker_kv_rank(scope.world_size, w)],
-        };
+        let ranks = Ranks::of(scope.world_size, scope.worker_id);
         let (model, salt) = match Self::key_names(&scope.model_name, &scope.cache_salt) {
             Ok(n) => n,
             Err(e) => return log_limited!(Level::Error, "end_session {rid}: {e}"),
         };
-        let objs = Self::object_keys(model, salt, s.all_hashes(), &ranks);
+        let objs = Self::object_keys(model, salt, s.all_hashes(), ranks);
         self.post(objs, |keys| ShardOp::Touch { keys });
     }
 
@@ -2228,12 +2263,12 @@ impl Front {
             return Err("key has no worker_id".into());
         }
         let ranks = Self::ranks_of(key)?;
-        if let [rank] = ranks[..] {
+        if let Some(rank) = ranks.single() {
             self.registry.note_rank(iid, rank);
         }
         let hashes = self.key_hashes(key, false, ranks.len(), now)?;
         let (model, salt) = Self::key_names(&key.model_name, &key.cache_salt)?;
-        Ok(Self::object_keys(model, salt, &hashes, &ranks))
+        Ok(Self::object_keys(model, salt, &hashes, ranks))
     }
 
     /// The [`TransferKey`] of `key` from instance `iid`. Its token digest is
@@ -2262,13 +2297,13 @@ impl Front {
                 return self.reply(&to, Some(wire::encode_prepare_store_reply(&[], &[])));
             }
         };
-        let tkey = self.transfer_key(iid, &key);
         // Credits of this size exist only where --write-credits and the
         // shards' memory allow one.
         let credits = self.cfg.write_credits > 0 && self.credit_cap(layout.bytes) > 0;
-        if credits && self.prepare_store_on_credits(&to, &key, &tkey, &objs, &layout) {
+        if credits && self.prepare_store_on_credits(&to, &key, iid, &objs, &layout) {
             return;
         }
+        let tkey = self.transfer_key(iid, &key);
         let size = layout.bytes;
         let kind = InflightKind::PrepareStore {
             to,
@@ -2285,28 +2320,27 @@ impl Front {
     /// credit of its shard, and the shard is told to stage it there (its
     /// mailbox brings that ahead of the commit). Returns false, having done
     /// nothing, when some shard's credits do not cover its part: the shards
-    /// are asked instead (and the credits topped up).
+    /// are asked instead (and the credits topped up). The reply goes as soon
+    /// as the slots are known; what the commit needs is recorded after it,
+    /// before the front reads its next message.
     fn prepare_store_on_credits(
         &mut self,
         to: &ReplyTo,
         key: &IpcKey,
-        tkey: &TransferKey,
+        iid: i64,
         objs: &[ObjectKey],
         layout: &Layout,
     ) -> bool {
         let n = self.shards.len();
         let size = layout.bytes;
         let first_chunk = first_chunk_of(key, self.cfg.chunk_size);
-        let mut skip = self.leases.found(&key.request_id, first_chunk, objs);
-        // An object named twice is written once (as the shards reserve it).
-        let mut seen: keys::KeySet<ObjectKey> =
-            keys::KeySet::with_capacity_and_hasher(objs.len(), Default::default());
+        // The objects of one request are distinct (chained chunk hashes, one
+        // kv rank each): none is named twice.
+        let skip = self.leases.found(&key.request_id, first_chunk, objs);
         let mut need = vec![0usize; n];
-        for (k, skip) in objs.iter().zip(skip.iter_mut()) {
-            if !*skip && seen.insert(*k) {
+        for (k, skip) in objs.iter().zip(&skip) {
+            if !*skip {
                 need[k.shard(n)] += 1;
-            } else {
-                *skip = true;
             }
         }
         let short =
@@ -2341,11 +2375,13 @@ impl Front {
             indices.push(i as i64);
             reserved.push(*k);
         }
+        self.reply(to, Some(wire::encode_prepare_store_reply(&slots, &indices)));
         if !reserved.is_empty() {
             self.next_credit_tag += 1;
             let tag = LOAD_TAG_BIT | CREDIT_TAG_BIT | self.next_credit_tag;
             // Any earlier prepare's abort goes first, then the adoption.
-            self.pend_write(tkey.clone(), reserved, tag);
+            let tkey = self.transfer_key(iid, key);
+            self.pend_write(tkey, reserved, tag);
             for (s, writes) in per.into_iter().enumerate() {
                 if !writes.is_empty() {
                     // Not woken for: the commit's wake-up brings it along
@@ -2357,7 +2393,6 @@ impl Front {
             }
             self.metrics.store_credit_prepares += 1;
         }
-        self.reply(to, Some(wire::encode_prepare_store_reply(&slots, &indices)));
         for s in involved {
             self.stock_credits(s, size, false);
         }
@@ -2535,7 +2570,6 @@ impl Front {
                 return self.reply(&to, Some(wire::encode_prepare_retrieve_reply(false, &[])));
             }
         };
-        let tkey = self.transfer_key(iid, &key);
         let parts = self.split(&objs);
         if self.refused(&to, involved(&parts)) {
             return self.reply_failure(&to);
@@ -2553,8 +2587,12 @@ impl Front {
                 !take.contains(&true),
                 "readable: the lease holds every lock"
             );
-            return self.hand_over_reads(&to, tkey, objs, &offsets, &layout);
+            self.reply_reads(&to, &offsets, &layout);
+            // After the reply: the commit comes after the front's next read.
+            let tkey = self.transfer_key(iid, &key);
+            return self.pend_reads(tkey, objs);
         }
+        let tkey = self.transfer_key(iid, &key);
         let n = objs.len();
         let keys_ref = objs.clone();
         let take = self.hand_over_locks(&key.request_id, first_chunk, &objs, iid);
@@ -2597,20 +2635,19 @@ impl Front {
 
     /// Answers a `prepare_retrieve` whose objects are all read-locked at
     /// `offsets`, this transfer holding one lock on each, which
-    /// `commit_retrieve` (or the worker's departure) releases.
-    fn hand_over_reads(
-        &mut self,
-        to: &ReplyTo,
-        tkey: TransferKey,
-        keys: Vec<ObjectKey>,
-        offsets: &[u64],
-        layout: &Layout,
-    ) {
+    /// `commit_retrieve` (or the worker's departure) releases: see
+    /// [`Front::pend_reads`], called right after.
+    fn reply_reads(&mut self, to: &ReplyTo, offsets: &[u64], layout: &Layout) {
         let slots: Vec<_> = offsets.iter().map(|o| layout.slot(*o)).collect();
+        self.reply(to, Some(wire::encode_prepare_retrieve_reply(true, &slots)));
+    }
+
+    /// Records the read-locked `keys` of transfer `tkey` for its commit; an
+    /// earlier prepare of it never committed gives its locks back.
+    fn pend_reads(&mut self, tkey: TransferKey, keys: Vec<ObjectKey>) {
         if let Some(old) = self.registry.push_pending_read(tkey, keys) {
             self.post(old, |keys| ShardOp::Release { keys, count: 1 });
         }
-        self.reply(to, Some(wire::encode_prepare_retrieve_reply(true, &slots)));
     }
 
     fn commit_retrieve(&mut self, key: &IpcKey, iid: i64, now: Instant) -> bool {

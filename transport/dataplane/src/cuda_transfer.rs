@@ -49,12 +49,7 @@ impl CudaInstance {
 
     /// The L1 object layout of this worker's chunks.
     pub fn layout(&self) -> Layout {
-        let l = &self.geometry.object_layout;
-        Layout {
-            bytes: l.bytes,
-            shape: l.shape.clone(),
-            dtype: l.dtype.clone(),
-        }
+        Layout::of(&self.geometry.object_layout)
     }
 
     /// Every id must name a block of the paged buffers: the kernel addresses
@@ -464,7 +459,7 @@ mod tests {
             assert_eq!(inst.blocks_per_chunk(), 16);
             // [2, layers, chunk, heads x head size] in bf16.
             let l = inst.layout();
-            assert_eq!(l.shape, vec![2, 2, 256, 1024], "{name}");
+            assert_eq!(*l.shape, [2, 2, 256, 1024], "{name}");
             assert_eq!(l.bytes, 2 * 2 * 256 * 1024 * 2);
             assert_eq!(spec.object_bytes, l.bytes);
             assert_eq!(spec.chunk_slots, 256);

@@ -1,15 +1,18 @@
 //! The shape of one chunk object, as workers see it in an SHM slot.
 
+use std::sync::Arc;
+
 use kvshard_wire as wire;
 
-use crate::cpu_shm::CpuShmRegistration;
+use crate::cpu_shm::{CpuShmRegistration, ObjectLayout};
 
-/// The shape of one chunk object: what a worker sees in an SHM slot.
+/// The shape of one chunk object: what a worker sees in an SHM slot. Shape
+/// and dtype are shared: every request of an instance takes a copy.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
     pub bytes: u64,
-    pub shape: Vec<u64>,
-    pub dtype: String,
+    pub shape: Arc<[u64]>,
+    pub dtype: Arc<str>,
 }
 
 /// Largest object kvshard accepts (a chunk of a very large model is well below this).
@@ -51,27 +54,31 @@ impl Layout {
             .ok_or_else(|| format!("object shape {shape:?} of {} is too large", p.dtype_str))?;
         Ok(Layout {
             bytes,
-            shape,
-            dtype: p.dtype_str.clone(),
+            shape: shape.into(),
+            dtype: p.dtype_str.as_str().into(),
         })
     }
 
     pub fn from_registration(reg: &CpuShmRegistration) -> Layout {
-        let l = reg.object_layout();
+        Layout::of(&reg.object_layout())
+    }
+
+    /// The layout of objects shaped `l`.
+    pub fn of(l: &ObjectLayout) -> Layout {
         Layout {
             bytes: l.bytes,
-            shape: l.shape.clone(),
-            dtype: l.dtype.clone(),
+            shape: l.shape.as_slice().into(),
+            dtype: l.dtype.as_str().into(),
         }
     }
 
     /// The SHM slot descriptor of an object at arena offset `offset`.
-    pub fn slot(&self, offset: u64) -> wire::ShmSlot {
+    pub fn slot(&self, offset: u64) -> wire::ShmSlot<'_> {
         wire::ShmSlot {
             offset,
             length: self.bytes,
-            shape: self.shape.clone(),
-            dtype: self.dtype.clone(),
+            shape: &self.shape,
+            dtype: &self.dtype,
         }
     }
 }

@@ -1540,20 +1540,33 @@ fn read_tensor_metadata(r: &mut Reader<'_>) -> Result<TensorMetadata, DecodeErro
 // Reply encoders (each returns the single payload frame)
 // ---------------------------------------------------------------------------
 
-/// One engine-driven SHM slot (`ShmSlotDescriptor.to_dict`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShmSlot {
+/// One engine-driven SHM slot (`ShmSlotDescriptor.to_dict`). Shape and
+/// dtype are borrowed from the object layout every slot of a reply shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShmSlot<'a> {
     /// Byte offset into the L1 pool segment.
     pub offset: u64,
     /// Byte length of the slot.
     pub length: u64,
     /// Tensor shape to view the slot as.
-    pub shape: Vec<u64>,
+    pub shape: &'a [u64],
     /// torch dtype name, e.g. `"float16"`.
-    pub dtype: String,
+    pub dtype: &'a str,
 }
 
-impl ShmSlot {
+/// Bytes a slot's encoding takes at most: the map and its four keys, two
+/// uint64s, the shape's array header and dims, the dtype string.
+fn slot_bound(s: &ShmSlot) -> usize {
+    40 + 9 * (2 + s.shape.len()) + 5 + s.dtype.len()
+}
+
+/// Room for `slots` and a few fixed fields: a reply is written without
+/// growing its buffer.
+fn slots_capacity(slots: &[ShmSlot]) -> usize {
+    64 + slots.first().map_or(0, slot_bound) * slots.len()
+}
+
+impl ShmSlot<'_> {
     fn write(&self, w: &mut Writer) {
         w.write_map_len(4);
         w.write_str("offset");
@@ -1562,11 +1575,11 @@ impl ShmSlot {
         w.write_uint(self.length);
         w.write_str("shape");
         w.write_array_len(self.shape.len());
-        for &d in &self.shape {
+        for &d in self.shape {
             w.write_uint(d);
         }
         w.write_str("dtype");
-        w.write_str(&self.dtype);
+        w.write_str(self.dtype);
     }
 }
 
@@ -1632,7 +1645,7 @@ pub fn encode_register_engine_driven_reply(shm_name: &str, pool_size: u64) -> Ve
 /// already stored (the client then skips the commit).
 pub fn encode_prepare_store_reply(slots: &[ShmSlot], chunk_indices: &[i64]) -> Vec<u8> {
     assert_eq!(slots.len(), chunk_indices.len(), "one chunk index per slot");
-    let mut w = Writer::new();
+    let mut w = Writer::with_capacity(slots_capacity(slots) + 9 * chunk_indices.len());
     w.write_map_len(1);
     w.write_str("context");
     w.write_map_len(2);
@@ -1661,7 +1674,7 @@ pub fn encode_prepare_retrieve_reply(success: bool, slots: &[ShmSlot]) -> Vec<u8
         success || slots.is_empty(),
         "a failed prepare_retrieve carries no slots"
     );
-    let mut w = Writer::new();
+    let mut w = Writer::with_capacity(slots_capacity(slots));
     w.write_map_len(3);
     w.write_str("success");
     w.write_bool(success);
@@ -1772,12 +1785,32 @@ mod tests {
         decode(Op::Lookup, &[key, vec![0x01]])
     }
 
-    fn slot() -> ShmSlot {
+    fn slot() -> ShmSlot<'static> {
         ShmSlot {
             offset: 0,
             length: 0x40_0000,
-            shape: vec![2, 32, 256, 1024],
-            dtype: "float16".into(),
+            shape: &[2, 32, 256, 1024],
+            dtype: "float16",
+        }
+    }
+
+    #[test]
+    fn slot_replies_fit_the_room_they_reserve() {
+        // Every number at its widest encoding, and a long dtype name.
+        let shape = [u64::MAX; 6];
+        let wide = ShmSlot {
+            offset: u64::MAX,
+            length: u64::MAX,
+            shape: &shape,
+            dtype: "a_dtype_name_longer_than_a_fixstr_holds",
+        };
+        for n in [0, 1, 7, 300] {
+            let slots = vec![wide; n];
+            let indices = vec![i64::MIN; n];
+            let store = encode_prepare_store_reply(&slots, &indices);
+            assert!(store.len() <= slots_capacity(&slots) + 9 * n, "{n} slots");
+            let retrieve = encode_prepare_retrieve_reply(n > 0, &slots);
+            assert!(retrieve.len() <= slots_capacity(&slots), "{n} slots");
         }
     }
 

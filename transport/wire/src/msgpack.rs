@@ -1123,20 +1123,25 @@ mod tests {
             x ^= x << 17;
             x
         };
-        for run in 0..60 {
+        for run in 0..90 {
             let mut w = Writer::new();
             let mut want = Vec::new();
             for _ in 0..64 {
                 let r = next();
-                // Every other run is mostly uint16s, in runs of four and more.
-                let class = if run % 2 == 0 && r % 8 != 0 { 2 } else { r % 4 };
+                // A third of the runs is mostly uint16s, in runs of four and
+                // more; a third mostly a random mix of uint16s and uint32s.
+                let class = match (run % 3, r % 8) {
+                    (0, 1..) => 2,
+                    (1, 1..) => 2 + (r >> 20) % 2,
+                    _ => r % 4,
+                };
                 let v = match class {
                     0 => r as u32 % 0x80,
                     1 => r as u32 % 0x100,
                     2 => 0x100 + r as u32 % 0xff00,
                     _ => (r >> 8) as u32,
                 };
-                let form = if class == 2 && run % 2 == 0 {
+                let form = if class >= 2 && run % 3 < 2 {
                     0
                 } else {
                     (r >> 40) % 3
@@ -1166,6 +1171,20 @@ mod tests {
                 }
                 assert_eq!(r.offset(), one.offset());
             }
+            // A value no token id can be, anywhere: named by its index.
+            let bad = (next() % 64) as usize;
+            let mut r = Reader::new(&bytes);
+            r.read_u32_elements(bad, &mut Vec::new()).unwrap();
+            let at = r.offset();
+            let mut broken = bytes[..at].to_vec();
+            broken.push(0xc3);
+            broken.extend_from_slice(&bytes[at..]);
+            let mut out = Vec::new();
+            let err = Reader::new(&broken)
+                .read_u32_elements(want.len(), &mut out)
+                .unwrap_err();
+            assert_eq!(err.path(), format!("[{bad}]"), "run {run}");
+            assert_eq!(out, want[..bad], "run {run}");
         }
     }
 

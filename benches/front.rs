@@ -1,0 +1,285 @@
+//! CPU per request of the front thread, without sockets or wake-ups: the real
+//! front core (`kvshard_transport::front::Front`) is handed whole requests
+//! in-process, its replies recorded, and one shard played by this bench over
+//! the real mailbox (it lends write credits and answers lookups with misses;
+//! nothing else the store flow sends wants a reply).
+//!
+//! For a 2048-token request (8 chunks of 256): noop, prepare_store (to its
+//! reply, and whole, with the bookkeeping after the reply), commit_store,
+//! end_session, and a lookup (a miss) with its status query. The floor printed
+//! beside them is the work lmcache's key format leaves no way around, measured
+//! in the same run: the chained blake3 hashing of the request's chunks.
+//!
+//! `cargo bench --bench front`; under `cargo test` it runs a few iterations.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+use kvshard_engine::keys::chunk_hashes;
+use kvshard_engine::slab::Slab;
+use kvshard_io::mailbox::{mailbox, notify_queue, MailboxReceiver};
+use kvshard_transport::config::ServerConfig;
+use kvshard_transport::front::{Clock, Front, FrontSetup, ReplyPort, Undelivered};
+use kvshard_transport::messages::{
+    FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, FOUND_MISS, NO_SLAB,
+};
+use support::*;
+
+const CHUNK: usize = 256;
+const TOKENS: usize = 2048;
+const IID: i64 = 1;
+
+/// Counts replies and notes when the first one since the last take went out.
+#[derive(Default)]
+struct Replies {
+    count: Cell<u64>,
+    first_at: Cell<Option<Instant>>,
+    last: std::cell::RefCell<Vec<u8>>,
+}
+
+struct Port(Rc<Replies>);
+
+impl ReplyPort for Port {
+    fn send(&mut self, frames: &[&[u8]]) -> Result<(), Undelivered> {
+        let r = &self.0;
+        if r.first_at.get().is_none() {
+            r.first_at.set(Some(Instant::now()));
+        }
+        r.count.set(r.count.get() + 1);
+        let mut last = r.last.borrow_mut();
+        last.clear();
+        last.extend_from_slice(frames.last().copied().unwrap_or_default());
+        Ok(())
+    }
+}
+
+struct Now;
+
+impl Clock for Now {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+}
+
+struct Bench {
+    front: Front,
+    replies: Rc<Replies>,
+    shard: MailboxReceiver<ShardMsg>,
+    next_offset: u64,
+}
+
+impl Bench {
+    fn new() -> Bench {
+        let mut cfg = ServerConfig::example();
+        cfg.chunk_size = CHUNK;
+        cfg.cores = vec![0];
+        let (events, _) = notify_queue::<FrontEvent>();
+        let setup = FrontSetup {
+            shm_pool: Some(("kvshard_bench_front".into(), 1 << 40)),
+            huge_pages: kvshard_io::arena::HugePages::Off,
+            huge_page_bytes: None,
+            arena: serde_json::Value::Null,
+            l1_memory: None,
+            events,
+        };
+        let (tx, shard) = mailbox(1 << 16);
+        let replies = Rc::new(Replies::default());
+        let front = Front::new(
+            Arc::new(cfg),
+            setup,
+            Box::new(Port(replies.clone())),
+            Box::new(Now),
+            vec![tx],
+        );
+        Bench {
+            front,
+            replies,
+            shard,
+            next_offset: 0,
+        }
+    }
+
+    /// Hands one request to the front; returns the time to its first reply
+    /// (if it came during the call) and the whole call.
+    fn request(&mut self, op: i64, payloads: &[&[u8]]) -> (Option<u64>, u64) {
+        let mut frames: Vec<&[u8]> = vec![b"client", b"uid"];
+        let op = enc(&V::I(op));
+        frames.push(&op);
+        frames.extend_from_slice(payloads);
+        self.replies.first_at.set(None);
+        let t = Instant::now();
+        self.front.on_message(frames);
+        let whole = t.elapsed().as_nanos() as u64;
+        let first = self
+            .replies
+            .first_at
+            .get()
+            .map(|r| (r - t).as_nanos() as u64);
+        (first, whole)
+    }
+
+    /// Plays the shard until its mailbox is empty; returns the CPU the front
+    /// spent on the replies.
+    fn settle(&mut self) -> u64 {
+        let mut front_ns = 0;
+        while let Ok(msg) = self.shard.try_recv() {
+            let mut fresh = |size: u64, count: usize| {
+                let slabs = (0..count)
+                    .map(|i| {
+                        Some(Slab {
+                            offset: self.next_offset + i as u64 * size,
+                            len: size,
+                        })
+                    })
+                    .collect();
+                self.next_offset += count as u64 * size;
+                ShardReplyBody::Slabs(slabs)
+            };
+            let body = match msg.op {
+                ShardOp::GrantCredits { size, count } => fresh(size, count as usize),
+                ShardOp::ReserveWrite { keys, size, .. } => fresh(size, keys.len()),
+                ShardOp::Lookup { keys, .. } => ShardReplyBody::Found {
+                    codes: vec![FOUND_MISS; keys.len()],
+                    slabs: vec![NO_SLAB; keys.len()],
+                },
+                _ => ShardReplyBody::Done,
+            };
+            if msg.seq != 0 {
+                let reply = ShardReply {
+                    seq: msg.seq,
+                    shard: 0,
+                    body,
+                };
+                let t = Instant::now();
+                self.front.on_event(FrontEvent::Shard(reply));
+                front_ns += t.elapsed().as_nanos() as u64;
+            }
+        }
+        front_ns
+    }
+}
+
+fn hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 10_000_000_000, 3).expect("bounds")
+}
+
+fn report(name: &str, h: &Histogram<u64>, floor: &Histogram<u64>) {
+    println!(
+        "{name:<44} n={:<7} p50={:>7.2}us p99={:>7.2}us  p50 {:>5.2}x the chunk hashing",
+        h.len(),
+        h.value_at_quantile(0.5) as f64 / 1e3,
+        h.value_at_quantile(0.99) as f64 / 1e3,
+        h.value_at_quantile(0.5) as f64 / floor.value_at_quantile(0.5) as f64
+    );
+}
+
+fn tokens(seed: usize) -> Vec<u32> {
+    (0..TOKENS as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) ^ (seed as u32).wrapping_mul(40_503)) % 150_000)
+        .collect()
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    if !full {
+        println!("(smoke run under cargo test: debug build, few iterations; figures come from `cargo bench`)");
+    }
+    let n = if full { 20_000 } else { 20 };
+    let mut b = Bench::new();
+    let reg = enc(&engine_ctx_payload(
+        IID,
+        "bench",
+        1,
+        2,
+        64,
+        false,
+        CHUNK as i64,
+    ));
+    b.request(OP_REGISTER_ENGINE, &[&reg]);
+    assert_eq!(b.replies.count.get(), 1, "registration answered");
+    let (one, empty) = (enc(&V::I(IID)), enc(&V::Bin(vec![])));
+    let end = TOKENS as i64;
+
+    let (mut floor, mut noop) = (hist(), hist());
+    let (mut prep_reply, mut prep_whole, mut commit) = (hist(), hist(), hist());
+    let (mut end_session, mut lookup, mut status) = (hist(), hist(), hist());
+    let mut answered = 0;
+    for i in 0..n {
+        // Requests are encoded before the clock starts.
+        let toks = tokens(i);
+        let rid = format!("req{i}");
+        let key = key_frame("bench", Some(0), &toks, end, &rid);
+        let sched_key = key_frame("bench", None, &toks, end, &format!("look{i}"));
+        let rid_frame = enc(&s(&rid));
+        let look_rid = enc(&s(&format!("look{i}")));
+
+        let t = Instant::now();
+        let hashes = chunk_hashes(&toks, CHUNK, 0, TOKENS).expect("aligned");
+        floor.record(t.elapsed().as_nanos() as u64).unwrap();
+        std::hint::black_box(hashes);
+
+        let (_, whole) = b.request(OP_NOOP, &[]);
+        noop.record(whole).unwrap();
+
+        let before = b.replies.count.get();
+        let (first, whole) = b.request(OP_PREPARE_STORE, &[&key, &one]);
+        let shard_ns = b.settle();
+        match first {
+            // Served from the credits the shard lent.
+            Some(first) => {
+                prep_reply.record(first).unwrap();
+                prep_whole.record(whole).unwrap();
+            }
+            // Credits ran short: the shard was asked, and answered.
+            None => prep_whole.record(whole + shard_ns).unwrap(),
+        }
+        let (_, whole) = b.request(OP_COMMIT_STORE, &[&key, &one, &empty]);
+        commit.record(whole).unwrap();
+        assert_eq!(
+            b.replies.last.borrow().as_slice(),
+            enc(&V::B(true)),
+            "commit_store of {rid}"
+        );
+        b.settle();
+        let (_, whole) = b.request(OP_END_SESSION, &[&rid_frame]);
+        end_session.record(whole).unwrap();
+        b.settle();
+
+        // A scheduler lookup (all misses: the shard keeps nothing), then
+        // its status; both counted with the shard reply's handling.
+        let (_, whole) = b.request(OP_LOOKUP, &[&sched_key, &one]);
+        let shard_ns = b.settle();
+        lookup.record(whole + shard_ns).unwrap();
+        let (_, whole) = b.request(OP_QUERY_PREFETCH_STATUS, &[&look_rid]);
+        status.record(whole).unwrap();
+        assert_eq!(b.replies.last.borrow().as_slice(), enc(&V::I(0)), "a miss");
+        b.request(OP_END_SESSION, &[&look_rid]);
+        b.settle();
+        answered += b.replies.count.get() - before;
+    }
+    // Each round: prepare, commit, end, lookup, status, end.
+    assert_eq!(answered, 6 * n as u64, "every request answered");
+
+    report("chained chunk hashing (the floor)", &floor, &floor);
+    report("noop", &noop, &floor);
+    report("prepare_store, to its reply", &prep_reply, &floor);
+    report("prepare_store, whole", &prep_whole, &floor);
+    report("commit_store", &commit, &floor);
+    report("end_session", &end_session, &floor);
+    report(
+        "lookup (8 chunk miss), with the shard reply",
+        &lookup,
+        &floor,
+    );
+    report("query_prefetch_status", &status, &floor);
+    println!(
+        "prepare_stores served from write credits: {} of {n}",
+        prep_reply.len()
+    );
+}
