@@ -4,11 +4,13 @@
 //! the real mailbox (it lends write credits and answers lookups with misses;
 //! nothing else the store flow sends wants a reply).
 //!
-//! For a 2048-token request (8 chunks of 256): noop, prepare_store (to its
-//! reply, and whole, with the bookkeeping after the reply), commit_store,
-//! end_session, and a lookup (a miss) with its status query. The floor printed
-//! beside them is the work lmcache's key format leaves no way around, measured
-//! in the same run: the chained blake3 hashing of the request's chunks.
+//! For 2048-token requests (8 chunks of 256): noop; a store no lookup came
+//! before (prepare_store to its reply and whole, with the bookkeeping after
+//! the reply; commit_store; end_session); and vLLM's order, a lookup (a miss)
+//! and its status query, then the worker's prepare and commit of the same
+//! request. The floor printed beside them is the work lmcache's key format
+//! leaves no way around, measured in the same run: the chained blake3
+//! hashing of the request's chunks.
 //!
 //! `cargo bench --bench front`; under `cargo test` it runs a few iterations.
 
@@ -124,6 +126,11 @@ impl Bench {
         (first, whole)
     }
 
+    /// Checks the last reply's payload.
+    fn expect_last(&self, want: &V, what: &str) {
+        assert_eq!(*self.replies.last.borrow(), enc(want), "reply to {what}");
+    }
+
     /// Plays the shard until its mailbox is empty; returns the CPU the front
     /// spent on the replies.
     fn settle(&mut self) -> u64 {
@@ -209,24 +216,27 @@ fn main() {
     let (mut floor, mut noop) = (hist(), hist());
     let (mut prep_reply, mut prep_whole, mut commit) = (hist(), hist(), hist());
     let (mut end_session, mut lookup, mut status) = (hist(), hist(), hist());
+    let (mut after_reply, mut after_commit) = (hist(), hist());
     let mut answered = 0;
     for i in 0..n {
         // Requests are encoded before the clock starts.
-        let toks = tokens(i);
-        let rid = format!("req{i}");
-        let key = key_frame("bench", Some(0), &toks, end, &rid);
-        let sched_key = key_frame("bench", None, &toks, end, &format!("look{i}"));
-        let rid_frame = enc(&s(&rid));
-        let look_rid = enc(&s(&format!("look{i}")));
+        let (cold, warm) = (tokens(2 * i), tokens(2 * i + 1));
+        let (rid, vrid) = (format!("req{i}"), format!("vllm{i}"));
+        let key = key_frame("bench", Some(0), &cold, end, &rid);
+        let sched_key = key_frame("bench", None, &warm, end, &vrid);
+        let worker_key = key_frame("bench", Some(0), &warm, end, &vrid);
+        let (rid_frame, vrid_frame) = (enc(&s(&rid)), enc(&s(&vrid)));
 
         let t = Instant::now();
-        let hashes = chunk_hashes(&toks, CHUNK, 0, TOKENS).expect("aligned");
+        let hashes = chunk_hashes(&cold, CHUNK, 0, TOKENS).expect("aligned");
         floor.record(t.elapsed().as_nanos() as u64).unwrap();
         std::hint::black_box(hashes);
 
         let (_, whole) = b.request(OP_NOOP, &[]);
         noop.record(whole).unwrap();
 
+        // A store no lookup came before: the front decodes and hashes its
+        // tokens.
         let before = b.replies.count.get();
         let (first, whole) = b.request(OP_PREPARE_STORE, &[&key, &one]);
         let shard_ns = b.settle();
@@ -241,45 +251,54 @@ fn main() {
         }
         let (_, whole) = b.request(OP_COMMIT_STORE, &[&key, &one, &empty]);
         commit.record(whole).unwrap();
-        assert_eq!(
-            b.replies.last.borrow().as_slice(),
-            enc(&V::B(true)),
-            "commit_store of {rid}"
-        );
+        b.expect_last(&V::B(true), &rid);
         b.settle();
         let (_, whole) = b.request(OP_END_SESSION, &[&rid_frame]);
         end_session.record(whole).unwrap();
         b.settle();
 
-        // A scheduler lookup (all misses: the shard keeps nothing), then
-        // its status; both counted with the shard reply's handling.
+        // vLLM's order: the scheduler's lookup (all misses: the shard keeps
+        // nothing) with the shard reply's handling, its status, then the
+        // worker's store of the same request.
         let (_, whole) = b.request(OP_LOOKUP, &[&sched_key, &one]);
         let shard_ns = b.settle();
         lookup.record(whole + shard_ns).unwrap();
-        let (_, whole) = b.request(OP_QUERY_PREFETCH_STATUS, &[&look_rid]);
+        let (_, whole) = b.request(OP_QUERY_PREFETCH_STATUS, &[&vrid_frame]);
         status.record(whole).unwrap();
-        assert_eq!(b.replies.last.borrow().as_slice(), enc(&V::I(0)), "a miss");
-        b.request(OP_END_SESSION, &[&look_rid]);
+        b.expect_last(&V::I(0), &vrid);
+        if let (Some(first), _) = b.request(OP_PREPARE_STORE, &[&worker_key, &one]) {
+            after_reply.record(first).unwrap();
+        }
+        b.settle();
+        let (_, whole) = b.request(OP_COMMIT_STORE, &[&worker_key, &one, &empty]);
+        after_commit.record(whole).unwrap();
+        b.expect_last(&V::B(true), &vrid);
+        b.request(OP_END_SESSION, &[&vrid_frame]);
         b.settle();
         answered += b.replies.count.get() - before;
     }
-    // Each round: prepare, commit, end, lookup, status, end.
-    assert_eq!(answered, 6 * n as u64, "every request answered");
+    // Each round: prepare, commit, end; lookup, status, prepare, commit, end.
+    assert_eq!(answered, 8 * n as u64, "every request answered");
 
     report("chained chunk hashing (the floor)", &floor, &floor);
     report("noop", &noop, &floor);
-    report("prepare_store, to its reply", &prep_reply, &floor);
-    report("prepare_store, whole", &prep_whole, &floor);
-    report("commit_store", &commit, &floor);
-    report("end_session", &end_session, &floor);
+    println!("a store with no lookup before it:");
+    report("  prepare_store, to its reply", &prep_reply, &floor);
+    report("  prepare_store, whole", &prep_whole, &floor);
+    report("  commit_store", &commit, &floor);
+    report("  end_session", &end_session, &floor);
+    println!("vLLM's order, lookup then store of one request:");
     report(
-        "lookup (8 chunk miss), with the shard reply",
+        "  lookup (8 chunk miss), with the shard reply",
         &lookup,
         &floor,
     );
-    report("query_prefetch_status", &status, &floor);
+    report("  query_prefetch_status", &status, &floor);
+    report("  prepare_store, to its reply", &after_reply, &floor);
+    report("  commit_store", &after_commit, &floor);
     println!(
-        "prepare_stores served from write credits: {} of {n}",
-        prep_reply.len()
+        "prepare_stores served from write credits: {} of {}",
+        prep_reply.len() + after_reply.len(),
+        2 * n
     );
 }

@@ -1,5 +1,7 @@
 //! The ZeroMQ request decoder: `decode_op` on the op frame, `decode_request` on
-//! the payload frames, `msgpack::decode_value` on every frame.
+//! the payload frames, `msgpack::decode_value` on every frame. The payloads
+//! are decoded again through a token cache kept across inputs (twice, so the
+//! second finds what the first kept): the same request or the same error.
 //!
 //! Input: the frames of one request after its uid, each as a little-endian
 //! `u16` length and that many bytes (a length past the end takes what is
@@ -10,9 +12,15 @@
 
 #![no_main]
 
-use kvshard_wire::msgpack::{decode_value, encode_value};
-use kvshard_wire::{decode_op, decode_request, Op};
+use std::cell::RefCell;
+
+use kvshard_wire::msgpack::{decode_value, encode_value, TokenCache};
+use kvshard_wire::{decode_op, decode_request, decode_request_cached, Op};
 use libfuzzer_sys::fuzz_target;
+
+thread_local! {
+    static TOKENS: RefCell<TokenCache> = RefCell::new(TokenCache::new());
+}
 
 /// More frames than any RPC has parameters, so count errors are reached too.
 const MAX_FRAMES: usize = 16;
@@ -58,5 +66,11 @@ fuzz_target!(|data: &[u8]| {
             None => return,
         },
     };
-    let _ = decode_request(op, payloads);
+    let plain = decode_request(op, payloads);
+    TOKENS.with(|c| {
+        let mut c = c.borrow_mut();
+        for _ in 0..2 {
+            assert_eq!(decode_request_cached(op, payloads, &mut c), plain);
+        }
+    });
 });

@@ -395,6 +395,8 @@ pub struct Front {
     clock: Box<dyn Clock>,
     shards: Vec<MailboxSender<ShardMsg>>,
     sessions: Sessions,
+    /// Token arrays of recent keys, copied when a request names them again.
+    token_cache: wire::msgpack::TokenCache,
     /// Prefetch jobs and the wait_prefetch_status callers parked on them.
     jobs: PrefetchJobs,
     /// `set_job` drops orphan results once the jobs outnumber this (at least
@@ -570,6 +572,7 @@ impl Front {
             log::warn!("{TEST_STOP_SHARD_ENV}={i} is set: shard {i} will be stopped on its first message (a test hook)");
         }
         Front {
+            token_cache: wire::msgpack::TokenCache::new(),
             overflow: (0..n).map(|_| VecDeque::new()).collect(),
             overflowing: 0,
             unwoken: Vec::with_capacity(n),
@@ -808,7 +811,7 @@ impl Front {
             return;
         }
         let views: Vec<&[u8]> = payloads.iter().map(|m| &**m).collect();
-        match wire::decode_request(op, &views) {
+        match wire::decode_request_cached(op, &views, &mut self.token_cache) {
             Ok(req) => self.dispatch(to, req),
             Err(RequestError::Unsupported(op)) => {
                 self.metrics.count_unsupported(op.name());
@@ -3611,7 +3614,9 @@ impl Front {
                 ControlResponse::render(move || ControlBody::Json(snapshot.render()))
             }
             ControlRequest::Metrics => {
-                let metrics = self.metrics.clone();
+                let mut metrics = self.metrics.clone();
+                metrics.token_arrays_copied = self.token_cache.hits;
+                metrics.token_arrays_decoded = self.token_cache.misses;
                 let gauges = FrontGauges {
                     sessions: self.sessions.len(),
                     jobs: self.jobs.len(),

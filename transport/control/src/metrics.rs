@@ -67,6 +67,10 @@ pub struct Metrics {
     pub store_credit_prepares: u64,
     /// Those that found too few credits and asked the shards.
     pub store_credit_misses: u64,
+    /// Token arrays of keys copied from the front's token cache, and those
+    /// decoded (see `kvshard_wire::msgpack::TokenCache`); set when rendered.
+    pub token_arrays_copied: u64,
+    pub token_arrays_decoded: u64,
     /// Read locks `free_lookup_locks` asked to release that the request's
     /// lookup no longer held (not released).
     pub unheld_lock_releases: u64,
@@ -325,6 +329,16 @@ impl Metrics {
             "kvshard_prepare_store_credit_misses_total",
             "engine_driven prepare_stores that found too few write credits and asked the shards",
             self.store_credit_misses,
+        );
+        t.counter(
+            "kvshard_token_arrays_copied_total",
+            "Token id arrays of request keys copied from a recent request with the same tokens instead of decoded",
+            self.token_arrays_copied,
+        );
+        t.counter(
+            "kvshard_token_arrays_decoded_total",
+            "Token id arrays of request keys decoded",
+            self.token_arrays_decoded,
         );
         t.counter(
             "kvshard_unheld_lock_releases_total",

@@ -14,7 +14,7 @@ use std::fmt;
 
 pub mod msgpack;
 
-use crate::msgpack::{DecodeError, Kind, Reader, Value, Writer};
+use crate::msgpack::{DecodeError, Kind, Reader, TokenCache, Value, Writer};
 
 // ---------------------------------------------------------------------------
 // Key rules (the engine re-exports these from `kvshard_engine::keys`)
@@ -764,13 +764,22 @@ impl std::error::Error for RequestError {
 // ---------------------------------------------------------------------------
 
 /// Payload frames in parameter order, each decoded as one whole msgpack value.
-struct Payloads<'f> {
+struct Payloads<'f, 'c> {
     op: Op,
     frames: &'f [&'f [u8]],
     next: usize,
+    tokens: Option<&'c mut TokenCache>,
 }
 
-impl<'f> Payloads<'f> {
+impl<'f> Payloads<'f, '_> {
+    /// An `IpcKey` parameter, its tokens read through the cache if any.
+    fn key(&mut self) -> Result<IpcKey, RequestError> {
+        let mut tokens = self.tokens.take();
+        let key = self.take(|r| read_ipc_key(r, tokens.as_deref_mut()));
+        self.tokens = tokens;
+        key
+    }
+
     fn take<T>(
         &mut self,
         decode: impl FnOnce(&mut Reader<'f>) -> Result<T, DecodeError>,
@@ -813,6 +822,24 @@ fn defaulted_params(op: Op) -> usize {
 
 /// Decodes a request's payload frames (everything after the op frame).
 pub fn decode_request(op: Op, payload_frames: &[&[u8]]) -> Result<Request, RequestError> {
+    decode_with(op, payload_frames, None)
+}
+
+/// [`decode_request`], with the token arrays of keys read through `tokens`:
+/// an array decoded lately is copied instead of decoded again.
+pub fn decode_request_cached(
+    op: Op,
+    payload_frames: &[&[u8]],
+    tokens: &mut TokenCache,
+) -> Result<Request, RequestError> {
+    decode_with(op, payload_frames, Some(tokens))
+}
+
+fn decode_with(
+    op: Op,
+    payload_frames: &[&[u8]],
+    tokens: Option<&mut TokenCache>,
+) -> Result<Request, RequestError> {
     if !op.is_supported() {
         return Err(RequestError::Unsupported(op));
     }
@@ -825,6 +852,7 @@ pub fn decode_request(op: Op, payload_frames: &[&[u8]]) -> Result<Request, Reque
         op,
         frames: payload_frames,
         next: 0,
+        tokens,
     };
     let req = match op {
         Op::RegisterKvCache => {
@@ -849,7 +877,7 @@ pub fn decode_request(op: Op, payload_frames: &[&[u8]]) -> Result<Request, Reque
             instance_id: p.take(read_int)?,
         },
         Op::Store => {
-            let key = p.take(read_ipc_key)?;
+            let key = p.key()?;
             let instance_id = p.take(read_int)?;
             let block_ids = p.take(read_block_ids)?;
             let event_ipc_handle = p.take(read_bytes)?;
@@ -861,7 +889,7 @@ pub fn decode_request(op: Op, payload_frames: &[&[u8]]) -> Result<Request, Reque
             }
         }
         Op::Retrieve => {
-            let key = p.take(read_ipc_key)?;
+            let key = p.key()?;
             let instance_id = p.take(read_int)?;
             let block_ids = p.take(read_block_ids)?;
             let event_ipc_handle = p.take(read_bytes)?;
@@ -875,14 +903,14 @@ pub fn decode_request(op: Op, payload_frames: &[&[u8]]) -> Result<Request, Reque
             }
         }
         Op::Lookup => {
-            let key = p.take(read_ipc_key)?;
+            let key = p.key()?;
             Request::Lookup {
                 key,
                 tp_size: p.take(read_int)?,
             }
         }
         Op::FreeLookupLocks => {
-            let key = p.take(read_ipc_key)?;
+            let key = p.key()?;
             Request::FreeLookupLocks {
                 key,
                 tp_size: p.take(read_int)?,
@@ -908,14 +936,14 @@ pub fn decode_request(op: Op, payload_frames: &[&[u8]]) -> Result<Request, Reque
             instance_id: p.take(read_int)?,
         },
         Op::PrepareStore => {
-            let key = p.take(read_ipc_key)?;
+            let key = p.key()?;
             Request::PrepareStore {
                 key,
                 instance_id: p.take(read_int)?,
             }
         }
         Op::CommitStore => {
-            let key = p.take(read_ipc_key)?;
+            let key = p.key()?;
             let instance_id = p.take(read_int)?;
             Request::CommitStore {
                 key,
@@ -924,14 +952,14 @@ pub fn decode_request(op: Op, payload_frames: &[&[u8]]) -> Result<Request, Reque
             }
         }
         Op::PrepareRetrieve => {
-            let key = p.take(read_ipc_key)?;
+            let key = p.key()?;
             Request::PrepareRetrieve {
                 key,
                 instance_id: p.take(read_int)?,
             }
         }
         Op::CommitRetrieve => {
-            let key = p.take(read_ipc_key)?;
+            let key = p.key()?;
             Request::CommitRetrieve {
                 key,
                 instance_id: p.take(read_int)?,
@@ -1050,10 +1078,16 @@ fn read_block_ids(r: &mut Reader<'_>) -> Result<Vec<Vec<i64>>, DecodeError> {
 }
 
 /// Token ids straight into u32 (the hot path: lookups carry thousands).
-fn read_token_ids(r: &mut Reader<'_>) -> Result<Vec<u32>, DecodeError> {
+fn read_token_ids(
+    r: &mut Reader<'_>,
+    cache: Option<&mut TokenCache>,
+) -> Result<Vec<u32>, DecodeError> {
     let n = r.read_array_len()?;
     let mut out = Vec::new();
-    r.read_u32_elements(n, &mut out)?;
+    match cache {
+        Some(c) => c.read(r, n, &mut out)?,
+        None => r.read_u32_elements(n, &mut out)?,
+    }
     Ok(out)
 }
 
@@ -1118,7 +1152,10 @@ fn read_str_keyed_map(r: &mut Reader<'_>) -> Result<Value, DecodeError> {
     Ok(v)
 }
 
-fn read_ipc_key(r: &mut Reader<'_>) -> Result<IpcKey, DecodeError> {
+fn read_ipc_key(
+    r: &mut Reader<'_>,
+    mut tokens: Option<&mut TokenCache>,
+) -> Result<IpcKey, DecodeError> {
     let mut model_name = None;
     let mut world_size = None;
     let mut worker_id = None;
@@ -1134,7 +1171,7 @@ fn read_ipc_key(r: &mut Reader<'_>) -> Result<IpcKey, DecodeError> {
             "model_name" => model_name = Some(read_string(r)?),
             "world_size" => world_size = Some(r.read_int()?),
             "worker_id" => worker_id = Some(read_opt(r, read_int)?),
-            "token_ids" => token_ids = Some(read_token_ids(r)?),
+            "token_ids" => token_ids = Some(read_token_ids(r, tokens.as_deref_mut())?),
             "start" => start = Some(r.read_int()?),
             "end" => end = Some(r.read_int()?),
             "request_id" => request_id = Some(read_string(r)?),
@@ -1783,6 +1820,41 @@ mod tests {
 
     fn lookup_with_key(key: Vec<u8>) -> Result<Request, RequestError> {
         decode(Op::Lookup, &[key, vec![0x01]])
+    }
+
+    #[test]
+    fn a_token_cache_changes_no_decoded_request() {
+        // The same tokens again (copied), others of one length (decoded), and
+        // a bad one: through a cache, each request or error is what a plain
+        // decode gives, for every op that carries a key.
+        let mix: Vec<i64> = (0..2048)
+            .map(|i| (i * 2_654_435_761i64) % 150_000)
+            .collect();
+        let mut other = mix.clone();
+        other[2047] += 1;
+        let mut bad = mix.clone();
+        bad[1000] = -1;
+        let mut cache = TokenCache::new();
+        for toks in [&mix, &mix, &other, &mix, &bad, &bad, &other] {
+            let key = key_with("token_ids", Some(ints(toks)));
+            for (op, rest) in [
+                (Op::Lookup, vec![vec![0x01]]),
+                (Op::PrepareStore, vec![vec![0x01]]),
+                (Op::CommitStore, vec![vec![0x01], vec![0xc4, 0x00]]),
+                (Op::CommitRetrieve, vec![vec![0x01]]),
+            ] {
+                let frames: Vec<&[u8]> = std::iter::once(key.as_slice())
+                    .chain(rest.iter().map(Vec::as_slice))
+                    .collect();
+                let plain = decode_request(op, &frames);
+                assert_eq!(
+                    decode_request_cached(op, &frames, &mut cache),
+                    plain,
+                    "{op:?}"
+                );
+            }
+        }
+        assert!(cache.hits >= 16, "{} hits", cache.hits);
     }
 
     fn slot() -> ShmSlot<'static> {

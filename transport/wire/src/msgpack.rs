@@ -278,6 +278,105 @@ fn short_u32(rest: &[u8]) -> Option<(u32, usize)> {
     }
 }
 
+/// Token arrays decoded lately, so a request naming the same tokens again (a
+/// commit after its prepare, a retrieve after its lookup, each worker of a
+/// tensor-parallel group) copies them instead of decoding them: with ids past
+/// 65,535 the decode mispredicts a branch on most elements.
+///
+/// A candidate is found by a fingerprint of the element count and bytes
+/// sampled from the array; it is used only when the frame's bytes start with
+/// the candidate's encoding, which then decodes to its tokens exactly.
+/// Direct-mapped, [`TokenCache::SLOTS`] arrays of at most
+/// [`TokenCache::MAX_TOKENS`] tokens: a few MiB at most.
+#[derive(Debug, Default)]
+pub struct TokenCache {
+    slots: Vec<Option<CachedTokens>>,
+    /// Arrays copied from the cache.
+    pub hits: u64,
+    /// Arrays decoded (and kept, when small enough).
+    pub misses: u64,
+}
+
+#[derive(Debug)]
+struct CachedTokens {
+    fingerprint: u64,
+    encoded: Vec<u8>,
+    tokens: Vec<u32>,
+}
+
+impl TokenCache {
+    pub const SLOTS: usize = 32;
+    /// Longer arrays are decoded every time.
+    pub const MAX_TOKENS: usize = 16_384;
+
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads `n` token ids (as [`Reader::read_u32_elements`]) into `out`.
+    pub fn read(
+        &mut self,
+        r: &mut Reader<'_>,
+        n: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), DecodeError> {
+        let rest = &r.buf[r.pos..];
+        let fingerprint = fingerprint(n, rest);
+        let slot = (fingerprint % Self::SLOTS as u64) as usize;
+        if let Some(Some(c)) = self.slots.get(slot) {
+            if c.fingerprint == fingerprint && c.tokens.len() == n && rest.starts_with(&c.encoded) {
+                out.extend_from_slice(&c.tokens);
+                r.pos += c.encoded.len();
+                self.hits += 1;
+                return Ok(());
+            }
+        }
+        self.misses += 1;
+        let (at, first) = (r.pos, out.len());
+        r.read_u32_elements(n, out)?;
+        if n > Self::MAX_TOKENS {
+            return Ok(());
+        }
+        if self.slots.is_empty() {
+            self.slots.resize_with(Self::SLOTS, || None);
+        }
+        let c = self.slots[slot].get_or_insert_with(|| CachedTokens {
+            fingerprint,
+            encoded: Vec::new(),
+            tokens: Vec::new(),
+        });
+        c.fingerprint = fingerprint;
+        c.encoded.clear();
+        c.encoded.extend_from_slice(&r.buf[at..r.pos]);
+        c.tokens.clear();
+        c.tokens.extend_from_slice(&out[first..]);
+        Ok(())
+    }
+}
+
+/// Mixes the element count with bytes an array of `n` elements must hold: it
+/// takes at least `n` bytes, so nothing past it is sampled.
+fn fingerprint(n: usize, rest: &[u8]) -> u64 {
+    let span = &rest[..n.min(rest.len())];
+    let mut h = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut mix = |v: u64| {
+        h = (h ^ v).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 32;
+    };
+    if span.len() < 8 {
+        span.iter().for_each(|&b| mix(u64::from(b)));
+    } else {
+        // Eight words spread over the span, the first at its start.
+        for k in 0..8 {
+            let at = (span.len() - 8) * k / 7;
+            mix(u64::from_le_bytes(
+                span[at..at + 8].try_into().expect("8 bytes"),
+            ));
+        }
+    }
+    h
+}
+
 /// Appends msgpack encodings to a byte vector, always in the smallest form.
 #[derive(Debug, Default, Clone)]
 pub struct Writer {
@@ -1108,6 +1207,96 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn token_cache_reads_what_a_decode_reads() {
+        // Arrays from a small pool, each sent again as is, cut short, with a
+        // changed element where the fingerprint may not look, with an element
+        // in a wider form, or broken; each followed by other fields' bytes.
+        // Read through the cache, every one gives what a plain decode gives:
+        // the tokens, the bytes used, or the error.
+        let mut x = 0x0123_4567_89ab_cdefu64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let pool: Vec<Vec<u32>> = (0..6)
+            .map(|p| {
+                let n = [0, 3, 9, 64, 300, 2048][p];
+                (0..n).map(|_| (next() % 150_000) as u32).collect()
+            })
+            .collect();
+        let mut cache = TokenCache::new();
+        for round in 0..3000 {
+            let r = next();
+            let mut toks = pool[(r % 6) as usize].clone();
+            let mut w = Writer::new();
+            let variant = (r >> 8) % 6;
+            match variant {
+                1 if !toks.is_empty() => toks.truncate((r >> 16) as usize % toks.len()),
+                2 if !toks.is_empty() => {
+                    let at = (r >> 16) as usize % toks.len();
+                    toks[at] ^= 1;
+                }
+                _ => {}
+            }
+            let wide = (variant == 3 && !toks.is_empty()).then(|| (r >> 16) as usize % toks.len());
+            let bad = (variant == 4 && !toks.is_empty()).then(|| (r >> 16) as usize % toks.len());
+            for (i, &t) in toks.iter().enumerate() {
+                if Some(i) == wide {
+                    w.buf.push(0xcf);
+                    w.buf.extend_from_slice(&u64::from(t).to_be_bytes());
+                } else if Some(i) == bad {
+                    w.buf.push(0xc3);
+                } else {
+                    w.write_uint(u64::from(t));
+                }
+            }
+            w.write_str("start");
+            w.write_uint(r % 1000);
+            let bytes = w.into_vec();
+            let n = toks.len();
+            let mut plain = Reader::new(&bytes);
+            let mut want = Vec::new();
+            let want_res = plain
+                .read_u32_elements(n, &mut want)
+                .map_err(|e| e.to_string());
+            let mut cached = Reader::new(&bytes);
+            let mut got = Vec::new();
+            let got_res = cache
+                .read(&mut cached, n, &mut got)
+                .map_err(|e| e.to_string());
+            assert_eq!(got_res, want_res, "round {round}");
+            assert_eq!(got, want, "round {round}");
+            assert_eq!(cached.offset(), plain.offset(), "round {round}");
+        }
+        // Most arrays came again unchanged: those were copied.
+        assert!(
+            cache.hits > 500,
+            "{} hits, {} misses",
+            cache.hits,
+            cache.misses
+        );
+    }
+
+    #[test]
+    fn token_cache_keeps_no_long_array() {
+        let toks: Vec<u32> = (0..TokenCache::MAX_TOKENS as u32 + 1).collect();
+        let mut w = Writer::new();
+        toks.iter().for_each(|&t| w.write_uint(u64::from(t)));
+        let bytes = w.into_vec();
+        let mut cache = TokenCache::new();
+        for _ in 0..3 {
+            let mut out = Vec::new();
+            cache
+                .read(&mut Reader::new(&bytes), toks.len(), &mut out)
+                .unwrap();
+            assert_eq!(out, toks);
+        }
+        assert_eq!((cache.hits, cache.misses), (0, 3));
     }
 
     #[test]
