@@ -82,14 +82,7 @@ impl Bench {
         cfg.chunk_size = CHUNK;
         cfg.cores = vec![0];
         let (events, _) = notify_queue::<FrontEvent>();
-        let setup = FrontSetup {
-            shm_pool: Some(("kvshard_bench_front".into(), 1 << 40)),
-            huge_pages: kvshard_io::arena::HugePages::Off,
-            huge_page_bytes: None,
-            arena: serde_json::Value::Null,
-            l1_memory: None,
-            events,
-        };
+        let setup = FrontSetup::without_arena(("kvshard_bench_front".into(), 1 << 40), events);
         let (tx, shard) = mailbox(1 << 16);
         let replies = Rc::new(Replies::default());
         let front = Front::new(

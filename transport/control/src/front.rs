@@ -201,6 +201,22 @@ pub struct FrontSetup {
     pub events: NotifySender<FrontEvent>,
 }
 
+impl FrontSetup {
+    /// A front driven with no arena behind it (the model test, the front
+    /// bench): it advertises `shm_pool` to registrations, and there are no
+    /// huge pages and no L1 memory for CUDA copies.
+    pub fn without_arena(shm_pool: (String, u64), events: NotifySender<FrontEvent>) -> Self {
+        FrontSetup {
+            shm_pool: Some(shm_pool),
+            huge_pages: kvshard_io::arena::HugePages::Off,
+            huge_page_bytes: None,
+            arena: serde_json::Value::Null,
+            l1_memory: None,
+            events,
+        }
+    }
+}
+
 /// Where the front's replies go: the ROUTER socket in the server
 /// ([`ZmqPort`]), a recorder in tests.
 pub trait ReplyPort {

@@ -334,14 +334,7 @@ impl Harness {
         cfg.write_credits = 1 + (seed % 4) as u32;
         cfg.cores = (0..num_shards).collect();
         let (events, _events_rx) = notify_queue::<FrontEvent>();
-        let setup = FrontSetup {
-            shm_pool: Some(("kvshard_model".into(), 1 << 40)),
-            huge_pages: kvshard_io::arena::HugePages::Off,
-            huge_page_bytes: None,
-            arena: serde_json::Value::Null,
-            l1_memory: None,
-            events,
-        };
+        let setup = FrontSetup::without_arena(("kvshard_model".into(), 1 << 40), events);
         let sent: Sent = Rc::default();
         let clock = Rc::new(Cell::new(Instant::now()));
         let mut senders = Vec::new();

@@ -320,6 +320,10 @@ impl TokenCache {
         n: usize,
         out: &mut Vec<u32>,
     ) -> Result<(), DecodeError> {
+        if n > Self::MAX_TOKENS {
+            self.misses += 1;
+            return r.read_u32_elements(n, out);
+        }
         let rest = &r.buf[r.pos..];
         let fingerprint = fingerprint(n, rest);
         let slot = (fingerprint % Self::SLOTS as u64) as usize;
@@ -334,9 +338,6 @@ impl TokenCache {
         self.misses += 1;
         let (at, first) = (r.pos, out.len());
         r.read_u32_elements(n, out)?;
-        if n > Self::MAX_TOKENS {
-            return Ok(());
-        }
         if self.slots.is_empty() {
             self.slots.resize_with(Self::SLOTS, || None);
         }
@@ -1209,6 +1210,16 @@ mod tests {
         ));
     }
 
+    /// xorshift64: a reproducible stream of test inputs from `seed` (not 0).
+    fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
     #[test]
     fn token_cache_reads_what_a_decode_reads() {
         // Arrays from a small pool, each sent again as is, cut short, with a
@@ -1216,13 +1227,7 @@ mod tests {
         // in a wider form, or broken; each followed by other fields' bytes.
         // Read through the cache, every one gives what a plain decode gives:
         // the tokens, the bytes used, or the error.
-        let mut x = 0x0123_4567_89ab_cdefu64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x0123_4567_89ab_cdef);
         let pool: Vec<Vec<u32>> = (0..6)
             .map(|p| {
                 let n = [0, 3, 9, 64, 300, 2048][p];
@@ -1305,13 +1310,7 @@ mod tests {
         // smallest, or a wider unsigned one), in a random order, read as
         // arrays of every length: the tight loop agrees with `read_u32`
         // element by element and stops where it does.
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         for run in 0..90 {
             let mut w = Writer::new();
             let mut want = Vec::new();
