@@ -450,6 +450,8 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     };
 
     // prepare_store + commit_store of a fresh 2048-token request (8 chunks).
+    let wakeups = || counter(srv.http_port, "kvshard_shard_wakeups_total").unwrap_or(f64::NAN);
+    let wakeups_before = wakeups();
     let cpu = CpuWindow::start(pid, &echo);
     let mut hp = hist();
     let (mut hp_prep, mut hp_commit) = (hist(), hist());
@@ -477,6 +479,10 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     report("  of which the prepare", &hp_prep);
     report("  of which the commit", &hp_commit);
     cpu.report("store and end_session", n_pc, 3, &echo, echo_store.len());
+    println!(
+        "  shard wake-ups per store and end_session: {:.2}",
+        (wakeups() - wakeups_before) / n_pc as f64
+    );
     let credit = |name| counter(srv.http_port, name).map_or("?".into(), |v| v.to_string());
     println!(
         "  prepare_stores answered from write credits: {}; that asked the shards for lack of them: {}",

@@ -12,7 +12,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 
@@ -28,6 +28,8 @@ struct Wake {
     receiver_gone: AtomicBool,
     /// eventfd counters take 8-byte writes; socketpairs take one byte.
     eventfd: bool,
+    /// Wake-up writes made (the consumer was parked when an item came).
+    signals: AtomicU64,
 }
 
 impl Wake {
@@ -40,6 +42,7 @@ impl Wake {
     }
 
     fn signal(&self) {
+        self.signals.fetch_add(1, Ordering::Relaxed);
         let rc = if self.eventfd {
             let one: u64 = 1;
             // SAFETY: writes 8 bytes from a valid u64 to our own eventfd.
@@ -196,6 +199,12 @@ impl<T: Send> MailboxSender<T> {
         self.inner.wake.notify();
     }
 
+    /// How many times the consumer was woken from its park (wake-up
+    /// syscalls made by all senders).
+    pub fn wakeups(&self) -> u64 {
+        self.inner.wake.signals.load(Ordering::Relaxed)
+    }
+
     /// Whether the receiver is gone (dropped, e.g. because its shard thread
     /// ended), so that a sender with nothing to send can still find out. One
     /// atomic load.
@@ -281,6 +290,7 @@ pub fn try_mailbox<T: Send>(capacity: usize) -> io::Result<(MailboxSender<T>, Ma
         fd: wr,
         receiver_gone: AtomicBool::new(false),
         eventfd: false,
+        signals: AtomicU64::new(0),
     });
     let sender = MailboxSender {
         inner: Arc::new(SenderInner {
@@ -305,6 +315,24 @@ impl<T: Send> MailboxReceiver<T> {
     /// is dropped and the queue is empty.
     pub fn try_recv(&mut self) -> Result<T, TryRecvError> {
         self.rx.try_recv()
+    }
+
+    /// For a consumer that polls [`try_recv`](Self::try_recv) on its own
+    /// schedule instead of awaiting [`recv`](Self::recv) (a test playing a
+    /// shard): says it is parked, as `recv` does before it waits. Call it once
+    /// `try_recv` found the queue empty; a sender then signals its next
+    /// message's wake-up (counted in [`MailboxSender::wakeups`]), which
+    /// [`unpark_polled`](Self::unpark_polled) takes.
+    pub fn park_polled(&self) {
+        self.wake.sleeping.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+
+    /// Ends a [`park_polled`](Self::park_polled): no longer parked, and the
+    /// wake channel drained. Returns whether a sender signalled a wake-up.
+    pub fn unpark_polled(&self) -> bool {
+        self.wake.sleeping.store(false, Ordering::SeqCst);
+        drain_fd(self.wake_rx.as_raw_fd())
     }
 
     /// Wait for the next message; None once every sender is dropped and the
@@ -494,6 +522,7 @@ pub fn try_notify_queue<T: Send>() -> io::Result<(NotifySender<T>, NotifyReceive
         fd,
         receiver_gone: AtomicBool::new(false),
         eventfd: true,
+        signals: AtomicU64::new(0),
     });
     let (tx, rx) = mpsc::channel();
     Ok((
@@ -543,6 +572,33 @@ impl<T: Send> NotifyReceiver<T> {
 mod tests {
     use super::*;
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn only_a_parked_consumer_is_signalled_and_counted() {
+        let (tx, mut rx) = mailbox::<u32>(8);
+        tx.try_send(1).unwrap();
+        assert_eq!(
+            tx.wakeups(),
+            0,
+            "a consumer that is not parked needs no wake-up"
+        );
+        assert!(!rx.unpark_polled());
+        assert_eq!(rx.try_recv(), Ok(1));
+        rx.park_polled();
+        tx.try_send_unwoken(2).unwrap();
+        assert_eq!(tx.wakeups(), 0, "an unwoken send signals nothing");
+        tx.try_send(3).unwrap();
+        tx.try_send(4).unwrap();
+        // The first send clears the flag: one signal for both.
+        assert_eq!(tx.wakeups(), 1);
+        assert!(rx.unpark_polled());
+        assert!(!rx.unpark_polled(), "the wake channel was drained");
+        assert_eq!((rx.try_recv(), rx.try_recv()), (Ok(2), Ok(3)));
+        rx.park_polled();
+        tx.clone().wake();
+        assert_eq!(tx.wakeups(), 2, "every sender's wake-ups count");
+        assert!(rx.unpark_polled());
+    }
 
     fn fd_readable(fd: RawFd, timeout_ms: i32) -> bool {
         let mut p = libc::pollfd {

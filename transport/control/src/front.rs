@@ -1374,24 +1374,14 @@ impl Front {
         None
     }
 
-    /// Sends `make(keys)` to every shard owning some of `keys`, wanting no reply.
+    /// Sends `make(keys)` to every shard owning some of `keys`, wanting no
+    /// reply; the shards are not woken for it (see `lazy`).
     fn post(&mut self, keys: Vec<ObjectKey>, make: impl Fn(Vec<ObjectKey>) -> ShardOp) {
-        self.post_waking(keys, false, make);
-    }
-
-    /// [`post`](Self::post), waking the shards at once when `wake` (see
-    /// [`send_waking`](Self::send_waking)).
-    fn post_waking(
-        &mut self,
-        keys: Vec<ObjectKey>,
-        wake: bool,
-        make: impl Fn(Vec<ObjectKey>) -> ShardOp,
-    ) {
         let n = self.shards.len();
         if n == 1 {
             if !keys.is_empty() {
                 let op = make(keys);
-                self.send_waking(0, ShardMsg { seq: 0, op }, wake);
+                self.send_waking(0, ShardMsg { seq: 0, op }, false);
             }
             return;
         }
@@ -1402,7 +1392,7 @@ impl Front {
         for (i, ks) in per.into_iter().enumerate() {
             if !ks.is_empty() {
                 let op = make(ks);
-                self.send_waking(i, ShardMsg { seq: 0, op }, wake);
+                self.send_waking(i, ShardMsg { seq: 0, op }, false);
             }
         }
     }
@@ -2403,9 +2393,11 @@ impl Front {
             self.pend_write(tkey, reserved, tag);
             for (s, writes) in per.into_iter().enumerate() {
                 if !writes.is_empty() {
-                    // Not woken for: the commit's wake-up brings it along
-                    // (mailbox order), or the lazy wake-up before the write
-                    // TTL could matter.
+                    // Not woken for, nor is the commit's FinishWrite: they
+                    // ride along with the shard's next wake-up (a request
+                    // that wants its reply, or the lazy one within
+                    // LAZY_WAKE_AFTER), far inside the write TTL; mailbox
+                    // order keeps a later lookup behind them.
                     let op = ShardOp::AdoptWrite { writes, size, tag };
                     self.send(s, ShardMsg { seq: 0, op });
                 }
@@ -2413,7 +2405,9 @@ impl Front {
             self.metrics.store_credit_prepares += 1;
         }
         for s in involved {
-            self.stock_credits(s, size, false);
+            // Short when the next request like this one would find too few.
+            let left = self.credits[s].get(&size).map_or(0, |p| p.free.len());
+            self.stock_credits(s, size, left < need[s]);
         }
         true
     }
@@ -2438,7 +2432,10 @@ impl Front {
 
     /// Asks shard `shard` for write credits of `size` bytes, up to its pool's
     /// target, when no request for more is out and half of them are used (or
-    /// any, when `short`: a request just found too few).
+    /// any, when `short`: a request found too few, or the next one like it
+    /// would). A short pool has the shard woken for the grant, one asked
+    /// earlier included; otherwise the grant rides along with its next
+    /// wake-up.
     fn stock_credits(&mut self, shard: usize, size: u64, short: bool) {
         let first = (self.cfg.write_credits as usize).min(self.credit_cap(size));
         if first == 0 || self.dead[shard] {
@@ -2452,9 +2449,15 @@ impl Front {
                 target: first,
             });
         let target = pool.target;
+        if pool.asked {
+            if short {
+                self.mark_unwoken(shard);
+            }
+            return;
+        }
         // Topped up once half is used: one grant per few requests.
         let low = if short { target } else { target.div_ceil(2) };
-        if pool.asked || pool.free.len() >= low {
+        if pool.free.len() >= low {
             return;
         }
         pool.asked = true;
@@ -2471,8 +2474,7 @@ impl Front {
             count: count as u32,
         };
         // Woken for only when short: otherwise the credits left cover the
-        // next requests meanwhile, and the grant rides along with the next
-        // wake-up.
+        // next request meanwhile.
         if let Some(kind) = self.fan_out_waking(parts, kind, short, grant) {
             self.complete(0, kind); // not reached: the shard's part is not empty
         }
@@ -2566,8 +2568,9 @@ impl Front {
             return false;
         };
         let n = keys.len() as u64;
-        // Shards run their mailbox in order: a lookup sent after this sees the objects.
-        self.post_waking(keys, true, |keys| ShardOp::FinishWrite { keys, tag });
+        // Shards run their mailbox in order: a lookup sent after this sees the
+        // objects. Not woken for (see `lazy`): the writer is answered already.
+        self.post(keys, |keys| ShardOp::FinishWrite { keys, tag });
         self.metrics.stored_chunks += n;
         self.metrics.finished_stores += 1;
         true
@@ -3633,6 +3636,7 @@ impl Front {
                 let mut metrics = self.metrics.clone();
                 metrics.token_arrays_copied = self.token_cache.hits;
                 metrics.token_arrays_decoded = self.token_cache.misses;
+                metrics.shard_wakeups = self.shards.iter().map(|s| s.wakeups()).sum();
                 let gauges = FrontGauges {
                     sessions: self.sessions.len(),
                     jobs: self.jobs.len(),

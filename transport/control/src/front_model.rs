@@ -794,3 +794,72 @@ fn commit_store_matches_the_key_not_the_request_id() {
         answer(&mut h, OP_END_SESSION, &[Value::Str("a".into())]);
     }
 }
+
+/// A store served from write credits (prepare, commit, end of session) wakes
+/// a parked shard only when the credits left would not cover the next
+/// request like it: the commit's finished write and the lent slabs' adoption
+/// ride along with that wake-up, and no prepare_store runs out of credits
+/// while the shard sleeps. The clock stands still, so no lazy wake-up comes.
+#[test]
+fn stores_from_credits_wake_a_parked_shard_only_for_more_credits() {
+    // Seed 3 lends 4 credits: two stores of 2 chunks each per top-up.
+    let mut h = Harness::new(3, 1);
+    let mut replies: HashMap<Vec<u8>, Option<Value>> = HashMap::new();
+    h.send(0, OP_REGISTER_ENGINE, &[registration()]);
+    while h.progress() {}
+    h.take_replies(&mut replies);
+    let one = Value::Int(1);
+    let (stores, mut wakes) = (40, 0);
+    for p in 0..stores {
+        let rid = format!("r{p}");
+        let requests = [
+            (
+                OP_PREPARE_STORE,
+                vec![key(p, 2, Some(0), &rid), one.clone()],
+            ),
+            (
+                OP_COMMIT_STORE,
+                vec![key(p, 2, Some(0), &rid), one.clone(), Value::Bin(vec![])],
+            ),
+            (OP_END_SESSION, vec![Value::Str(rid.clone())]),
+        ];
+        for (op, args) in requests {
+            // Parked, with what was sent it unwoken still queued.
+            h.shards[0].0.park_polled();
+            let uid = h.send(0, op, &args);
+            h.take_replies(&mut replies);
+            let reply = replies.remove(&uid).expect("answered without the shard");
+            match op {
+                OP_PREPARE_STORE => {
+                    let slots = get(reply.as_ref().unwrap(), "context")
+                        .and_then(|c| get(c, "slots"))
+                        .cloned();
+                    assert!(
+                        matches!(&slots, Some(Value::Array(s)) if s.len() == 2),
+                        "store {p}: {reply:?}"
+                    );
+                }
+                OP_COMMIT_STORE => assert_eq!(reply, Some(Value::Bool(true)), "store {p}"),
+                _ => {}
+            }
+            if h.shards[0].0.unpark_polled() {
+                wakes += 1;
+                while h.progress() {}
+                h.take_replies(&mut replies);
+            }
+        }
+    }
+    let m = h.front.metrics();
+    assert_eq!(m.store_credit_misses, 0, "a store found too few credits");
+    assert_eq!(m.store_credit_prepares, stores as u64);
+    assert_eq!(wakes, stores / 2, "one wake-up per top-up of 4 credits");
+    // What rode along is handled by the next wake-up (the lazy one here):
+    // every store is resident.
+    while h.progress() {}
+    let shard = &h.shards[0].2;
+    assert_eq!(shard.adopted, 2 * stores as u64);
+    assert!(shard
+        .keys
+        .values()
+        .all(|k| k.resident.is_some() && k.staged.is_empty()));
+}

@@ -40,6 +40,8 @@ pub struct Metrics {
     pub reply_failures: u64,
     /// Messages that found their shard's mailbox full and joined its overflow queue.
     pub mailbox_full: u64,
+    /// Wake-ups of parked shards (filled in when rendered).
+    pub shard_wakeups: u64,
     /// Client requests answered with a failure because a shard they need had
     /// its overflow queue at the bound (`--shard-queue-depth`).
     pub shard_overflow_refused: u64,
@@ -277,6 +279,12 @@ impl Metrics {
             "kvshard_reply_failures_total",
             "Replies ZeroMQ could not deliver (peer gone, or its queue full)",
             self.reply_failures,
+        );
+        t.counter(
+            "kvshard_shard_wakeups_total",
+            "Times a parked shard was woken to read its mailbox (one syscall each); \
+             messages that want no reply wait for the next one",
+            self.shard_wakeups,
         );
         t.counter(
             "kvshard_shard_mailbox_full_total",
