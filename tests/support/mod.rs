@@ -448,6 +448,23 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// The server log at `path` for each start of one [`Server`]: created by the
+/// first, appended to by a retried one.
+fn log_file(path: &std::path::Path) -> impl Fn() -> Stdio + '_ {
+    let first = std::cell::Cell::new(true);
+    move || {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(first.get())
+            .append(!first.get())
+            .open(path)
+            .expect("open the server log");
+        first.set(false);
+        Stdio::from(file)
+    }
+}
+
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
 pub fn unique(prefix: &str) -> String {
@@ -479,18 +496,19 @@ impl Server {
     /// Starts `kvshard server` with small defaults plus `extra` flags and waits
     /// until it answers a noop.
     pub fn start(extra: &[&str]) -> Server {
-        let stderr = if std::env::var_os("KVSHARD_TEST_LOG").is_some() {
-            Stdio::inherit()
-        } else {
-            Stdio::null()
+        let stderr = || {
+            if std::env::var_os("KVSHARD_TEST_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            }
         };
-        Self::start_with_stderr(extra, stderr)
+        Self::start_full(extra, &stderr, &[])
     }
 
     /// [`Server::start`] with the server's log (stderr) written to `log`.
     pub fn start_logged(extra: &[&str], log: &std::path::Path) -> Server {
-        let file = std::fs::File::create(log).expect("create the server log");
-        Self::start_with_stderr(extra, Stdio::from(file))
+        Self::start_full(extra, &log_file(log), &[])
     }
 
     /// The command line of [`Server::start`]: its small defaults, then `extra`.
@@ -567,37 +585,68 @@ impl Server {
         log: &std::path::Path,
         envs: &[(&str, &str)],
     ) -> Server {
-        let file = std::fs::File::create(log).expect("create the server log");
-        Self::start_full(extra, Stdio::from(file), envs)
+        Self::start_full(extra, &log_file(log), envs)
     }
 
-    fn start_with_stderr(extra: &[&str], stderr: Stdio) -> Server {
-        Self::start_full(extra, stderr, &[])
+    /// Spawns the server and waits for its noop reply. A server that exits
+    /// before it answers is started again on other ports (3 tries in all): a
+    /// port `free_port` found free can be taken by another test's connection
+    /// before the server binds it.
+    fn start_full(extra: &[&str], stderr: &dyn Fn() -> Stdio, envs: &[(&str, &str)]) -> Server {
+        const TRIES: u32 = 3;
+        let mut attempt = 1;
+        loop {
+            let port = free_port();
+            let http_port = free_port();
+            let shm = unique("kvtest");
+            let args = Self::args(port, http_port, &shm, extra);
+            let child = Command::new(kvshard_bin())
+                .args(&args)
+                .envs(envs.iter().copied())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(stderr())
+                .spawn()
+                .expect("spawn kvshard");
+            let mut srv = Server {
+                child,
+                port,
+                http_port,
+                shm_name: format!("lmcache_l1_pool_{shm}"),
+                args,
+            };
+            match srv.answers_noop() {
+                Ok(()) => return srv,
+                Err(status) if attempt < TRIES => {
+                    eprintln!("kvshard exited at start ({status}); starting it on other ports");
+                    attempt += 1;
+                }
+                Err(status) => panic!("kvshard exited at start {TRIES} times, last with {status}"),
+            }
+        }
     }
 
-    fn start_full(extra: &[&str], stderr: Stdio, envs: &[(&str, &str)]) -> Server {
-        let port = free_port();
-        let http_port = free_port();
-        let shm = unique("kvtest");
-        let args = Self::args(port, http_port, &shm, extra);
-        let child = Command::new(kvshard_bin())
-            .args(&args)
-            .envs(envs.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .expect("spawn kvshard");
-        let srv = Server {
-            child,
-            port,
-            http_port,
-            shm_name: format!("lmcache_l1_pool_{shm}"),
-            args,
-        };
-        let mut c = Client::connect(port);
-        c.noop_ok();
-        srv
+    /// Waits for a noop's reply; `Err` with the exit status if the server
+    /// exits first. No reply within 10 s fails the test.
+    fn answers_noop(&mut self) -> Result<(), std::process::ExitStatus> {
+        let mut c = Client::connect(self.port);
+        let uid = c.send_raw(vec![enc(&V::I(OP_NOOP))]);
+        let t0 = Instant::now();
+        loop {
+            if c.sock.poll(zmq::POLLIN, 50).expect("poll the test client") > 0 {
+                let r = c.recv(uid);
+                assert_eq!(dec(&r.op), V::I(OP_NOOP), "op echoed");
+                assert_eq!(r.payload, Some(s("OK")), "noop answered");
+                return Ok(());
+            }
+            if let Some(status) = self.child.try_wait().expect("wait for kvshard") {
+                return Err(status);
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "kvshard answered no noop within 10 s of its start"
+            );
+        }
     }
 
     pub fn client(&self) -> Client {
@@ -658,8 +707,11 @@ fn dechunk(s: &str) -> String {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        // SAFETY: plain kill(2) of our child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        // A child already waited for may have had its pid reused: not signalled.
+        if !matches!(self.child.try_wait(), Ok(Some(_))) {
+            // SAFETY: plain kill(2) of our child, not yet reaped.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        }
         let t0 = Instant::now();
         let mut stopped = false;
         while t0.elapsed() < Duration::from_secs(5) {
