@@ -1381,7 +1381,7 @@ impl Front {
         if n == 1 {
             if !keys.is_empty() {
                 let op = make(keys);
-                self.send_waking(0, ShardMsg { seq: 0, op }, false);
+                self.send(0, ShardMsg { seq: 0, op });
             }
             return;
         }
@@ -1392,7 +1392,7 @@ impl Front {
         for (i, ks) in per.into_iter().enumerate() {
             if !ks.is_empty() {
                 let op = make(ks);
-                self.send_waking(i, ShardMsg { seq: 0, op }, false);
+                self.send(i, ShardMsg { seq: 0, op });
             }
         }
     }
