@@ -10,7 +10,9 @@
 //! and its status query, then the worker's prepare and commit of the same
 //! request. The floor printed beside them is the work lmcache's key format
 //! leaves no way around, measured in the same run: the chained blake3
-//! hashing of the request's chunks.
+//! hashing of the request's chunks. The decode of the same token ids from
+//! msgpack, the other per-token work of a request its session has not seen,
+//! is printed beside it.
 //!
 //! `cargo bench --bench front`; under `cargo test` it runs a few iterations.
 
@@ -31,6 +33,7 @@ use kvshard_transport::front::{Clock, Front, FrontSetup, ReplyPort, Undelivered}
 use kvshard_transport::messages::{
     FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, FOUND_MISS, NO_SLAB,
 };
+use kvshard_transport::msgpack::Reader;
 use support::*;
 
 const CHUNK: usize = 256;
@@ -206,7 +209,8 @@ fn main() {
     let (one, empty) = (enc(&V::I(IID)), enc(&V::Bin(vec![])));
     let end = TOKENS as i64;
 
-    let (mut floor, mut noop) = (hist(), hist());
+    let (mut floor, mut decode, mut noop) = (hist(), hist(), hist());
+    let mut ids = Vec::with_capacity(TOKENS);
     let (mut prep_reply, mut prep_whole, mut commit) = (hist(), hist(), hist());
     let (mut end_session, mut lookup, mut status) = (hist(), hist(), hist());
     let (mut after_reply, mut after_commit) = (hist(), hist());
@@ -224,6 +228,15 @@ fn main() {
         let hashes = chunk_hashes(&cold, CHUNK, 0, TOKENS).expect("aligned");
         floor.record(t.elapsed().as_nanos() as u64).unwrap();
         std::hint::black_box(hashes);
+
+        let array = enc_tokens(&cold);
+        ids.clear();
+        let t = Instant::now();
+        let mut r = Reader::new(&array);
+        let n = r.read_array_len().expect("an array");
+        r.read_u32_elements(n, &mut ids).expect("token ids");
+        decode.record(t.elapsed().as_nanos() as u64).unwrap();
+        assert_eq!(ids, cold, "decoded ids");
 
         let (_, whole) = b.request(OP_NOOP, &[]);
         noop.record(whole).unwrap();
@@ -274,6 +287,7 @@ fn main() {
     assert_eq!(answered, 8 * n as u64, "every request answered");
 
     report("chained chunk hashing (the floor)", &floor, &floor);
+    report("msgpack decode of the 2048 token ids", &decode, &floor);
     report("noop", &noop, &floor);
     println!("a store with no lookup before it:");
     report("  prepare_store, to its reply", &prep_reply, &floor);

@@ -329,7 +329,8 @@ const UINT16_QUAD_MASK: u128 = 0xff00_00ff_0000_ff00_00ff_0000_0000_0000;
 /// length at every byte offset of a block is worked out first (a loop the
 /// compiler vectorizes), so the walk from one element to the next is a table
 /// load and an add, and values come out by shift and mask. Four uint16s in a
-/// row are still taken at once.
+/// row are still taken at once, and a block that starts with a run of them
+/// has its lengths worked out only where the run ends.
 fn short_u32_run(rest: &[u8], dst: &mut [u32]) -> (usize, usize) {
     const BLOCK: usize = 512;
     let Some(last) = rest.len().checked_sub(16) else {
@@ -340,9 +341,24 @@ fn short_u32_run(rest: &[u8], dst: &mut [u32]) -> (usize, usize) {
     // less than an element's length.
     let (mut base, mut at, mut i) = (0usize, 0usize, 0usize);
     loop {
-        let end = (base + BLOCK).min(rest.len());
-        for (len, &b) in lens.iter_mut().zip(&rest[base..end]) {
-            *len = short_len(b);
+        // A run of uint16s needs no lengths.
+        while at < BLOCK && i + 4 <= dst.len() && base + at <= last {
+            let pos = base + at;
+            let w = u128::from_be_bytes(rest[pos..pos + 16].try_into().expect("16 bytes"));
+            if w & UINT16_QUAD_MASK != UINT16_QUAD_TAGS {
+                break;
+            }
+            for (k, d) in dst[i..i + 4].iter_mut().enumerate() {
+                *d = (w >> (104 - 24 * k)) as u32 & 0xffff;
+            }
+            at += 12;
+            i += 4;
+        }
+        if at < BLOCK {
+            let end = (base + BLOCK).min(rest.len());
+            for (len, &b) in lens.iter_mut().zip(&rest[base..end]) {
+                *len = short_len(b);
+            }
         }
         // Offsets at or past `end` are never read: an element that starts
         // there starts after `last`.
@@ -1482,6 +1498,33 @@ mod tests {
             assert!(matches!(err.root(), DecodeError::Truncated { .. }), "{err}");
             assert_eq!(err.path(), format!("[{whole}]"), "run {run}");
             assert_eq!(out, want[..whole], "run {run}");
+        }
+    }
+
+    #[test]
+    fn u32_elements_across_uint16_runs() {
+        // A run of uint16s (taken four at a time, with no lengths worked out)
+        // that ends at every offset of the decoder's first two blocks (a lead
+        // of 0 to 11 fixints moves it by a byte), between other forms: each
+        // array reads as one-by-one reads do.
+        for lead in 0..12 {
+            for run in 100..400 {
+                let mut want: Vec<u32> = vec![70_000];
+                want.extend((0..lead).map(|k| k as u32));
+                want.extend((0..run).map(|k| 300 + k as u32));
+                want.extend([1 << 20, 5, 200, 40_000, 90_000, 7, 65_536, 0, 255, 256]);
+                want.extend((0..40u64).map(|k| (k * 2_654_435_761 % 150_000) as u32));
+                let mut w = Writer::new();
+                for &v in &want {
+                    w.write_uint(v as u64);
+                }
+                let bytes = w.into_vec();
+                let mut r = Reader::new(&bytes);
+                let mut out = Vec::new();
+                r.read_u32_elements(want.len(), &mut out).unwrap();
+                assert_eq!(out, want, "lead {lead}, run {run}");
+                r.finish().unwrap();
+            }
         }
     }
 
