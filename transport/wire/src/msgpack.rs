@@ -355,13 +355,16 @@ fn short_u32_run(rest: &[u8], dst: &mut [u32]) -> (usize, usize) {
             i += 4;
         }
         if at < BLOCK {
-            let end = (base + BLOCK).min(rest.len());
+            // No element left starts at or past `end`: the rest of `rest`
+            // starts after `last`, and the elements still to read take at
+            // most 9 bytes each.
+            let end = (base + BLOCK)
+                .min(rest.len())
+                .min((base + at).saturating_add((dst.len() - i).saturating_mul(9)));
             for (len, &b) in lens.iter_mut().zip(&rest[base..end]) {
                 *len = short_len(b);
             }
         }
-        // Offsets at or past `end` are never read: an element that starts
-        // there starts after `last`.
         while at < BLOCK {
             let pos = base + at;
             if i == dst.len() || pos > last {
