@@ -319,6 +319,14 @@ const SHORT_MASK: [u32; 8] = [0, 0xff, 0xff, 0xffff, 0, u32::MAX, 0, 0];
 const UINT16_QUAD_TAGS: u128 = 0xcd00_00cd_0000_cd00_00cd_0000_0000_0000;
 const UINT16_QUAD_MASK: u128 = 0xff00_00ff_0000_ff00_00ff_0000_0000_0000;
 
+/// The values of four uint16s in a row at the start of the big-endian `w`,
+/// if that is what it holds.
+#[inline(always)]
+fn uint16_quad(w: u128) -> Option<[u32; 4]> {
+    (w & UINT16_QUAD_MASK == UINT16_QUAD_TAGS)
+        .then(|| [104, 80, 56, 32].map(|shift| (w >> shift) as u32 & 0xffff))
+}
+
 /// Decodes consecutive ints in `0..2^32` from the start of `rest` into `dst`,
 /// as [`Reader::read_u32`] would one by one; stops before anything else,
 /// when `dst` is full, or when an element starts in the last 16 bytes of
@@ -345,12 +353,10 @@ fn short_u32_run(rest: &[u8], dst: &mut [u32]) -> (usize, usize) {
         while at < BLOCK && i + 4 <= dst.len() && base + at <= last {
             let pos = base + at;
             let w = u128::from_be_bytes(rest[pos..pos + 16].try_into().expect("16 bytes"));
-            if w & UINT16_QUAD_MASK != UINT16_QUAD_TAGS {
+            let Some(quad) = uint16_quad(w) else {
                 break;
-            }
-            for (k, d) in dst[i..i + 4].iter_mut().enumerate() {
-                *d = (w >> (104 - 24 * k)) as u32 & 0xffff;
-            }
+            };
+            dst[i..i + 4].copy_from_slice(&quad);
             at += 12;
             i += 4;
         }
@@ -371,10 +377,8 @@ fn short_u32_run(rest: &[u8], dst: &mut [u32]) -> (usize, usize) {
                 return (pos, i);
             }
             let w = u128::from_be_bytes(rest[pos..pos + 16].try_into().expect("16 bytes"));
-            if i + 4 <= dst.len() && w & UINT16_QUAD_MASK == UINT16_QUAD_TAGS {
-                for (k, d) in dst[i..i + 4].iter_mut().enumerate() {
-                    *d = (w >> (104 - 24 * k)) as u32 & 0xffff;
-                }
+            if let Some(quad) = uint16_quad(w).filter(|_| i + 4 <= dst.len()) {
+                dst[i..i + 4].copy_from_slice(&quad);
                 at += 12;
                 i += 4;
                 continue;
