@@ -287,28 +287,6 @@ fn short_len(b: u8) -> u8 {
     (b < 0x80) as u8 + (b == 0xcc) as u8 * 2 + (b == 0xcd) as u8 * 3 + (b == 0xce) as u8 * 5
 }
 
-/// An int in `0..2^32` in a wider form than it needs (uint64, or a signed
-/// int) at the start of `rest`: its value and length; `None` for any other
-/// form, a value out of range, or too few bytes.
-fn wide_u32(rest: &[u8]) -> Option<(u32, usize)> {
-    let (&tag, body) = rest.split_first()?;
-    let width = match tag {
-        0xcf | 0xd3 => 8,
-        0xd0..=0xd2 => 1 << (tag - 0xd0),
-        _ => return None,
-    };
-    let bytes = body.get(..width)?;
-    let mut v: i128 = if tag != 0xcf && bytes[0] & 0x80 != 0 {
-        -1
-    } else {
-        0
-    };
-    for &b in bytes {
-        v = v << 8 | b as i128;
-    }
-    Some((u32::try_from(v).ok()?, 1 + width))
-}
-
 /// For an element of encoded length `len` at the top of a big-endian u64:
 /// how far to shift its value down, and which bits of it to keep.
 const SHORT_SHIFT: [u8; 8] = [0, 56, 48, 40, 0, 24, 0, 0];
@@ -387,11 +365,15 @@ fn short_u32_run(rest: &[u8], dst: &mut [u32]) -> (usize, usize) {
             if len != 0 {
                 dst[i] = ((w >> 64) as u64 >> SHORT_SHIFT[len]) as u32 & SHORT_MASK[len];
                 at += len;
-            } else if let Some((v, len)) = wide_u32(&rest[pos..]) {
-                dst[i] = v;
-                at += len;
             } else {
-                return (pos, i);
+                // A wider form than the id needs (uint64, a signed int) is
+                // read as `read_u32` reads it; anything else is the caller's.
+                let mut one = Reader::new(&rest[pos..]);
+                let Ok(v) = one.read_u32() else {
+                    return (pos, i);
+                };
+                dst[i] = v;
+                at += one.pos;
             }
             i += 1;
         }
