@@ -453,6 +453,23 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
             .chain(payloads.iter().map(|p| p.to_vec()))
             .collect()
     };
+    // prepare_store + commit_store of `key` (8 chunks, every one answered
+    // with a slot): the whole and the prepare's part of it.
+    let store = |c: &mut Client, key: &Vec<u8>| -> (Duration, Duration) {
+        let (prep, commit) = (
+            req(OP_PREPARE_STORE, &[key, &one]),
+            req(OP_COMMIT_STORE, &[key, &one, &empty]),
+        );
+        let t = Instant::now();
+        let r = call_frames(c, prep).expect("prepare_store");
+        let prepared = t.elapsed();
+        assert_eq!(
+            r.get("context").unwrap().get("slots").unwrap().arr().len(),
+            TOKENS / CHUNK
+        );
+        assert_eq!(call_frames(c, commit), Some(V::B(true)));
+        (t.elapsed(), prepared)
+    };
 
     // prepare_store + commit_store of a fresh 2048-token request (8 chunks).
     let wakeups = || counter(srv.http_port, "kvshard_shard_wakeups_total").unwrap_or(f64::NAN);
@@ -465,19 +482,8 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
             echo.sample(n_pc / ECHO_BLOCKS, &mut echo_store);
         }
         let key = key_frame("bench", Some(0), &tokens(i), end, &format!("s{i}"));
-        let (prep, commit) = (
-            req(OP_PREPARE_STORE, &[&key, &one]),
-            req(OP_COMMIT_STORE, &[&key, &one, &empty]),
-        );
-        let t = Instant::now();
-        let r = call_frames(&mut c, prep).expect("prepare_store");
-        let prepared = t.elapsed();
-        assert_eq!(
-            r.get("context").unwrap().get("slots").unwrap().arr().len(),
-            TOKENS / CHUNK
-        );
-        assert_eq!(call_frames(&mut c, commit), Some(V::B(true)));
-        split(&mut hp, &mut hp_prep, &mut hp_commit, t.elapsed(), prepared);
+        let (whole, prepared) = store(&mut c, &key);
+        split(&mut hp, &mut hp_prep, &mut hp_commit, whole, prepared);
         c.call(OP_END_SESSION, &[s(&format!("s{i}"))]);
     }
     report("prepare+commit store (8 chunks)", &hp);
@@ -571,18 +577,8 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         assert_eq!(call_frames(&mut c, lookup), None);
         assert_eq!(c.prefetch_result(&rid), 0, "fresh tokens cannot hit");
         let key = key_frame_enc("bench", Some(0), &toks, end, &rid);
-        let (prep, commit) = (
-            req(OP_PREPARE_STORE, &[&key, &one]),
-            req(OP_COMMIT_STORE, &[&key, &one, &empty]),
-        );
-        let t = Instant::now();
-        let r = call_frames(&mut c, prep).expect("prepare_store");
-        assert_eq!(
-            r.get("context").unwrap().get("slots").unwrap().arr().len(),
-            TOKENS / CHUNK
-        );
-        assert_eq!(call_frames(&mut c, commit), Some(V::B(true)));
-        hv.record(t.elapsed().as_nanos() as u64).unwrap();
+        let (whole, _) = store(&mut c, &key);
+        hv.record(whole.as_nanos() as u64).unwrap();
         c.call(OP_END_SESSION, &[s(&rid)]);
     }
     report("prepare+commit store after a lookup", &hv);
@@ -632,6 +628,11 @@ fn server_flags(base: &[&str]) -> Vec<String> {
     flags
 }
 
+/// `h`'s value at quantile `q` over `echo`'s.
+fn ratio(h: &Histogram<u64>, echo: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / echo.value_at_quantile(q) as f64
+}
+
 /// Prints each round trip's p50 and p99 over those of the echo sampled
 /// between its blocks, with its bar.
 fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>, hop: &Histogram<u64>) {
@@ -667,22 +668,18 @@ fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>, hop:
             2.4,
         ),
     ] {
-        let r50 = h.value_at_quantile(0.5) as f64 / echo.value_at_quantile(0.5) as f64;
-        let r99 = h.value_at_quantile(0.99) as f64 / echo.value_at_quantile(0.99) as f64;
+        let (r50, r99) = (ratio(h, echo, 0.5), ratio(h, echo, 0.99));
         println!(
             "ratio to echo  {name:<34} p50 {r50:>5.2}x {:<5}  p99 {r99:>5.2}x {:<5}  (bar <= {bar}x)",
             verdict(r50 <= bar),
             verdict(r99 <= bar),
         );
     }
-    let r50 = |h: &Histogram<u64>, echo: &Histogram<u64>| {
-        h.value_at_quantile(0.5) as f64 / echo.value_at_quantile(0.5) as f64
-    };
     println!(
         "ratio to echo  {:<34} p50 {:>5.2}x        (vLLM's order, the scheduler's lookup first: \
          no bar, for reference)",
         "prepare+commit store after lookup",
-        r50(&rt.store_after_lookup, &rt.echo_store_after),
+        ratio(&rt.store_after_lookup, &rt.echo_store_after, 0.5),
     );
     // No measured request is answered only after a shard's reply: a lookup
     // is answered at once (the shards work on it while that reply travels;
