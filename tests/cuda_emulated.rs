@@ -188,7 +188,13 @@ fn start(dir: &std::path::Path, extra: &[&str]) -> Server {
 fn gpu_worker_stores_and_retrieves_the_0_5_6_objects() {
     let dir = std::env::temp_dir().join(unique("cuda-emu"));
     std::fs::create_dir_all(&dir).unwrap();
-    let srv = start(&dir, &[]);
+    // The device thread takes 300 ms to set the instance up, as pinning a
+    // large L1 does on a GPU.
+    let srv = Server::start_logged_env(
+        &["--cuda-transfer", "on"],
+        &dir.join("server.log"),
+        &[EMULATION, ("KVSHARD_CUDA_EMULATION_SETUP_MS", "300")],
+    );
     let mut c = srv.client();
     let mut gpu = Layers::new("kvt_gpu", ALLOC_OFFSET, 1);
     let descs = gpu.names.iter().map(|n| cuda_raw(n, GPU_UUID)).collect();
@@ -196,9 +202,11 @@ fn gpu_worker_stores_and_retrieves_the_0_5_6_objects() {
         c.call(OP_REGISTER_KV_CACHE, &register_frames(300, descs)),
         None
     );
-    wait_until("the GPU instance is set up on its device thread", || {
-        registered_gpu_ids(&srv).contains(&300)
-    });
+    // Answered once set up: a STORE sent right away finds it registered.
+    assert!(
+        registered_gpu_ids(&srv).contains(&300),
+        "REGISTER_KV_CACHE answered before the device thread set the instance up"
+    );
     let meta = &srv.get_json("/status")["cache_context_meta"]["300"];
     assert_eq!(meta["device"], "cuda:0", "{meta}");
     assert_eq!(
@@ -298,6 +306,30 @@ fn gpu_worker_stores_and_retrieves_the_0_5_6_objects() {
         gpu.blocks(&DST[..2 * BPC]) == cpu_stored,
         "the GPU worker gets the CPU worker's bytes"
     );
+    // `/cache/checksums` reads a GPU worker's blocks back from its memory
+    // and hashes them as the cpu_shm path hashes a CPU worker's: the same
+    // bytes give the same digests, aggregated and per layer.
+    for layerwise in [false, true] {
+        assert_eq!(
+            srv.checksums(300, &DST[..2 * BPC], BPC, layerwise)["chunk_checksums"],
+            srv.checksums(301, &SRC[..2 * BPC], BPC, layerwise)["chunk_checksums"],
+            "layerwise {layerwise}"
+        );
+    }
+    let gpu_sums = srv.checksums(300, &DST[..2 * BPC], BPC, false);
+    assert_eq!(gpu_sums["num_chunks"], 2, "{gpu_sums}");
+    assert_ne!(
+        gpu_sums["chunk_checksums"][0], gpu_sums["chunk_checksums"][1],
+        "{gpu_sums}"
+    );
+    // Ids outside the worker's blocks are refused before the GPU is asked.
+    let (st, reply) = srv.http(
+        "POST",
+        "/cache/checksums",
+        Some(r#"{"instance_id": 300, "block_ids": [0, 99999], "chunk_size": 4}"#),
+    );
+    assert_eq!(st, 400, "{reply}");
+    assert!(reply.contains("99999"), "{reply}");
 
     // Unregistering drops the instance; its transfers then fail cleanly.
     assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(300)]), None);

@@ -330,13 +330,16 @@ impl<M: KvMemory> Worker<M> {
             V::A(vec![kv_group(NL, BS)]),
         ];
         assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None);
+        // Answered once the device thread has set the instance up (the
+        // first one pins the L1): the worker's next STORE finds it.
         let iid = self.iid;
-        wait_until("the GPU instance is set up on its device thread", || {
-            if let Some(reason) = refused_gpu_reason(srv, iid) {
-                panic!("instance {iid} was refused: {reason}");
-            }
-            registered_gpu_ids(srv).contains(&iid)
-        });
+        if let Some(reason) = refused_gpu_reason(srv, iid) {
+            panic!("instance {iid} was refused: {reason}");
+        }
+        assert!(
+            registered_gpu_ids(srv).contains(&iid),
+            "REGISTER_KV_CACHE of instance {iid} answered before it was set up"
+        );
     }
 
     fn snapshot(&mut self) -> Vec<Vec<u8>> {
@@ -456,13 +459,15 @@ fn test_dir(name: &str) -> std::path::PathBuf {
 /// One worker stores `chunks` chunks, its blocks are cleared, and it reads
 /// them back into other blocks, whole and with a partial first block
 /// skipped; then the same chunks are read by a CPU worker of the model.
+/// Returns the `/cache/checksums` digests of the blocks it read the chunks
+/// into whole, read back from the GPU.
 fn round_trip<M: KvMemory>(
     srv: &Server,
     c: &mut Client,
     w: &mut Worker<M>,
     seed: u32,
     chunks: usize,
-) {
+) -> serde_json::Value {
     let kind = w.mem.kind();
     let n = chunks * BPC;
     let src = spread(n, 0, 7);
@@ -486,6 +491,7 @@ fn round_trip<M: KvMemory>(
         "retrieved blocks equal the stored ones",
     );
     assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
+    let sums = srv.checksums(w.iid, &dst, BPC, false)["chunk_checksums"].clone();
 
     // skip_first_n_tokens = BS + 1: the first block is left alone and the
     // partially skipped second block is rewritten whole, as in 0.5.6.
@@ -501,11 +507,21 @@ fn round_trip<M: KvMemory>(
     assert_cache_eq(&w.snapshot(), &want, "a skipped retrieve");
     assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
     assert_eq!(srv.l1_count("read_locked_count"), 0, "locks released");
+    sums
 }
 
 /// A CPU worker of the same model and layout reads chunks a GPU worker
-/// stored: the GPU path's objects have the cpu_shm path's (0.5.6's) layout.
-fn cpu_reads_gpu_chunks(c: &mut Client, kind: Kind, stored: &[Vec<u8>], seed: u32, chunks: usize) {
+/// stored: the GPU path's objects have the cpu_shm path's (0.5.6's) layout,
+/// and its blocks' checksums are the `gpu_sums` the GPU worker's gave.
+fn cpu_reads_gpu_chunks(
+    srv: &Server,
+    c: &mut Client,
+    kind: Kind,
+    stored: &[Vec<u8>],
+    seed: u32,
+    chunks: usize,
+    gpu_sums: &serde_json::Value,
+) {
     let n = chunks * BPC;
     let src = spread(n, 0, 7);
     let dst = spread(n, 1, 29);
@@ -553,6 +569,11 @@ fn cpu_reads_gpu_chunks(c: &mut Client, kind: Kind, stored: &[Vec<u8>], seed: u3
     let want = scattered(kind, &before, stored, &src, &dst, 0);
     let got: Vec<Vec<u8>> = segs.iter().map(|s| s.bytes().to_vec()).collect();
     assert_cache_eq(&got, &want, "the CPU worker gets the GPU worker's bytes");
+    assert_eq!(
+        srv.checksums(iid, &dst, BPC, false)["chunk_checksums"],
+        *gpu_sums,
+        "checksums of the same bytes read back from the GPU and from shm"
+    );
     assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
     assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(iid)]), None);
 }
@@ -576,8 +597,8 @@ fn raw_cuda_workers_round_trip_every_layout() {
         w.register(&srv, &mut c);
         let stored = w.snapshot();
         // 40 chunks: ten batches of the device thread's four.
-        round_trip(&srv, &mut c, &mut w, seed, 40);
-        cpu_reads_gpu_chunks(&mut c, kind, &stored, seed, 40);
+        let sums = round_trip(&srv, &mut c, &mut w, seed, 40);
+        cpu_reads_gpu_chunks(&srv, &mut c, kind, &stored, seed, 40, &sums);
         assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(w.iid)]), None);
         assert!(!registered_gpu_ids(&srv).contains(&w.iid));
         // Its transfers then fail cleanly, with no event.
@@ -912,8 +933,8 @@ fn torch_storage_worker_round_trips() {
     };
     w.register(&srv, &mut c);
     let stored = w.snapshot();
-    round_trip(&srv, &mut c, &mut w, 60, 12);
-    cpu_reads_gpu_chunks(&mut c, NHD, &stored, 60, 12);
+    let sums = round_trip(&srv, &mut c, &mut w, 60, 12);
+    cpu_reads_gpu_chunks(&srv, &mut c, NHD, &stored, 60, 12, &sums);
     assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(500)]), None);
     drop(w);
     let _ = std::fs::remove_dir_all(&dir);

@@ -327,12 +327,7 @@ fn expected_digest(cache: &[Vec<u8>], blocks: &[i64], layers: std::ops::Range<us
 }
 
 fn checksums(srv: &Server, iid: i64, blocks: &[i64], layerwise: bool) -> serde_json::Value {
-    let body = format!(
-        r#"{{"instance_id": {iid}, "block_ids": {blocks:?}, "chunk_size": {BPC}, "layerwise": {layerwise}}}"#
-    );
-    let (st, reply) = srv.http("POST", "/cache/checksums", Some(&body));
-    assert_eq!(st, 200, "{reply}");
-    serde_json::from_str(&reply).unwrap()
+    srv.checksums(iid, blocks, BPC, layerwise)
 }
 
 fn digests(v: &serde_json::Value) -> Vec<String> {

@@ -654,6 +654,23 @@ impl Server {
     }
 
     /// A plain HTTP/1.1 request; returns (status, body).
+    /// `POST /cache/checksums` of instance `iid`'s `blocks`, `chunk_size`
+    /// blocks per digest; asserts a 200 and returns its JSON.
+    pub fn checksums(
+        &self,
+        iid: i64,
+        blocks: &[i64],
+        chunk_size: usize,
+        layerwise: bool,
+    ) -> serde_json::Value {
+        let body = format!(
+            r#"{{"instance_id": {iid}, "block_ids": {blocks:?}, "chunk_size": {chunk_size}, "layerwise": {layerwise}}}"#
+        );
+        let (st, reply) = self.http("POST", "/cache/checksums", Some(&body));
+        assert_eq!(st, 200, "{reply}");
+        serde_json::from_str(&reply).unwrap()
+    }
+
     pub fn http(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
         let mut st = TcpStream::connect(("127.0.0.1", self.http_port)).unwrap();
         st.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds kvshard's GPU checks, and the rpc bench for the host's many cores, as
-# release executables and copies them, stripped, into one folder (default .gpu/,
-# ignored by git), for a GPU host that has the NVIDIA driver but no Rust
+# Builds kvshard's GPU checks, and the rpc and front benches for the host's many
+# cores, as release executables and copies them, stripped, into one folder
+# (default .gpu/, ignored by git), for a GPU host that has the NVIDIA driver but no Rust
 # toolchain. Run tools/gpu/selftest.sh there on it.
 #
 # Usage: tools/gpu/pack.sh [DIR]
@@ -40,6 +40,9 @@ json=$(cargo bench --no-run -p kvshard-gds --bench gpu --message-format=json 2>/
 cp "$(exe_of bench gpu <<<"$json" | tail -1)" "$DIR/gpu_bench"
 json=$(cargo bench --no-run --bench rpc --message-format=json 2>/dev/null)
 cp "$(exe_of bench rpc <<<"$json" | tail -1)" "$DIR/rpc_bench"
+json=$(cargo bench --no-run --bench front --message-format=json 2>/dev/null)
+cp "$(exe_of bench front <<<"$json" | tail -1)" "$DIR/front_bench"
 chmod u+w "$DIR"/*
-strip "$DIR"/kvshard "$DIR"/cuda_gpu "$DIR"/gpu_workers "$DIR"/gpu_golden "$DIR"/gpu_bench "$DIR"/rpc_bench
+strip "$DIR"/kvshard "$DIR"/cuda_gpu "$DIR"/gpu_workers "$DIR"/gpu_golden "$DIR"/gpu_bench "$DIR"/rpc_bench \
+    "$DIR"/front_bench
 ls -la "$DIR"

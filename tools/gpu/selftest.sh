@@ -15,7 +15,12 @@
 #               cores left to the clients: its bars (two round trips within 2.4x
 #               a bare libzmq echo) need a host where a hand-off between threads
 #               is cheap, which a 2-CPU machine is not. Bars print PASS/ABOVE;
-#               the step fails only if a request goes unanswered.
+#               the step fails only if a request goes unanswered. Then its
+#               saturation section (8 lookup clients, a 1 GiB store, /status
+#               polled; same server flags);
+#   front_bench (same hosts) the front's CPU per request on this host's
+#               cores, beside the chained chunk hashing every fresh request
+#               needs (the part of the store's round trip no server avoids).
 # Each step has a time limit; the exit status is non-zero if any step failed.
 #
 # Usage: tools/gpu/selftest.sh [DIR]   (default .gpu)
@@ -37,8 +42,13 @@ cpus=$(nproc)
 if [ "$cpus" -ge 8 ] && [ -x "$DIR/rpc_bench" ]; then
     step rpc_bench 180 env KVSHARD_BENCH_CORES=0-6 KVSHARD_BENCH_SPIN_US=1000 \
         "$DIR/rpc_bench" --bench round_trips
+    step rpc_saturation 90 env KVSHARD_BENCH_CORES=0-6 KVSHARD_BENCH_SPIN_US=1000 \
+        "$DIR/rpc_bench" --bench saturation
 else
     echo "=== rpc_bench: skipped ($cpus CPUs, or no $DIR/rpc_bench)"
+fi
+if [ "$cpus" -ge 8 ] && [ -x "$DIR/front_bench" ]; then
+    step front_bench 90 taskset -c 7 "$DIR/front_bench" --bench
 fi
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv

@@ -29,10 +29,15 @@ use crate::layout;
 
 use super::worker::{
     check_spec, plan_batches, validate_chunks, CopyDir, DeviceJob, InstanceSpec, LayerMemory,
+    LayerRead,
 };
 
 /// The environment variable that turns the emulation on (value `1`).
 pub const EMULATION_ENV: &str = "KVSHARD_CUDA_EMULATION";
+
+/// Milliseconds the stand-in takes to answer a registration, as a real GPU
+/// takes to pin a large L1 (tests of what waits on the set-up); 0 if unset.
+pub const SETUP_MS_ENV: &str = "KVSHARD_CUDA_EMULATION_SETUP_MS";
 
 /// The UUID of the emulated GPU (torch's format).
 pub const EMULATED_UUID: &str = "00000000-0000-4000-8000-0000000ee0e0";
@@ -117,6 +122,9 @@ fn map_handle(handle: &[u8; 64], len: usize) -> Result<Mapping, String> {
 struct Instance {
     spec: InstanceSpec,
     _maps: Vec<Mapping>,
+    /// Per registered tensor: the address of its first element and the
+    /// bytes its view spans.
+    views: Vec<(usize, u64)>,
     /// Per kernel pointer: first byte and length of the paged buffer.
     paged: Vec<(usize, usize)>,
 }
@@ -150,9 +158,15 @@ fn register(spec: InstanceSpec) -> Result<Instance, String> {
         .iter()
         .map(|&l| (firsts[l], span))
         .collect();
+    let views = firsts
+        .iter()
+        .zip(&spec.layers)
+        .map(|(&first, l)| (first, l.view_bytes))
+        .collect();
     Ok(Instance {
         spec,
         _maps: maps,
+        views,
         paged,
     })
 }
@@ -230,20 +244,58 @@ fn transfer(
     Ok(())
 }
 
+/// What the device thread's read-back copies, from the shm "device memory".
+fn read_back(inst: &Instance, reads: &[LayerRead]) -> Result<Vec<Vec<u8>>, String> {
+    reads
+        .iter()
+        .map(|read| {
+            let &(first, view_bytes) = inst
+                .views
+                .get(read.layer)
+                .ok_or_else(|| format!("no layer {}", read.layer))?;
+            let mut buf = Vec::new();
+            for &(off, len) in &read.ranges {
+                if off.checked_add(len).is_none_or(|end| end > view_bytes) {
+                    return Err(format!(
+                        "layer {}: bytes {off}..+{len} are outside its {view_bytes}-byte view",
+                        read.layer
+                    ));
+                }
+                // SAFETY: inside the layer's view (checked above), which the
+                // instance's mapping keeps mapped.
+                let src = unsafe {
+                    std::slice::from_raw_parts((first + off as usize) as *const u8, len as usize)
+                };
+                buf.extend_from_slice(src);
+            }
+            Ok(buf)
+        })
+        .collect()
+}
+
 fn serve(jobs: mpsc::Receiver<DeviceJob>) {
     let mut instances: HashMap<i64, Instance> = HashMap::new();
+    let setup = std::env::var(SETUP_MS_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(std::time::Duration::from_millis);
     for job in jobs {
         match job {
-            DeviceJob::Register { iid, spec, done } => match register(spec) {
-                Ok(inst) => {
-                    instances.insert(iid, inst);
-                    done(Ok(()));
+            DeviceJob::Register { iid, spec, done } => {
+                if let Some(d) = setup {
+                    std::thread::sleep(d);
                 }
-                Err(e) => {
-                    instances.remove(&iid);
-                    done(Err(e));
+                match register(spec) {
+                    Ok(inst) => {
+                        instances.insert(iid, inst);
+                        done(Ok(()));
+                    }
+                    Err(e) => {
+                        instances.remove(&iid);
+                        done(Err(e));
+                    }
                 }
-            },
+            }
             DeviceJob::Transfer {
                 iid,
                 dir,
@@ -259,6 +311,12 @@ fn serve(jobs: mpsc::Receiver<DeviceJob>) {
             }
             DeviceJob::Unregister { iid } => {
                 instances.remove(&iid);
+            }
+            DeviceJob::ReadBack { iid, reads, done } => {
+                done(match instances.get(&iid) {
+                    Some(inst) => read_back(inst, &reads),
+                    None => Err(format!("instance {iid} is not registered on the device")),
+                });
             }
         }
     }

@@ -471,6 +471,39 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// Enqueues a device-to-host copy of `len` bytes from device address
+    /// `src` (memory this context can read, such as an imported IPC range)
+    /// to `dst`.
+    ///
+    /// # Safety
+    /// `src..src+len` must be device memory mapped in this context until the
+    /// stream has run the copy; `dst..dst+len` as for
+    /// [`copy_to_host`](Self::copy_to_host).
+    pub unsafe fn copy_raw_to_host(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let s = self.raw;
+        driver_call(
+            "cuMemcpyDtoHAsync_v2",
+            || {
+                format!(
+                    "copying {len} bytes from device {} at {src:#x}",
+                    self.device.ordinal()
+                )
+            },
+            // SAFETY: the caller's contract.
+            || unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), src, len, s) },
+        )
+    }
+}
+
 impl Drop for Stream {
     fn drop(&mut self) {
         let raw = self.raw;

@@ -139,6 +139,18 @@ pub type RegisterDone = Box<dyn FnOnce(Result<(), String>) + Send>;
 /// Answer of a transfer: the 64 bytes of the exported server event.
 pub type TransferDone = Box<dyn FnOnce(Result<Vec<u8>, String>) + Send>;
 
+/// One registered tensor's bytes to read back to the host: byte ranges from
+/// its first element, copied one after the other into one buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerRead {
+    /// Index into the registration's layers (registration order).
+    pub layer: usize,
+    pub ranges: Vec<(u64, u64)>,
+}
+
+/// Answer of a read-back: one buffer per [`LayerRead`], in order.
+pub type ReadBackDone = Box<dyn FnOnce(Result<Vec<Vec<u8>>, String>) + Send>;
+
 /// Work for one GPU's thread.
 pub enum DeviceJob {
     Register {
@@ -161,6 +173,13 @@ pub enum DeviceJob {
     Unregister {
         iid: i64,
     },
+    /// Copies ranges of a registered instance's tensors to the host (for
+    /// `/cache/checksums`), after the jobs queued before it.
+    ReadBack {
+        iid: i64,
+        reads: Vec<LayerRead>,
+        done: ReadBackDone,
+    },
 }
 
 impl fmt::Debug for DeviceJob {
@@ -181,6 +200,11 @@ impl fmt::Debug for DeviceJob {
                 .field("chunks", &chunks.len())
                 .finish_non_exhaustive(),
             Self::Unregister { iid } => f.debug_struct("Unregister").field("iid", iid).finish(),
+            Self::ReadBack { iid, reads, .. } => f
+                .debug_struct("ReadBack")
+                .field("iid", iid)
+                .field("reads", &reads.len())
+                .finish_non_exhaustive(),
         }
     }
 }
@@ -739,6 +763,9 @@ fn join_pin(shared: &Arc<PinShared>, device: &Device) -> (Option<PinView>, PinRo
 /// One registered instance's device state.
 struct Instance {
     keys: Vec<MappingKey>,
+    /// Per registered tensor: the device address of its first element and
+    /// the bytes its view spans.
+    views: Vec<(u64, u64)>,
     table: StrideTable,
     chunk_slots: u64,
     blocks_per_chunk: usize,
@@ -797,6 +824,7 @@ fn refuse(job: DeviceJob, reason: &str) {
         DeviceJob::Register { done, .. } => answer(done, Err(reason.to_string())),
         DeviceJob::Transfer { done, .. } => answer(done, Err(reason.to_string())),
         DeviceJob::Unregister { .. } => {}
+        DeviceJob::ReadBack { done, .. } => answer(done, Err(reason.to_string())),
     }
 }
 
@@ -838,7 +866,58 @@ impl Worker {
                     log::error!("{e}");
                 }
             }
+            DeviceJob::ReadBack { iid, reads, done } => {
+                let r = self.guarded(iid, "reading back", |w| w.read_back(iid, &reads));
+                answer(done, r);
+            }
         }
+    }
+
+    /// Copies each read's ranges of a registered tensor into one host
+    /// buffer, checked against the tensor's view.
+    fn read_back(&self, iid: i64, reads: &[LayerRead]) -> Result<Vec<Vec<u8>>, String> {
+        let ordinal = self.ordinal;
+        let inst = self
+            .instances
+            .get(&iid)
+            .ok_or_else(|| format!("device {ordinal}: instance {iid} is not registered"))?;
+        let mut out = Vec::with_capacity(reads.len());
+        for read in reads {
+            let &(ptr, view_bytes) = inst.views.get(read.layer).ok_or_else(|| {
+                format!(
+                    "device {ordinal}: instance {iid} has no layer {}",
+                    read.layer
+                )
+            })?;
+            let mut total = 0u64;
+            for &(off, len) in &read.ranges {
+                if off.checked_add(len).is_none_or(|end| end > view_bytes) {
+                    return Err(format!(
+                        "device {ordinal}: instance {iid} layer {}: bytes {off}..+{len} are \
+                         outside its {view_bytes}-byte view",
+                        read.layer
+                    ));
+                }
+                total += len;
+            }
+            let mut buf = vec![0u8; total as usize];
+            let mut at = 0usize;
+            for &(off, len) in &read.ranges {
+                // SAFETY: the source range lies inside the layer's view
+                // (checked above), which stays mapped while the instance is
+                // registered on this thread; `buf[at..at + len]` is this
+                // thread's own memory, untouched until the synchronize below.
+                unsafe {
+                    inst.stream
+                        .copy_raw_to_host(buf.as_mut_ptr().add(at), ptr + off, len as usize)
+                }
+                .map_err(|e| e.to_string())?;
+                at += len as usize;
+            }
+            inst.stream.synchronize().map_err(|e| e.to_string())?;
+            out.push(buf);
+        }
+        Ok(out)
     }
 
     /// Runs one job's work; a panic becomes an error, after the instance's
@@ -956,6 +1035,11 @@ impl Worker {
         drop(alloc_events);
         Ok(Instance {
             keys: layers.iter().map(|l| l.key).collect(),
+            views: layers
+                .iter()
+                .zip(&spec.layers)
+                .map(|(l, s)| (l.ptr, s.view_bytes))
+                .collect(),
             table: spec.table,
             chunk_slots: spec.chunk_slots,
             blocks_per_chunk: spec.blocks_per_chunk,

@@ -426,7 +426,7 @@ pub struct Front {
     refused: RefusedTable,
     cuda_host: Option<CudaHost>,
     /// The CUDA device threads, started with the first CUDA registration.
-    cuda_threads: Option<CudaExecutor>,
+    cuda_threads: Option<Arc<CudaExecutor>>,
     /// CUDA registrations being set up on their device threads.
     cuda_regs: HashMap<i64, PendingRegistration>,
     /// CUDA transfers whose copies are running, by sequence number.
@@ -488,6 +488,11 @@ pub struct Front {
 }
 
 const SESSION_SWEEP: Duration = Duration::from_secs(60);
+
+/// How long a REGISTER_KV_CACHE waits for its GPU's device thread to set the
+/// instance up before it is answered anyway (a driver call that never
+/// returns must not hang the worker; its transfers fail until it is done).
+const CUDA_SETUP_ANSWER: Duration = Duration::from_secs(60);
 
 /// Write credits the front holds for one shard and object size.
 struct CreditPool {
@@ -671,6 +676,7 @@ impl Front {
 
     fn timers(&mut self, now: Instant) {
         self.watch_shards();
+        self.answer_slow_cuda_setups(now);
         self.lazy_due(now);
         if now >= self.next_log_flush {
             self.next_log_flush = now + Duration::from_secs(1);
@@ -975,15 +981,29 @@ impl Front {
                     &engine_group_infos,
                     now,
                 );
-                self.reply(&to, None)
+                // A CUDA registration is answered once its GPU's device
+                // thread has set it up (pinning the L1 can take seconds), as
+                // 0.5.6 answers after opening the handles: a STORE the worker
+                // sends on the answer finds the instance registered.
+                match self.cuda_regs.get_mut(&instance_id) {
+                    Some(p) => p.replies.push(to),
+                    None => self.reply(&to, None),
+                }
             }
             Request::UnregisterKvCache { instance_id } => {
-                let mut was_refused = self.refused.remove(instance_id).is_some();
+                let was_refused = self.refused.remove(instance_id).is_some();
                 if let Some(p) = self.cuda_regs.remove(&instance_id) {
                     // Still being set up: its device thread undoes it after.
                     self.layouts.unregister(&p.model_name, p.world_size);
                     self.cuda_unregister(instance_id, p.instance.ordinal);
-                    was_refused = true;
+                    log_limited!(
+                        Level::Info,
+                        "unregistered lmcache_driven CUDA instance {instance_id} while it was being set up"
+                    );
+                    for waiting in &p.replies {
+                        self.reply(waiting, None);
+                    }
+                    return self.reply(&to, None);
                 }
                 match self.registry.remove_lmc(instance_id) {
                     Some(entry) => {
@@ -2815,7 +2835,7 @@ impl Front {
         }
         if self.cuda_threads.is_none() {
             match CudaExecutor::start(env, &mem) {
-                Ok(x) => self.cuda_threads = Some(x),
+                Ok(x) => self.cuda_threads = Some(Arc::new(x)),
                 Err(e) => {
                     self.layouts.unregister(&model_name, ws);
                     return self.refuse_with(iid, refuse(e), &model_name, ws as i64, now);
@@ -2852,6 +2872,8 @@ impl Front {
                 world_size: ws,
                 descriptor,
                 instance,
+                replies: Vec::new(),
+                since: now,
             },
         );
     }
@@ -2860,39 +2882,15 @@ impl Front {
         let now = self.clock.now();
         match ev {
             CudaEvent::Registered { iid, result } => {
-                let Some(p) = self.cuda_regs.remove(&iid) else {
+                let Some(mut p) = self.cuda_regs.remove(&iid) else {
                     // Unregistered while it was being set up: undone already.
                     return;
                 };
-                let ordinal = p.instance.ordinal;
-                if let Err(e) = result {
-                    self.layouts.unregister(&p.model_name, p.world_size);
-                    let refusal = Refusal {
-                        descriptor: p.descriptor,
-                        reason: format!("setting it up on GPU {ordinal} failed: {e}"),
-                    };
-                    return self.refuse_with(iid, refusal, &p.model_name, p.world_size as i64, now);
+                let replies = std::mem::take(&mut p.replies);
+                self.finish_cuda_registration(iid, p, result, now);
+                for to in &replies {
+                    self.reply(to, None);
                 }
-                let entry = LmcEntry {
-                    model_name: p.model_name.clone(),
-                    world_size: p.world_size,
-                    layout: p.instance.layout(),
-                    reg: LmcTransfer::Cuda(Arc::new(p.instance)),
-                    last_seen: now,
-                    pinged: false,
-                    kv_ranks: Vec::new(),
-                };
-                if let Err(e) = self.registry.insert_lmc(iid, entry) {
-                    self.layouts.unregister(&p.model_name, p.world_size);
-                    self.cuda_unregister(iid, ordinal);
-                    return log_limited!(Level::Error, "register_kv_cache: {e}");
-                }
-                log_limited!(
-                    Level::Info,
-                    "registered lmcache_driven CUDA instance {iid} (model={}, world_size={}, GPU {ordinal})",
-                    p.model_name,
-                    p.world_size
-                );
             }
             CudaEvent::Transferred { seq, result } => match self.cuda_ops.remove(&seq) {
                 Some(op) => self.finish_cuda_op(op, result),
@@ -2902,6 +2900,67 @@ impl Front {
                 ),
             },
         }
+    }
+
+    /// Answers the REGISTER_KV_CACHE requests of set-ups that have taken
+    /// longer than [`CUDA_SETUP_ANSWER`].
+    fn answer_slow_cuda_setups(&mut self, now: Instant) {
+        let mut late = Vec::new();
+        for (iid, p) in &mut self.cuda_regs {
+            if !p.replies.is_empty() && now.duration_since(p.since) >= CUDA_SETUP_ANSWER {
+                late.push((*iid, std::mem::take(&mut p.replies)));
+            }
+        }
+        for (iid, replies) in late {
+            log_limited!(
+                Level::Warn,
+                "lmcache_driven CUDA instance {iid} is still being set up after {} s; its \
+                 registration is answered now and its transfers fail until the set-up ends",
+                CUDA_SETUP_ANSWER.as_secs()
+            );
+            for to in &replies {
+                self.reply(to, None);
+            }
+        }
+    }
+
+    /// Registers (or refuses) a CUDA instance whose set-up on its GPU ended.
+    fn finish_cuda_registration(
+        &mut self,
+        iid: i64,
+        p: PendingRegistration,
+        result: Result<(), String>,
+        now: Instant,
+    ) {
+        let ordinal = p.instance.ordinal;
+        if let Err(e) = result {
+            self.layouts.unregister(&p.model_name, p.world_size);
+            let refusal = Refusal {
+                descriptor: p.descriptor,
+                reason: format!("setting it up on GPU {ordinal} failed: {e}"),
+            };
+            return self.refuse_with(iid, refusal, &p.model_name, p.world_size as i64, now);
+        }
+        let entry = LmcEntry {
+            model_name: p.model_name.clone(),
+            world_size: p.world_size,
+            layout: p.instance.layout(),
+            reg: LmcTransfer::Cuda(Arc::new(p.instance)),
+            last_seen: now,
+            pinged: false,
+            kv_ranks: Vec::new(),
+        };
+        if let Err(e) = self.registry.insert_lmc(iid, entry) {
+            self.layouts.unregister(&p.model_name, p.world_size);
+            self.cuda_unregister(iid, ordinal);
+            return log_limited!(Level::Error, "register_kv_cache: {e}");
+        }
+        log_limited!(
+            Level::Info,
+            "registered lmcache_driven CUDA instance {iid} (model={}, world_size={}, GPU {ordinal})",
+            p.model_name,
+            p.world_size
+        );
     }
 
     /// Drops instance `iid` on its device thread (after its queued work).
@@ -3537,56 +3596,79 @@ impl Front {
                 chunk_size_blocks,
                 layerwise,
             } => {
-                match self.registry.lmc_reg(instance_id, self.clock.now()) {
-                    None => responder.send(ControlResponse::error(
-                        404,
-                        format!("instance_id {instance_id} not registered"),
-                    )),
-                    Some((LmcTransfer::Cuda(_), _)) => responder.send(ControlResponse::error(
-                        501,
-                        format!("instance_id {instance_id} is a GPU worker: checksums of GPU memory are not supported"),
-                    )),
-                    // Hashing a whole KV cache takes a while: keep it off the
-                    // request path, on at most MAX_CHECKSUM_THREADS threads.
-                    Some((LmcTransfer::CpuShm(_), _))
-                        if self.checksum_threads.load(Ordering::SeqCst) >= MAX_CHECKSUM_THREADS =>
-                    {
-                        log_limited!(
-                            Level::Warn,
-                            "/cache/checksums refused: {MAX_CHECKSUM_THREADS} are already running"
-                        );
-                        responder.send(ControlResponse::error(
-                            503,
-                            format!(
-                                "{MAX_CHECKSUM_THREADS} checksum computations are already running \
-                                 (the most kvshard runs at once); retry when one has finished"
-                            ),
+                // Hashing a whole KV cache takes a while: keep it off the
+                // request path, on at most MAX_CHECKSUM_THREADS threads.
+                let work: Box<dyn FnOnce() -> ControlResponse + Send> = match self
+                    .registry
+                    .lmc_reg(instance_id, self.clock.now())
+                {
+                    None => {
+                        return responder.send(ControlResponse::error(
+                            404,
+                            format!("instance_id {instance_id} not registered"),
                         ))
                     }
-                    Some((LmcTransfer::CpuShm(reg), _)) => {
-                        // Only this thread increments; the checksum thread
-                        // decrements when it ends (or never starts).
-                        let running = RunningGuard::enter(&self.checksum_threads);
-                        let spawned = std::thread::Builder::new()
-                            .name("kvshard-checksums".into())
-                            .spawn(move || {
-                                let _running = running;
-                                let resp =
-                                    match reg.checksums(&block_ids, chunk_size_blocks, layerwise) {
-                                        Ok(report) => ControlResponse::json(
-                                            serde_json::to_value(&report)
-                                                .unwrap_or(serde_json::Value::Null),
-                                        ),
-                                        Err(e) => ControlResponse::error(400, e.to_string()),
-                                    };
-                                responder.send(resp);
-                            });
-                        if let Err(e) = spawned {
-                            // The closure (guard and responder with it) is
-                            // dropped: the HTTP side answers 503.
-                            log_limited!(Level::Error, "cannot start a checksum thread: {e}");
-                        }
+                    Some((LmcTransfer::Cuda(c), _)) => {
+                        let Some(exec) = self.cuda_threads.clone() else {
+                            return responder.send(ControlResponse::error(
+                                503,
+                                "no CUDA device thread is running".to_string(),
+                            ));
+                        };
+                        let plan = match c.checksum_plan(&block_ids, chunk_size_blocks, layerwise) {
+                            Ok(p) => p,
+                            Err(e) => return responder.send(ControlResponse::error(400, e)),
+                        };
+                        Box::new(move || {
+                            match kvshard_dataplane::cuda_transfer::run_checksums(
+                                &exec,
+                                c.ordinal,
+                                instance_id,
+                                plan,
+                            ) {
+                                Ok(report) => ControlResponse::json(
+                                    serde_json::to_value(&report)
+                                        .unwrap_or(serde_json::Value::Null),
+                                ),
+                                Err(e) => ControlResponse::error(500, e),
+                            }
+                        })
                     }
+                    Some((LmcTransfer::CpuShm(reg), _)) => Box::new(move || {
+                        match reg.checksums(&block_ids, chunk_size_blocks, layerwise) {
+                            Ok(report) => ControlResponse::json(
+                                serde_json::to_value(&report).unwrap_or(serde_json::Value::Null),
+                            ),
+                            Err(e) => ControlResponse::error(400, e.to_string()),
+                        }
+                    }),
+                };
+                if self.checksum_threads.load(Ordering::SeqCst) >= MAX_CHECKSUM_THREADS {
+                    log_limited!(
+                        Level::Warn,
+                        "/cache/checksums refused: {MAX_CHECKSUM_THREADS} are already running"
+                    );
+                    return responder.send(ControlResponse::error(
+                        503,
+                        format!(
+                            "{MAX_CHECKSUM_THREADS} checksum computations are already running \
+                             (the most kvshard runs at once); retry when one has finished"
+                        ),
+                    ));
+                }
+                // Only this thread increments; the checksum thread
+                // decrements when it ends (or never starts).
+                let running = RunningGuard::enter(&self.checksum_threads);
+                let spawned = std::thread::Builder::new()
+                    .name("kvshard-checksums".into())
+                    .spawn(move || {
+                        let _running = running;
+                        responder.send(work());
+                    });
+                if let Err(e) = spawned {
+                    // The closure (guard and responder with it) is
+                    // dropped: the HTTP side answers 503.
+                    log_limited!(Level::Error, "cannot start a checksum thread: {e}");
                 }
             }
             ControlRequest::Config => {

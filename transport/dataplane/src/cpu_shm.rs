@@ -849,6 +849,8 @@ pub struct DeviceGeometry {
     /// Per registered tensor: bytes from its storage start to its first
     /// element, and bytes its view spans from there.
     pub views: Vec<(u64, u64)>,
+    /// Per registered tensor: its normalised shape and strides (elements).
+    pub layer_dims: Vec<(Vec<usize>, Vec<usize>)>,
     /// Elements from one block to the next when the block axis is padded;
     /// 0 when tight.
     pub block_stride_elems: u64,
@@ -938,6 +940,7 @@ impl DeviceGeometry {
             head_size: g.head_size,
             group_layers,
             views,
+            layer_dims: normalised,
             block_stride_elems: block_stride.unwrap_or(0),
             chunk_size_tokens,
             blocks_per_chunk,
@@ -1380,55 +1383,88 @@ impl CpuShmRegistration {
         md5: &mut Md5,
     ) {
         let es = self.geometry.dtype.size_bytes();
-        let rank = layer.shape.len();
-        let inner = rank - 1;
-        debug_assert!(block_axis < inner && layer.strides[inner] == 1);
-        let run_bytes = layer.shape[inner] * es;
         let map = &self.segments[layer.segment].map;
-        let mut dims = layer.shape.clone();
-        dims[block_axis] = ids.len();
-        let mut index = vec![0usize; inner];
-        loop {
-            let mut elem = layer.storage_offset;
-            for d in 0..inner {
-                let i = if d == block_axis {
-                    // Ids were checked against the cache by the caller.
-                    self.block_index(ids[index[d]]).expect("validated block id")
-                } else {
-                    index[d]
+        // Ids were checked against the cache by the caller.
+        let indices: Vec<usize> = ids
+            .iter()
+            .map(|&id| self.block_index(id).expect("validated block id"))
+            .collect();
+        let first = layer.storage_offset * es;
+        index_select_runs(
+            &layer.shape,
+            &layer.strides,
+            es,
+            block_axis,
+            &indices,
+            |off, len| {
+                let off = first + off;
+                assert!(off + len <= map.len(), "shm range out of bounds");
+                scratch.resize(len, 0);
+                // SAFETY: range checked above; scratch is a private buffer.
+                unsafe {
+                    ptr::copy_nonoverlapping(map.as_ptr().add(off), scratch.as_mut_ptr(), len)
                 };
-                elem += i * layer.strides[d];
-            }
-            let off = elem * es;
-            assert!(off + run_bytes <= map.len(), "shm range out of bounds");
-            scratch.resize(run_bytes, 0);
-            // SAFETY: range checked above; scratch is a private buffer.
-            unsafe {
-                ptr::copy_nonoverlapping(map.as_ptr().add(off), scratch.as_mut_ptr(), run_bytes)
-            };
-            if self.geometry.dtype == KvDtype::BFloat16 {
-                // bfloat16 -> float32 is exact: the bits move to the high half.
-                for pair in scratch.chunks_exact(2) {
-                    let bits = (u16::from_le_bytes([pair[0], pair[1]]) as u32) << 16;
-                    md5.update(bits.to_le_bytes());
-                }
+                digest_kv(md5, scratch, self.geometry.dtype);
+            },
+        );
+    }
+}
+
+/// The bytes of `tensor.index_select(axis, indices)` in C order, as runs of
+/// the innermost dimension: `run(byte offset from the tensor's first
+/// element, bytes)` for each, in order. `shape` and `strides` (elements) are
+/// a layer's normalised ones, innermost stride 1; `indices` is not empty.
+pub fn index_select_runs(
+    shape: &[usize],
+    strides: &[usize],
+    es: usize,
+    axis: usize,
+    indices: &[usize],
+    mut run: impl FnMut(usize, usize),
+) {
+    let inner = shape.len() - 1;
+    debug_assert!(axis < inner && strides[inner] == 1 && !indices.is_empty());
+    let run_bytes = shape[inner] * es;
+    let mut dims = shape.to_vec();
+    dims[axis] = indices.len();
+    let mut index = vec![0usize; inner];
+    loop {
+        let mut elem = 0;
+        for d in 0..inner {
+            let i = if d == axis {
+                indices[index[d]]
             } else {
-                md5.update(&scratch[..]);
-            }
-            // Odometer over every dim but the innermost.
-            let mut d = inner;
-            loop {
-                if d == 0 {
-                    return;
-                }
-                d -= 1;
-                index[d] += 1;
-                if index[d] < dims[d] {
-                    break;
-                }
-                index[d] = 0;
-            }
+                index[d]
+            };
+            elem += i * strides[d];
         }
+        run(elem * es, run_bytes);
+        // Odometer over every dim but the innermost.
+        let mut d = inner;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            index[d] += 1;
+            if index[d] < dims[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// Feeds KV bytes to a checksum as 0.5.6 hashes them: bfloat16 widened to
+/// float32 (exact: the bits move to the high half), other dtypes as they are.
+pub fn digest_kv(md5: &mut Md5, bytes: &[u8], dtype: KvDtype) {
+    if dtype == KvDtype::BFloat16 {
+        for pair in bytes.chunks_exact(2) {
+            let bits = (u16::from_le_bytes([pair[0], pair[1]]) as u32) << 16;
+            md5.update(bits.to_le_bytes());
+        }
+    } else {
+        md5.update(bytes);
     }
 }
 

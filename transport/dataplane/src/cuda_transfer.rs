@@ -24,14 +24,23 @@ use kvshard_gds::cuda::{CudaDevice, CudaEnv};
 use kvshard_gds::device::emulated::{self, EmulatedDevice};
 use kvshard_gds::device::event::IpcEventHandle;
 use kvshard_gds::device::ipc::{FabricHandle, IpcMemHandle};
-use kvshard_gds::device::worker::{DeviceJob, DeviceThreads, InstanceSpec, LayerMemory, LayerSpec};
+use kvshard_gds::device::worker::{
+    DeviceJob, DeviceThreads, InstanceSpec, LayerMemory, LayerRead, LayerSpec,
+};
 use kvshard_gds::layout::{EngineKvFormat, PageBufferShape, StrideTable};
 
-use crate::cpu_shm::{DeviceGeometry, KvFormat, KvGroupSpec, ShmTensorSpec, TransferError};
+use crate::cpu_shm::{
+    compress_block_ids, digest_kv, index_select_runs, ChecksumReport, ChunkChecksums,
+    DeviceGeometry, KvDtype, KvFormat, KvGroupSpec, ShmTensorSpec, TransferError,
+};
 use crate::cuda_refusal::{parse_torch_handle, TorchHandle};
 use crate::layout::Layout;
+use kvshard_engine::keys::hex;
 use kvshard_wire::msgpack::Value;
 use kvshard_wire::{EngineGroupInfo, IpcData, TensorMetadata, VmmKind};
+use md5::{Digest, Md5};
+use std::sync::mpsc;
+use std::time::Duration;
 
 /// A registered GPU worker, as the front sees it.
 #[derive(Debug, Clone)]
@@ -330,6 +339,11 @@ pub struct PendingRegistration {
     pub world_size: u32,
     pub descriptor: &'static str,
     pub instance: CudaInstance,
+    /// The REGISTER_KV_CACHE requests answered once the set-up ends (the
+    /// first, and any repeat sent meanwhile).
+    pub replies: Vec<crate::messages::ReplyTo>,
+    /// When the set-up was handed to the device thread.
+    pub since: std::time::Instant,
 }
 
 /// A CUDA transfer the front waits on (keyed by its sequence number).
@@ -381,6 +395,161 @@ impl CudaExecutor {
             CudaExecutor::Emulated(e) => e.submit(ordinal, job),
         }
     }
+}
+
+/// What `/cache/checksums` reads back from a CUDA worker's GPU: per chunk of
+/// block ids, the bytes of each registered tensor's `index_select(block
+/// axis, ids)` in C order (ranges of adjacent runs merged), hashed as the
+/// cpu_shm path hashes a CPU worker's tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChecksumPlan {
+    pub block_ids: Vec<i64>,
+    pub chunk_size_blocks: usize,
+    pub layerwise: bool,
+    pub dtype: KvDtype,
+    /// One read per registered tensor, per chunk.
+    pub chunks: Vec<Vec<LayerRead>>,
+}
+
+/// Most bytes one chunk of a checksum request may read back from a GPU (one
+/// chunk is in host memory at a time).
+pub const CHECKSUM_CHUNK_BYTES: u64 = 1 << 30;
+
+/// How long a checksum request waits for a GPU to read one chunk back.
+const CHECKSUM_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl CudaInstance {
+    /// The read-backs of a `/cache/checksums` request, or why it is refused.
+    pub fn checksum_plan(
+        &self,
+        block_ids: &[i64],
+        chunk_size_blocks: usize,
+        layerwise: bool,
+    ) -> Result<ChecksumPlan, String> {
+        if block_ids.is_empty() {
+            return Err("block_ids is required".into());
+        }
+        if chunk_size_blocks == 0 {
+            return Err("chunk_size must be positive".into());
+        }
+        let g = &self.geometry;
+        let Some(axis) = g.format.checksum_block_axis() else {
+            return Err(format!(
+                "checksum not supported for GPU KV format {}",
+                g.format.name()
+            ));
+        };
+        self.validate_block_ids(block_ids)?;
+        let es = g.dtype.size_bytes();
+        let mut chunks = Vec::with_capacity(block_ids.len().div_ceil(chunk_size_blocks));
+        for ids in block_ids.chunks(chunk_size_blocks) {
+            // validate_block_ids kept every id in 0..num_blocks.
+            let indices: Vec<usize> = ids.iter().map(|&b| b as usize).collect();
+            let mut bytes = 0u64;
+            let reads: Vec<LayerRead> = g
+                .layer_dims
+                .iter()
+                .enumerate()
+                .map(|(layer, (shape, strides))| {
+                    let mut ranges: Vec<(u64, u64)> = Vec::new();
+                    index_select_runs(shape, strides, es, axis, &indices, |off, len| {
+                        let (off, len) = (off as u64, len as u64);
+                        bytes += len;
+                        match ranges.last_mut() {
+                            Some((o, l)) if *o + *l == off => *l += len,
+                            _ => ranges.push((off, len)),
+                        }
+                    });
+                    LayerRead { layer, ranges }
+                })
+                .collect();
+            if bytes > CHECKSUM_CHUNK_BYTES {
+                return Err(format!(
+                    "a chunk of {} blocks is {bytes} bytes of GPU memory to read back, over the \
+                     {CHECKSUM_CHUNK_BYTES} kvshard reads at once: ask with a smaller chunk_size",
+                    ids.len()
+                ));
+            }
+            chunks.push(reads);
+        }
+        Ok(ChecksumPlan {
+            block_ids: block_ids.to_vec(),
+            chunk_size_blocks,
+            layerwise,
+            dtype: g.dtype,
+            chunks,
+        })
+    }
+}
+
+/// Runs a checksum plan on GPU `ordinal`'s device thread, one chunk at a
+/// time, blocking the calling thread (never the front or a shard).
+pub fn run_checksums(
+    exec: &CudaExecutor,
+    ordinal: usize,
+    iid: i64,
+    plan: ChecksumPlan,
+) -> Result<ChecksumReport, String> {
+    let layers = plan.chunks.first().map_or(0, Vec::len);
+    let mut per_layer: Vec<Vec<String>> = vec![Vec::new(); layers];
+    let mut aggregated = Vec::new();
+    let num_chunks = plan.chunks.len();
+    for reads in plan.chunks {
+        let (tx, rx) = mpsc::channel();
+        let job = DeviceJob::ReadBack {
+            iid,
+            reads,
+            done: Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        };
+        if exec.submit(ordinal, job).is_err() {
+            return Err(format!(
+                "the CUDA device thread of GPU {ordinal} is not taking work (see the log)"
+            ));
+        }
+        let buffers = match rx.recv_timeout(CHECKSUM_READ_TIMEOUT) {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(format!(
+                    "GPU {ordinal} did not read the blocks back within {} s",
+                    CHECKSUM_READ_TIMEOUT.as_secs()
+                ))
+            }
+        };
+        if plan.layerwise {
+            for (digests, buf) in per_layer.iter_mut().zip(&buffers) {
+                let mut md5 = Md5::new();
+                digest_kv(&mut md5, buf, plan.dtype);
+                digests.push(hex(&md5.finalize()));
+            }
+        } else {
+            let mut md5 = Md5::new();
+            for buf in &buffers {
+                digest_kv(&mut md5, buf, plan.dtype);
+            }
+            aggregated.push(hex(&md5.finalize()));
+        }
+    }
+    let chunk_checksums = if plan.layerwise {
+        ChunkChecksums::PerLayer(
+            per_layer
+                .into_iter()
+                .enumerate()
+                .map(|(i, d)| (format!("layer_{i}"), d))
+                .collect(),
+        )
+    } else {
+        ChunkChecksums::Aggregated(aggregated)
+    };
+    Ok(ChecksumReport {
+        status: "success".to_string(),
+        chunk_size: plan.chunk_size_blocks,
+        num_chunks,
+        chunk_checksums,
+        layerwise: plan.layerwise,
+        block_id_ranges: compress_block_ids(&plan.block_ids),
+    })
 }
 
 /// Blocks of one chunk that a retrieve leaves untouched: the whole blocks of
