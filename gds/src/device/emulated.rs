@@ -28,8 +28,8 @@ use crate::cuda::{CudaDevice, CudaEnv};
 use crate::layout;
 
 use super::worker::{
-    check_spec, plan_batches, validate_chunks, CopyDir, DeviceJob, InstanceSpec, LayerMemory,
-    LayerRead,
+    check_spec, plan_batches, read_len, validate_chunks, CopyDir, DeviceJob, InstanceSpec,
+    LayerMemory, LayerRead,
 };
 
 /// The environment variable that turns the emulation on (value `1`).
@@ -253,14 +253,8 @@ fn read_back(inst: &Instance, reads: &[LayerRead]) -> Result<Vec<Vec<u8>>, Strin
                 .views
                 .get(read.layer)
                 .ok_or_else(|| format!("no layer {}", read.layer))?;
-            let mut buf = Vec::new();
+            let mut buf = Vec::with_capacity(read_len(read, view_bytes)?);
             for &(off, len) in &read.ranges {
-                if off.checked_add(len).is_none_or(|end| end > view_bytes) {
-                    return Err(format!(
-                        "layer {}: bytes {off}..+{len} are outside its {view_bytes}-byte view",
-                        read.layer
-                    ));
-                }
                 // SAFETY: inside the layer's view (checked above), which the
                 // instance's mapping keeps mapped.
                 let src = unsafe {

@@ -452,26 +452,11 @@ impl Stream {
         len: usize,
     ) -> Result<(), DeviceError> {
         let sp = src.range(src_offset, len)?;
-        if len == 0 {
-            return Ok(());
-        }
-        let s = self.raw;
-        driver_call(
-            "cuMemcpyDtoHAsync_v2",
-            || {
-                format!(
-                    "copying {len} bytes from device {} at {sp:#x}",
-                    self.device.ordinal()
-                )
-            },
-            // SAFETY: the device range is inside `src` (checked above); the
-            // host range is the caller's contract.
-            || unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast::<c_void>(), sp, len, s) },
-        )
+        // SAFETY: the device range is inside `src` (checked above), which
+        // the caller keeps alive; the host range is the caller's contract.
+        unsafe { self.copy_raw_to_host(dst, sp, len) }
     }
-}
 
-impl Stream {
     /// Enqueues a device-to-host copy of `len` bytes from device address
     /// `src` (memory this context can read, such as an imported IPC range)
     /// to `dst`.

@@ -148,6 +148,22 @@ pub struct LayerRead {
     pub ranges: Vec<(u64, u64)>,
 }
 
+/// The bytes `read` copies, or why one of its ranges is not inside the
+/// tensor's view of `view_bytes`.
+pub fn read_len(read: &LayerRead, view_bytes: u64) -> Result<usize, String> {
+    let mut total = 0u64;
+    for &(off, len) in &read.ranges {
+        if off.checked_add(len).is_none_or(|end| end > view_bytes) {
+            return Err(format!(
+                "layer {}: bytes {off}..+{len} are outside its {view_bytes}-byte view",
+                read.layer
+            ));
+        }
+        total += len;
+    }
+    usize::try_from(total).map_err(|_| format!("layer {}: {total} bytes", read.layer))
+}
+
 /// Answer of a read-back: one buffer per [`LayerRead`], in order.
 pub type ReadBackDone = Box<dyn FnOnce(Result<Vec<Vec<u8>>, String>) + Send>;
 
@@ -889,18 +905,9 @@ impl Worker {
                     read.layer
                 )
             })?;
-            let mut total = 0u64;
-            for &(off, len) in &read.ranges {
-                if off.checked_add(len).is_none_or(|end| end > view_bytes) {
-                    return Err(format!(
-                        "device {ordinal}: instance {iid} layer {}: bytes {off}..+{len} are \
-                         outside its {view_bytes}-byte view",
-                        read.layer
-                    ));
-                }
-                total += len;
-            }
-            let mut buf = vec![0u8; total as usize];
+            let total = read_len(read, view_bytes)
+                .map_err(|e| format!("device {ordinal}: instance {iid}: {e}"))?;
+            let mut buf = vec![0u8; total];
             let mut at = 0usize;
             for &(off, len) in &read.ranges {
                 // SAFETY: the source range lies inside the layer's view

@@ -3598,10 +3598,11 @@ impl Front {
             } => {
                 // Hashing a whole KV cache takes a while: keep it off the
                 // request path, on at most MAX_CHECKSUM_THREADS threads.
-                let work: Box<dyn FnOnce() -> ControlResponse + Send> = match self
-                    .registry
-                    .lmc_reg(instance_id, self.clock.now())
-                {
+                let work: Box<
+                    dyn FnOnce()
+                            -> Result<kvshard_dataplane::cpu_shm::ChecksumReport, (u16, String)>
+                        + Send,
+                > = match self.registry.lmc_reg(instance_id, self.clock.now()) {
                     None => {
                         return responder.send(ControlResponse::error(
                             404,
@@ -3620,27 +3621,18 @@ impl Front {
                             Err(e) => return responder.send(ControlResponse::error(400, e)),
                         };
                         Box::new(move || {
-                            match kvshard_dataplane::cuda_transfer::run_checksums(
+                            kvshard_dataplane::cuda_transfer::run_checksums(
                                 &exec,
                                 c.ordinal,
                                 instance_id,
                                 plan,
-                            ) {
-                                Ok(report) => ControlResponse::json(
-                                    serde_json::to_value(&report)
-                                        .unwrap_or(serde_json::Value::Null),
-                                ),
-                                Err(e) => ControlResponse::error(500, e),
-                            }
+                            )
+                            .map_err(|e| (500, e))
                         })
                     }
                     Some((LmcTransfer::CpuShm(reg), _)) => Box::new(move || {
-                        match reg.checksums(&block_ids, chunk_size_blocks, layerwise) {
-                            Ok(report) => ControlResponse::json(
-                                serde_json::to_value(&report).unwrap_or(serde_json::Value::Null),
-                            ),
-                            Err(e) => ControlResponse::error(400, e.to_string()),
-                        }
+                        reg.checksums(&block_ids, chunk_size_blocks, layerwise)
+                            .map_err(|e| (400, e.to_string()))
                     }),
                 };
                 if self.checksum_threads.load(Ordering::SeqCst) >= MAX_CHECKSUM_THREADS {
@@ -3663,7 +3655,12 @@ impl Front {
                     .name("kvshard-checksums".into())
                     .spawn(move || {
                         let _running = running;
-                        responder.send(work());
+                        responder.send(match work() {
+                            Ok(report) => ControlResponse::json(
+                                serde_json::to_value(&report).unwrap_or(serde_json::Value::Null),
+                            ),
+                            Err((status, e)) => ControlResponse::error(status, e),
+                        });
                     });
                 if let Err(e) = spawned {
                     // The closure (guard and responder with it) is

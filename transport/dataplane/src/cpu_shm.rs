@@ -1335,67 +1335,39 @@ impl CpuShmRegistration {
                 });
             }
         }
-        let num_chunks = block_ids.len().div_ceil(chunk_size_blocks);
-        let chunks = || block_ids.chunks(chunk_size_blocks);
+        let mut digests = ChecksumDigests::new(self.layers.len(), layerwise);
         let mut scratch = Vec::new();
-        let chunk_checksums = if layerwise {
-            let mut per_layer = Vec::with_capacity(self.layers.len());
-            for (index, layer) in self.layers.iter().enumerate() {
-                let digests = chunks()
-                    .map(|ids| {
-                        let mut md5 = Md5::new();
-                        self.hash_layer_blocks(layer, block_axis, ids, &mut scratch, &mut md5);
-                        hex(&md5.finalize())
-                    })
-                    .collect();
-                per_layer.push((format!("layer_{index}"), digests));
-            }
-            ChunkChecksums::PerLayer(per_layer)
-        } else {
-            let digests = chunks()
-                .map(|ids| {
-                    let mut md5 = Md5::new();
-                    for layer in &self.layers {
-                        self.hash_layer_blocks(layer, block_axis, ids, &mut scratch, &mut md5);
-                    }
-                    hex(&md5.finalize())
-                })
+        for ids in block_ids.chunks(chunk_size_blocks) {
+            // Ids were checked against the cache above.
+            let indices: Vec<usize> = ids
+                .iter()
+                .map(|&id| self.block_index(id).expect("validated block id"))
                 .collect();
-            ChunkChecksums::Aggregated(digests)
-        };
-        Ok(ChecksumReport {
-            status: "success".to_string(),
-            chunk_size: chunk_size_blocks,
-            num_chunks,
-            chunk_checksums,
-            layerwise,
-            block_id_ranges: compress_block_ids(block_ids),
-        })
+            digests.push_chunk(|l, md5| {
+                self.hash_layer_blocks(&self.layers[l], block_axis, &indices, &mut scratch, md5)
+            });
+        }
+        Ok(digests.report(block_ids, chunk_size_blocks))
     }
 
-    /// Feed the bytes of `layer.index_select(block_axis, ids)` in C order.
+    /// Feed the bytes of `layer.index_select(block_axis, indices)` in C order.
     fn hash_layer_blocks(
         &self,
         layer: &LayerView,
         block_axis: usize,
-        ids: &[i64],
+        indices: &[usize],
         scratch: &mut Vec<u8>,
         md5: &mut Md5,
     ) {
         let es = self.geometry.dtype.size_bytes();
         let map = &self.segments[layer.segment].map;
-        // Ids were checked against the cache by the caller.
-        let indices: Vec<usize> = ids
-            .iter()
-            .map(|&id| self.block_index(id).expect("validated block id"))
-            .collect();
         let first = layer.storage_offset * es;
         index_select_runs(
             &layer.shape,
             &layer.strides,
             es,
             block_axis,
-            &indices,
+            indices,
             |off, len| {
                 let off = first + off;
                 assert!(off + len <= map.len(), "shm range out of bounds");
@@ -1451,6 +1423,68 @@ pub fn index_select_runs(
                 break;
             }
             index[d] = 0;
+        }
+    }
+}
+
+/// The digests of a `/cache/checksums` request, added chunk by chunk, and the
+/// report they make: one MD5 per chunk over every layer in order, or with
+/// `layerwise` one per chunk and layer.
+pub struct ChecksumDigests {
+    layers: usize,
+    layerwise: bool,
+    /// One list per layer (layerwise), else one list.
+    digests: Vec<Vec<String>>,
+}
+
+impl ChecksumDigests {
+    pub fn new(layers: usize, layerwise: bool) -> Self {
+        let lists = if layerwise { layers } else { 1 };
+        Self {
+            layers,
+            layerwise,
+            digests: vec![Vec::new(); lists],
+        }
+    }
+
+    /// Adds the next chunk: `feed(layer, md5)` hashes that layer's bytes of
+    /// the chunk into `md5`.
+    pub fn push_chunk(&mut self, mut feed: impl FnMut(usize, &mut Md5)) {
+        if self.layerwise {
+            for (layer, digests) in self.digests.iter_mut().enumerate() {
+                let mut md5 = Md5::new();
+                feed(layer, &mut md5);
+                digests.push(hex(&md5.finalize()));
+            }
+        } else {
+            let mut md5 = Md5::new();
+            for layer in 0..self.layers {
+                feed(layer, &mut md5);
+            }
+            self.digests[0].push(hex(&md5.finalize()));
+        }
+    }
+
+    /// The 200 body for `block_ids` in chunks of `chunk_size_blocks`.
+    pub fn report(self, block_ids: &[i64], chunk_size_blocks: usize) -> ChecksumReport {
+        let chunk_checksums = if self.layerwise {
+            ChunkChecksums::PerLayer(
+                self.digests
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, d)| (format!("layer_{i}"), d))
+                    .collect(),
+            )
+        } else {
+            ChunkChecksums::Aggregated(self.digests.into_iter().next().unwrap_or_default())
+        };
+        ChecksumReport {
+            status: "success".to_string(),
+            chunk_size: chunk_size_blocks,
+            num_chunks: block_ids.len().div_ceil(chunk_size_blocks),
+            chunk_checksums,
+            layerwise: self.layerwise,
+            block_id_ranges: compress_block_ids(block_ids),
         }
     }
 }

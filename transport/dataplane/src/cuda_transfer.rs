@@ -30,15 +30,13 @@ use kvshard_gds::device::worker::{
 use kvshard_gds::layout::{EngineKvFormat, PageBufferShape, StrideTable};
 
 use crate::cpu_shm::{
-    compress_block_ids, digest_kv, index_select_runs, ChecksumReport, ChunkChecksums,
-    DeviceGeometry, KvDtype, KvFormat, KvGroupSpec, ShmTensorSpec, TransferError,
+    digest_kv, index_select_runs, ChecksumDigests, ChecksumReport, DeviceGeometry, KvDtype,
+    KvFormat, KvGroupSpec, ShmTensorSpec, TransferError,
 };
 use crate::cuda_refusal::{parse_torch_handle, TorchHandle};
 use crate::layout::Layout;
-use kvshard_engine::keys::hex;
 use kvshard_wire::msgpack::Value;
 use kvshard_wire::{EngineGroupInfo, IpcData, TensorMetadata, VmmKind};
-use md5::{Digest, Md5};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -491,9 +489,7 @@ pub fn run_checksums(
     plan: ChecksumPlan,
 ) -> Result<ChecksumReport, String> {
     let layers = plan.chunks.first().map_or(0, Vec::len);
-    let mut per_layer: Vec<Vec<String>> = vec![Vec::new(); layers];
-    let mut aggregated = Vec::new();
-    let num_chunks = plan.chunks.len();
+    let mut digests = ChecksumDigests::new(layers, plan.layerwise);
     for reads in plan.chunks {
         let (tx, rx) = mpsc::channel();
         let job = DeviceJob::ReadBack {
@@ -517,39 +513,10 @@ pub fn run_checksums(
                 ))
             }
         };
-        if plan.layerwise {
-            for (digests, buf) in per_layer.iter_mut().zip(&buffers) {
-                let mut md5 = Md5::new();
-                digest_kv(&mut md5, buf, plan.dtype);
-                digests.push(hex(&md5.finalize()));
-            }
-        } else {
-            let mut md5 = Md5::new();
-            for buf in &buffers {
-                digest_kv(&mut md5, buf, plan.dtype);
-            }
-            aggregated.push(hex(&md5.finalize()));
-        }
+        // One buffer per layer, in the reads' (registration) order.
+        digests.push_chunk(|layer, md5| digest_kv(md5, &buffers[layer], plan.dtype));
     }
-    let chunk_checksums = if plan.layerwise {
-        ChunkChecksums::PerLayer(
-            per_layer
-                .into_iter()
-                .enumerate()
-                .map(|(i, d)| (format!("layer_{i}"), d))
-                .collect(),
-        )
-    } else {
-        ChunkChecksums::Aggregated(aggregated)
-    };
-    Ok(ChecksumReport {
-        status: "success".to_string(),
-        chunk_size: plan.chunk_size_blocks,
-        num_chunks,
-        chunk_checksums,
-        layerwise: plan.layerwise,
-        block_id_ranges: compress_block_ids(&plan.block_ids),
-    })
+    Ok(digests.report(&plan.block_ids, plan.chunk_size_blocks))
 }
 
 /// Blocks of one chunk that a retrieve leaves untouched: the whole blocks of
