@@ -1,6 +1,8 @@
 //! RPC round-trip latency against the real server: noop, lookup + prefetch status
 //! for a 2048-token request, and the engine_driven prepare/commit round trips,
-//! each as a ratio to a bare libzmq echo measured in the same run; then lookups
+//! each as a ratio to a bare libzmq echo measured in the same run, the store also
+//! beside its floor (the echo answering its prepare only once it has decoded it
+//! and hashed its chunks, which no server can answer before); then lookups
 //! under saturation (with a 1 GiB store and /status polling beside them), and the
 //! server's resident memory outside the L1 arena after many lookups.
 //!
@@ -21,6 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
+use kvshard_engine::keys::chunk_hashes;
+use kvshard_transport::wire;
 use support::*;
 
 const CHUNK: usize = 256;
@@ -221,6 +225,7 @@ impl Echo {
             tid_out.store(unsafe { libc::gettid() }, Ordering::Relaxed);
             while !flag.load(Ordering::Relaxed) {
                 if let Ok(mut frames) = router.recv_multipart(0) {
+                    prepare_store_work(&frames);
                     // [identity, uid, op] and a short answer, whatever came after.
                     frames.truncate(3);
                     frames.push(vec![0xa2, b'O', b'K']);
@@ -255,6 +260,24 @@ impl Echo {
         }
     }
 
+    /// `n` pairs of echo round trips, of the requests `first` and then
+    /// `second` (each the op first), each pair recorded into `h` as one.
+    fn sample_pairs(
+        &mut self,
+        n: usize,
+        first: &[Vec<u8>],
+        second: &[Vec<u8>],
+        h: &mut Histogram<u64>,
+    ) {
+        for _ in 0..n {
+            let (a, b) = (first.to_vec(), second.to_vec());
+            let t = Instant::now();
+            call_frames(&mut self.c, a);
+            call_frames(&mut self.c, b);
+            h.record(t.elapsed().as_nanos() as u64).unwrap();
+        }
+    }
+
     /// `n` echo round trips of the request `frames` (the op first), each
     /// answered with the echo's short reply, recorded into `h`.
     fn sample_frames(&mut self, n: usize, frames: &[Vec<u8>], h: &mut Histogram<u64>) {
@@ -265,6 +288,27 @@ impl Echo {
             h.record(t.elapsed().as_nanos() as u64).unwrap();
         }
     }
+}
+
+/// What any server has to do with a prepare_store before it can answer it,
+/// done by the echo to `frames` ([identity, uid, op, payloads...]) when they
+/// are one: decode the request and hash its complete chunks (lmcache's chained
+/// blake3), whose hashes name the objects and so the shards that own them.
+/// Nothing for any other request.
+fn prepare_store_work(frames: &[Vec<u8>]) {
+    let Some(op) = frames.get(2).and_then(|f| wire::decode_op(f).ok()) else {
+        return;
+    };
+    if op != wire::Op::PrepareStore {
+        return;
+    }
+    let payloads: Vec<&[u8]> = frames[3..].iter().map(Vec::as_slice).collect();
+    let Ok(wire::Request::PrepareStore { key, .. }) = wire::decode_request(op, &payloads) else {
+        panic!("the bench's prepare_store decodes");
+    };
+    let end = usize::try_from(key.end).expect("a positive end");
+    let hashes = chunk_hashes(&key.token_ids, CHUNK, 0, end - end % CHUNK).expect("hashable");
+    std::hint::black_box(hashes);
 }
 
 impl Drop for Echo {
@@ -367,6 +411,9 @@ impl CpuWindow {
 /// Echo blocks per measured operation.
 const ECHO_BLOCKS: usize = 10;
 
+/// The bar of each two-round-trip operation, over the echo at p50.
+const PAIR_BAR: f64 = 2.4;
+
 /// The round-trip histograms of [`round_trips`].
 struct RoundTrips {
     noop: Histogram<u64>,
@@ -383,6 +430,10 @@ struct RoundTrips {
     echo_store: Histogram<u64>,
     echo_lookup: Histogram<u64>,
     echo_store_after: Histogram<u64>,
+    /// The floor of a store, sampled beside it: the same prepare_store and
+    /// commit_store sent to the echo, which decodes the prepare and hashes
+    /// its chunks before answering it (see [`prepare_store_work`]).
+    store_floor: Histogram<u64>,
     /// The echo of a request carrying a 2048-token key (a lookup's frames),
     /// sampled beside lookup and retrieve: what such a request costs the
     /// transport alone.
@@ -477,11 +528,17 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     let cpu = CpuWindow::start(pid, &echo);
     let mut hp = hist();
     let (mut hp_prep, mut hp_commit) = (hist(), hist());
+    let mut store_floor = hist();
     for i in 0..n_pc {
+        let key = key_frame("bench", Some(0), &tokens(i), end, &format!("s{i}"));
         if i % (n_pc / ECHO_BLOCKS) == 0 {
             echo.sample(n_pc / ECHO_BLOCKS, &mut echo_store);
+            let (prep, commit) = (
+                req(OP_PREPARE_STORE, &[&key, &one]),
+                req(OP_COMMIT_STORE, &[&key, &one, &empty]),
+            );
+            echo.sample_pairs(n_pc / ECHO_BLOCKS, &prep, &commit, &mut store_floor);
         }
-        let key = key_frame("bench", Some(0), &tokens(i), end, &format!("s{i}"));
         let (whole, prepared) = store(&mut c, &key);
         split(&mut hp, &mut hp_prep, &mut hp_commit, whole, prepared);
         c.call(OP_END_SESSION, &[s(&format!("s{i}"))]);
@@ -489,7 +546,8 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
     report("prepare+commit store (8 chunks)", &hp);
     report("  of which the prepare", &hp_prep);
     report("  of which the commit", &hp_commit);
-    cpu.report("store and end_session", n_pc, 3, &echo, echo_store.len());
+    let echoes = echo_store.len() + 2 * store_floor.len();
+    cpu.report("store and end_session", n_pc, 3, &echo, echoes);
     println!(
         "  shard wake-ups per store and end_session: {:.2}",
         (wakeups() - wakeups_before) / n_pc as f64
@@ -592,6 +650,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
         echo_store,
         echo_lookup,
         echo_store_after,
+        store_floor,
         echo_sized,
     }
 }
@@ -653,19 +712,19 @@ fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>, hop:
             "lookup+status (2 round trips)",
             &rt.lookup,
             &rt.echo_lookup,
-            2.4,
+            PAIR_BAR,
         ),
         (
             "prepare+commit store (8 chunks)",
             &rt.store,
             &rt.echo_store,
-            2.4,
+            PAIR_BAR,
         ),
         (
             "prepare+commit retrieve (8 chunks)",
             &rt.retrieve,
             &rt.echo_lookup,
-            2.4,
+            PAIR_BAR,
         ),
     ] {
         let (r50, r99) = (ratio(h, echo, 0.5), ratio(h, echo, 0.99));
@@ -697,8 +756,8 @@ fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>, hop:
     // Every request of those but the status carries the 2048-token key
     // (about 8 KiB): that much more for the transport to move, with no
     // server work. The floor of lookup+status is a sized echo and a plain
-    // one, that of each prepare+commit two sized echoes (a little high: the
-    // echo carries the key back too, where the server's replies are small).
+    // one, that of each prepare+commit two sized echoes (the echo answers
+    // short, as the server does), to which a store adds its hashing (below).
     let plain50 = rt.echo_lookup.value_at_quantile(0.5) as f64;
     let sized50 = rt.echo_sized.value_at_quantile(0.5) as f64;
     println!(
@@ -716,6 +775,19 @@ fn ratios(rt: &RoundTrips, before: &Histogram<u64>, after: &Histogram<u64>, hop:
             "over the echoes of the same requests  {name:<24} p50 {:>5.2}x",
             h.value_at_quantile(0.5) as f64 / floor
         );
+    }
+    // A store's prepare cannot be answered before its chunks are hashed: the
+    // hashes name the objects, and so the shards whose memory the slots are
+    // in. Its floor is the echo doing that much (decode and hash) and no more.
+    report("store floor: echo + decode + hash", &rt.store_floor);
+    let floor = ratio(&rt.store_floor, &rt.echo_store, 0.5);
+    println!(
+        "store floor (the echo of its two requests, the prepare decoded and its 8 chunks hashed \
+         first) p50 {floor:.2}x the echo; the store is {:.2}x this floor",
+        ratio(&rt.store, &rt.store_floor, 0.5)
+    );
+    if floor > PAIR_BAR {
+        println!("  the store's bar ({PAIR_BAR}x the echo) is below this floor in this run");
     }
 }
 
