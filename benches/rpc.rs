@@ -66,10 +66,9 @@ fn tokens(seed: usize) -> Vec<u32> {
 /// libzmq can reach on this machine, measured with the same client and the same
 /// frames as the server's noop.
 fn echo_baseline(n: usize) -> Histogram<u64> {
-    let port = free_port();
     let ctx = zmq::Context::new();
     let router = ctx.socket(zmq::ROUTER).unwrap();
-    router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let port = bind_loopback(&router);
     let total = n + n / 10;
     let echo = std::thread::spawn(move || {
         for _ in 0..total {
@@ -100,10 +99,9 @@ fn echo_baseline(n: usize) -> Histogram<u64> {
 /// (last allowed core) and first shard (first core) are. A round trip of it
 /// minus a plain echo's is the cost of the thread hop alone on this machine.
 fn hop_echo_baseline(n: usize) -> Histogram<u64> {
-    let port = free_port();
     let ctx = zmq::Context::new();
     let router = ctx.socket(zmq::ROUTER).unwrap();
-    router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let port = bind_loopback(&router);
     let total = n + n / 10;
     // SAFETY: eventfd takes no pointers; the fd is owned by this function's threads.
     let done_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK) };
@@ -210,11 +208,10 @@ struct Echo {
 
 impl Echo {
     fn start() -> Echo {
-        let port = free_port();
         let ctx = zmq::Context::new();
         let router = ctx.socket(zmq::ROUTER).unwrap();
         router.set_rcvtimeo(50).unwrap();
-        router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+        let port = bind_loopback(&router);
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let tid = Arc::new(std::sync::atomic::AtomicI32::new(0));

@@ -108,8 +108,7 @@ fn a_server_that_never_answers_is_reported() {
     // when a handler fails.
     let ctx = zmq::Context::new();
     let router = ctx.socket(zmq::ROUTER).unwrap();
-    let port = free_port();
-    router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let port = bind_loopback(&router);
     let t0 = std::time::Instant::now();
     let out = Command::new(kvshard_bin())
         .args(["loadgen", "--timeout-ms", "300", "--duration", "1"])

@@ -448,6 +448,24 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Binds `socket` to a port of loopback the kernel picks and returns it: a
+/// port [`free_port`] found free can be taken by another test's connection
+/// before a later bind.
+pub fn bind_loopback(socket: &zmq::Socket) -> u16 {
+    socket
+        .bind("tcp://127.0.0.1:*")
+        .expect("bind to a kernel-picked port");
+    let endpoint = socket
+        .get_last_endpoint()
+        .expect("last endpoint")
+        .expect("endpoint is UTF-8");
+    endpoint
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {endpoint}"))
+}
+
 /// The server log at `path` for each start of one [`Server`]: created by the
 /// first, appended to by a retried one.
 fn log_file(path: &std::path::Path) -> impl Fn() -> Stdio + '_ {
