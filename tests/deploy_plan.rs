@@ -325,20 +325,53 @@ fn stderr_of(child: &mut Child) -> String {
     s
 }
 
-/// Spawns the plan's command on free loopback ports (the last of a repeated
-/// flag wins), its stderr captured.
-fn spawn_planned(cmd: &[String]) -> (Server, u16) {
-    let http = free_port();
-    let zmq = free_port();
-    let child = Command::new(&cmd[0])
-        .args(&cmd[1..])
-        .args(["--host", "127.0.0.1", "--port", &zmq.to_string()])
-        .args(["--http-host", "127.0.0.1", "--http-port", &http.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    (Server(child), http)
+/// What became of a planned server: serving `/healthcheck`,
+/// or exited, with its status and stderr.
+enum Start {
+    Serving(Server),
+    Exited(std::process::ExitStatus, String),
+}
+
+/// Runs the plan's command on free loopback ports (the last of a repeated
+/// flag wins), its stderr captured, until it serves `/healthcheck` or exits
+/// (90 s at most). One that could not bind a port is started again on other
+/// ports (3 tries in all): a port `free_port` found free can be taken by
+/// another test's connection before the server binds it.
+fn start_planned(cmd: &[String]) -> Start {
+    const TRIES: u32 = 3;
+    for attempt in 1..=TRIES {
+        let (http, zmq) = (free_port(), free_port());
+        let mut server = Server(
+            Command::new(&cmd[0])
+                .args(&cmd[1..])
+                .args(["--host", "127.0.0.1", "--port", &zmq.to_string()])
+                .args(["--http-host", "127.0.0.1", "--http-port", &http.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = server.0.try_wait().unwrap() {
+                let stderr = stderr_of(&mut server.0);
+                if attempt < TRIES && stderr.contains("cannot bind") {
+                    eprintln!("{stderr}\nstarting the plan's command again on other ports");
+                    break;
+                }
+                return Start::Exited(status, stderr);
+            }
+            if healthcheck(http) {
+                return Start::Serving(server);
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(90),
+                "the plan's command neither served /healthcheck nor stopped within 90 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    unreachable!("the last try returns")
 }
 
 fn machine_plan(extra: &[&str]) -> Value {
@@ -382,21 +415,12 @@ fn the_plan_for_this_machine_starts_a_kvshard_that_serves_and_stops_on_sigterm()
     }
 
     let segment = PathBuf::from(format!("/dev/shm/lmcache_l1_pool_{shm}"));
-    let (mut server, http) = spawn_planned(&command_of(&plan));
-    let t0 = Instant::now();
-    while !healthcheck(http) {
-        if let Some(status) = server.0.try_wait().unwrap() {
-            panic!(
-                "kvshard exited ({status}) before serving:\n{}",
-                stderr_of(&mut server.0)
-            );
+    let mut server = match start_planned(&command_of(&plan)) {
+        Start::Serving(server) => server,
+        Start::Exited(status, stderr) => {
+            panic!("kvshard exited ({status}) before serving:\n{stderr}")
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(90),
-            "kvshard did not serve /healthcheck within 90 s"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    };
     assert!(segment.exists(), "{} while serving", segment.display());
 
     // The unit stops it with SIGTERM: it must exit 0 and remove its segment.
@@ -419,23 +443,9 @@ fn the_plan_for_this_machine_starts_a_kvshard_that_serves_and_stops_on_sigterm()
     // or stops at the arena (pool too small here), never at argument checks
     // (exit status 2).
     let plan = machine_plan(&["--l1-size-gb", "0.0625", "--l1-mode", "hugetlb"]);
-    let (mut server, http) = spawn_planned(&command_of(&plan));
-    let t0 = Instant::now();
-    loop {
-        if let Some(status) = server.0.try_wait().unwrap() {
-            let stderr = stderr_of(&mut server.0);
-            assert_ne!(status.code(), Some(2), "hugetlb plan refused:\n{stderr}");
-            assert!(stderr.contains("hugetlb"), "{stderr}");
-            break;
-        }
-        if healthcheck(http) {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(90),
-            "kvshard (hugetlb plan) neither served nor stopped within 90 s"
-        );
-        std::thread::sleep(Duration::from_millis(100));
+    if let Start::Exited(status, stderr) = start_planned(&command_of(&plan)) {
+        assert_ne!(status.code(), Some(2), "hugetlb plan refused:\n{stderr}");
+        assert!(stderr.contains("hugetlb"), "{stderr}");
     }
 }
 
