@@ -257,31 +257,16 @@ impl Echo {
         }
     }
 
-    /// `n` pairs of echo round trips, of the requests `first` and then
-    /// `second` (each the op first), each pair recorded into `h` as one.
-    fn sample_pairs(
-        &mut self,
-        n: usize,
-        first: &[Vec<u8>],
-        second: &[Vec<u8>],
-        h: &mut Histogram<u64>,
-    ) {
+    /// `n` times the requests of `requests` (each its frames, the op first)
+    /// sent to the echo one after the other, each answered with the echo's
+    /// short reply; the round trips of each time recorded into `h` as one.
+    fn sample_requests(&mut self, n: usize, requests: &[&[Vec<u8>]], h: &mut Histogram<u64>) {
         for _ in 0..n {
-            let (a, b) = (first.to_vec(), second.to_vec());
+            let copies: Vec<Vec<Vec<u8>>> = requests.iter().map(|r| r.to_vec()).collect();
             let t = Instant::now();
-            call_frames(&mut self.c, a);
-            call_frames(&mut self.c, b);
-            h.record(t.elapsed().as_nanos() as u64).unwrap();
-        }
-    }
-
-    /// `n` echo round trips of the request `frames` (the op first), each
-    /// answered with the echo's short reply, recorded into `h`.
-    fn sample_frames(&mut self, n: usize, frames: &[Vec<u8>], h: &mut Histogram<u64>) {
-        for _ in 0..n {
-            let f = frames.to_vec();
-            let t = Instant::now();
-            call_frames(&mut self.c, f);
+            for frames in copies {
+                call_frames(&mut self.c, frames);
+            }
             h.record(t.elapsed().as_nanos() as u64).unwrap();
         }
     }
@@ -534,7 +519,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
                 req(OP_PREPARE_STORE, &[&key, &one]),
                 req(OP_COMMIT_STORE, &[&key, &one, &empty]),
             );
-            echo.sample_pairs(n_pc / ECHO_BLOCKS, &prep, &commit, &mut store_floor);
+            echo.sample_requests(n_pc / ECHO_BLOCKS, &[&prep, &commit], &mut store_floor);
         }
         let (whole, prepared) = store(&mut c, &key);
         split(&mut hp, &mut hp_prep, &mut hp_commit, whole, prepared);
@@ -575,7 +560,7 @@ fn round_trips(n_noop: usize, n_lookup: usize, n_pc: usize) -> RoundTrips {
             &[&key_frame_enc("bench", None, &toks, end, &rid), &one],
         );
         if i % (n_lookup / ECHO_BLOCKS) == 0 {
-            echo.sample_frames(n_lookup / ECHO_BLOCKS, &lookup, &mut echo_sized);
+            echo.sample_requests(n_lookup / ECHO_BLOCKS, &[&lookup], &mut echo_sized);
         }
         let t = Instant::now();
         assert_eq!(call_frames(&mut c, lookup), None);
