@@ -438,6 +438,7 @@ fn checksums_for_an_unknown_instance_is_404() {
         .0,
         404
     );
+    // The instance is looked up before the request is checked, as 0.5.6 does.
     assert_eq!(
         post(
             &srv,
@@ -445,9 +446,68 @@ fn checksums_for_an_unknown_instance_is_404() {
             Some(r#"{"block_ids":[],"chunk_size":1}"#)
         )
         .0,
-        400
+        404
     );
     assert_eq!(post(&srv, "/cache/checksums", None).0, 422);
+}
+
+#[test]
+fn checksums_refuse_as_lmcache_does() {
+    let srv = Server::start(&[]);
+    let mut c = srv.client();
+    let (_layer, desc) = lm_layer("kvt_sums");
+    assert_eq!(
+        c.call(OP_REGISTER_KV_CACHE, &lm_register_frames(7, desc)),
+        None
+    );
+    // [NB, BS, NH, CS]: K and V fused in one plane, which 0.5.6 does not checksum.
+    let fused_shape = [8, 16, 2, 64];
+    let fused_bytes = fused_shape.iter().product::<i64>() * 2;
+    let seg = unique("kvt_fused");
+    let _fused = ShmMap::create(&seg, fused_bytes as usize);
+    let desc = cpu_shm_wrapper(
+        &format!("/{seg}"),
+        fused_bytes,
+        "float16",
+        &fused_shape,
+        &[16 * 2 * 64, 2 * 64, 64, 1],
+    );
+    assert_eq!(
+        c.call(OP_REGISTER_KV_CACHE, &lm_register_frames(8, desc)),
+        None
+    );
+
+    let sums = |body: &str| post(&srv, "/cache/checksums", Some(body));
+    let refused = |body: &str, status: u16, detail: &str| {
+        assert_eq!(sums(body), (status, json!({ "detail": detail })), "{body}");
+    };
+    refused(
+        r#"{"instance_id":7,"block_ids":[],"chunk_size":1}"#,
+        400,
+        "block_ids is required",
+    );
+    refused(
+        r#"{"instance_id":7,"block_ids":[1]}"#,
+        400,
+        "chunk_size must be positive",
+    );
+    refused(
+        r#"{"instance_id":8,"block_ids":[1],"chunk_size":1}"#,
+        501,
+        "checksum not supported for GPU KV format NL_X_NB_BS_NH_CS",
+    );
+    let (st, v) = sums(r#"{"instance_id":7,"block_ids":[1,99],"chunk_size":1}"#);
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("block id 99 is outside 0..8"),
+        "{v}"
+    );
+    // The same worker answers a request it can serve.
+    let (st, v) = sums(r#"{"instance_id":7,"block_ids":[1,2],"chunk_size":1}"#);
+    assert_eq!((st, v["num_chunks"].as_i64()), (200, Some(2)), "{v}");
 }
 
 #[test]

@@ -3610,15 +3610,17 @@ impl Front {
                         ))
                     }
                     Some((LmcTransfer::Cuda(c), _)) => {
+                        let plan = match c.checksum_plan(&block_ids, chunk_size_blocks, layerwise) {
+                            Ok(p) => p,
+                            Err(r) => {
+                                return responder.send(ControlResponse::error(r.status, r.detail))
+                            }
+                        };
                         let Some(exec) = self.cuda_threads.clone() else {
                             return responder.send(ControlResponse::error(
                                 503,
                                 "no CUDA device thread is running".to_string(),
                             ));
-                        };
-                        let plan = match c.checksum_plan(&block_ids, chunk_size_blocks, layerwise) {
-                            Ok(p) => p,
-                            Err(e) => return responder.send(ControlResponse::error(400, e)),
                         };
                         Box::new(move || {
                             kvshard_dataplane::cuda_transfer::run_checksums(
@@ -3630,10 +3632,15 @@ impl Front {
                             .map_err(|e| (500, e))
                         })
                     }
-                    Some((LmcTransfer::CpuShm(reg), _)) => Box::new(move || {
-                        reg.checksums(&block_ids, chunk_size_blocks, layerwise)
-                            .map_err(|e| (400, e.to_string()))
-                    }),
+                    Some((LmcTransfer::CpuShm(reg), _)) => {
+                        if let Err(r) = reg.checksum_check(&block_ids, chunk_size_blocks) {
+                            return responder.send(ControlResponse::error(r.status, r.detail));
+                        }
+                        Box::new(move || {
+                            reg.checksums(&block_ids, chunk_size_blocks, layerwise)
+                                .map_err(|r| (r.status, r.detail))
+                        })
+                    }
                 };
                 if self.checksum_threads.load(Ordering::SeqCst) >= MAX_CHECKSUM_THREADS {
                     log_limited!(

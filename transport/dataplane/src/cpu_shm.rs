@@ -1302,6 +1302,28 @@ impl CpuShmRegistration {
         }
     }
 
+    /// Why a `/cache/checksums` request for this worker is refused, found
+    /// before any block is read; else the block axis its blocks gather along.
+    pub fn checksum_check(
+        &self,
+        block_ids: &[i64],
+        chunk_size_blocks: usize,
+    ) -> Result<usize, ChecksumRefusal> {
+        let block_axis = checksum_axis(self.geometry.format, block_ids, chunk_size_blocks)?;
+        // index_select rejects ids outside the cache, the null id included.
+        match block_ids.iter().find(|&&id| self.block_index(id).is_none()) {
+            None => Ok(block_axis),
+            Some(&block_id) => Err(ChecksumRefusal::bad_request(
+                TransferError::BlockIdOutOfRange {
+                    block_id,
+                    num_blocks: self.geometry.num_blocks,
+                    null_block_id: self.null_block_id,
+                }
+                .to_string(),
+            )),
+        }
+    }
+
     /// What 0.5.6's `POST /cache/checksums` computes: MD5 over every
     /// registered layer's blocks gathered on the layer's block axis, in groups
     /// of `chunk_size_blocks` blocks (the last group may be shorter), bfloat16
@@ -1312,29 +1334,8 @@ impl CpuShmRegistration {
         block_ids: &[i64],
         chunk_size_blocks: usize,
         layerwise: bool,
-    ) -> Result<ChecksumReport, TransferError> {
-        if block_ids.is_empty() {
-            return Err(invalid("block_ids is required"));
-        }
-        if chunk_size_blocks == 0 {
-            return Err(invalid("chunk_size must be positive"));
-        }
-        let Some(block_axis) = self.geometry.format.checksum_block_axis() else {
-            return Err(unsupported(format!(
-                "checksum not supported for GPU KV format {}",
-                self.geometry.format.name()
-            )));
-        };
-        // index_select rejects ids outside the cache, the null id included.
-        for &id in block_ids {
-            if self.block_index(id).is_none() {
-                return Err(TransferError::BlockIdOutOfRange {
-                    block_id: id,
-                    num_blocks: self.geometry.num_blocks,
-                    null_block_id: self.null_block_id,
-                });
-            }
-        }
+    ) -> Result<ChecksumReport, ChecksumRefusal> {
+        let block_axis = self.checksum_check(block_ids, chunk_size_blocks)?;
         let mut digests = ChecksumDigests::new(self.layers.len(), layerwise);
         let mut scratch = Vec::new();
         for ids in block_ids.chunks(chunk_size_blocks) {
@@ -1380,6 +1381,44 @@ impl CpuShmRegistration {
             },
         );
     }
+}
+
+/// A `/cache/checksums` request refused: the HTTP status 0.5.6 answers it
+/// with (400 for a malformed request, 501 for a KV format it does not
+/// checksum) and the detail.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChecksumRefusal {
+    pub status: u16,
+    pub detail: String,
+}
+
+impl ChecksumRefusal {
+    pub fn bad_request(detail: impl Into<String>) -> Self {
+        ChecksumRefusal {
+            status: 400,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// What 0.5.6's `/cache/checksums` checks before it reads a block of a
+/// worker whose layers are in `format`: block ids given, a positive chunk
+/// size, a format it checksums. Returns the block axis to gather along.
+pub fn checksum_axis(
+    format: KvFormat,
+    block_ids: &[i64],
+    chunk_size_blocks: usize,
+) -> Result<usize, ChecksumRefusal> {
+    if block_ids.is_empty() {
+        return Err(ChecksumRefusal::bad_request("block_ids is required"));
+    }
+    if chunk_size_blocks == 0 {
+        return Err(ChecksumRefusal::bad_request("chunk_size must be positive"));
+    }
+    format.checksum_block_axis().ok_or_else(|| ChecksumRefusal {
+        status: 501,
+        detail: format!("checksum not supported for GPU KV format {}", format.name()),
+    })
 }
 
 /// The bytes of `tensor.index_select(axis, indices)` in C order, as runs of
@@ -2554,18 +2593,21 @@ mod tests {
             ChunkChecksums::Aggregated(vec![expected])
         );
 
-        assert!(matches!(
-            reg.checksums(&[], 2, false),
-            Err(TransferError::Invalid(_))
-        ));
-        assert!(matches!(
-            reg.checksums(&[1], 0, false),
-            Err(TransferError::Invalid(_))
-        ));
-        assert!(matches!(
-            reg.checksums(&[1, 6], 2, false),
-            Err(TransferError::BlockIdOutOfRange { block_id: 6, .. })
-        ));
+        let refused = |ids: &[i64], chunk| reg.checksums(ids, chunk, false).unwrap_err();
+        assert_eq!(
+            refused(&[], 2),
+            ChecksumRefusal::bad_request("block_ids is required")
+        );
+        assert_eq!(
+            refused(&[1], 0),
+            ChecksumRefusal::bad_request("chunk_size must be positive")
+        );
+        let out_of_range = refused(&[1, 6], 2);
+        assert_eq!(out_of_range.status, 400);
+        assert!(
+            out_of_range.detail.contains("block id 6 is outside 0..6"),
+            "{out_of_range:?}"
+        );
         // Fused K/V layouts are declined, as 0.5.6 answers 501.
         let fused = TestSegment::new(6 * 2 * 2 * 4);
         let reg = CpuShmRegistration::open(
@@ -2576,10 +2618,13 @@ mod tests {
             0,
         )
         .unwrap();
-        assert!(matches!(
-            reg.checksums(&[1], 1, false),
-            Err(TransferError::Unsupported(_))
-        ));
+        assert_eq!(
+            reg.checksums(&[1], 1, false).unwrap_err(),
+            ChecksumRefusal {
+                status: 501,
+                detail: "checksum not supported for GPU KV format NL_X_NB_BS_NH_CS".into()
+            }
+        );
     }
 
     #[test]

@@ -30,8 +30,8 @@ use kvshard_gds::device::worker::{
 use kvshard_gds::layout::{EngineKvFormat, PageBufferShape, StrideTable};
 
 use crate::cpu_shm::{
-    digest_kv, index_select_runs, ChecksumDigests, ChecksumReport, DeviceGeometry, KvDtype,
-    KvFormat, KvGroupSpec, ShmTensorSpec, TransferError,
+    checksum_axis, digest_kv, index_select_runs, ChecksumDigests, ChecksumRefusal, ChecksumReport,
+    DeviceGeometry, KvDtype, KvFormat, KvGroupSpec, ShmTensorSpec, TransferError,
 };
 use crate::cuda_refusal::{parse_torch_handle, TorchHandle};
 use crate::layout::Layout;
@@ -423,21 +423,11 @@ impl CudaInstance {
         block_ids: &[i64],
         chunk_size_blocks: usize,
         layerwise: bool,
-    ) -> Result<ChecksumPlan, String> {
-        if block_ids.is_empty() {
-            return Err("block_ids is required".into());
-        }
-        if chunk_size_blocks == 0 {
-            return Err("chunk_size must be positive".into());
-        }
+    ) -> Result<ChecksumPlan, ChecksumRefusal> {
         let g = &self.geometry;
-        let Some(axis) = g.format.checksum_block_axis() else {
-            return Err(format!(
-                "checksum not supported for GPU KV format {}",
-                g.format.name()
-            ));
-        };
-        self.validate_block_ids(block_ids)?;
+        let axis = checksum_axis(g.format, block_ids, chunk_size_blocks)?;
+        self.validate_block_ids(block_ids)
+            .map_err(ChecksumRefusal::bad_request)?;
         let es = g.dtype.size_bytes();
         let mut chunks = Vec::with_capacity(block_ids.len().div_ceil(chunk_size_blocks));
         for ids in block_ids.chunks(chunk_size_blocks) {
@@ -462,11 +452,11 @@ impl CudaInstance {
                 })
                 .collect();
             if bytes > CHECKSUM_CHUNK_BYTES {
-                return Err(format!(
+                return Err(ChecksumRefusal::bad_request(format!(
                     "a chunk of {} blocks is {bytes} bytes of GPU memory to read back, over the \
                      {CHECKSUM_CHUNK_BYTES} kvshard reads at once: ask with a smaller chunk_size",
                     ids.len()
-                ));
+                )));
             }
             chunks.push(reads);
         }

@@ -34,9 +34,11 @@ impl Rejection {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Checksums {
     pub instance_id: i64,
-    /// Never empty.
+    /// May be empty: 0.5.6 refuses that (400) only once it has found the
+    /// instance (else 404), and so does the front.
     pub block_ids: Vec<i64>,
-    /// Never 0.
+    /// 0 for an absent or non-positive `chunk_size`, refused as an empty
+    /// `block_ids` is.
     pub chunk_size_blocks: usize,
     pub layerwise: bool,
 }
@@ -392,12 +394,6 @@ pub fn parse_checksums(body: &[u8]) -> Result<Checksums, Rejection> {
             ));
         }
     };
-    if block_ids.is_empty() {
-        return Err(Rejection::detail(
-            StatusCode::BAD_REQUEST,
-            "block_ids is required",
-        ));
-    }
     let chunk_size_blocks = match chunk_size.flatten() {
         Some(LaxInt::Fits(i)) if i > 0 => usize::try_from(i).unwrap_or(usize::MAX),
         Some(LaxInt::Huge {
@@ -405,12 +401,6 @@ pub fn parse_checksums(body: &[u8]) -> Result<Checksums, Rejection> {
         }) => usize::MAX,
         _ => 0,
     };
-    if chunk_size_blocks == 0 {
-        return Err(Rejection::detail(
-            StatusCode::BAD_REQUEST,
-            "chunk_size must be positive",
-        ));
-    }
     let mut ids = Vec::with_capacity(block_ids.len());
     for b in block_ids {
         match b {
@@ -486,11 +476,15 @@ mod tests {
             "{}",
             err.body
         );
-        let err = parse_checksums(br#"{"block_ids": [1]}"#).unwrap_err();
-        assert_eq!(
-            err,
-            Rejection::detail(StatusCode::BAD_REQUEST, "chunk_size must be positive")
-        );
+        // What 0.5.6 refuses only after finding the instance passes here.
+        for (body, ids, chunk) in [
+            (&br#"{}"#[..], vec![], 0),
+            (br#"{"block_ids": [1]}"#, vec![1], 0),
+            (br#"{"block_ids": [], "chunk_size": -3}"#, vec![], 0),
+        ] {
+            let c = parse_checksums(body).unwrap();
+            assert_eq!((c.block_ids, c.chunk_size_blocks), (ids, chunk));
+        }
         assert_eq!(
             parse_checksums(b"").unwrap_err().status,
             StatusCode::UNPROCESSABLE_ENTITY
