@@ -148,6 +148,22 @@ fn status_has_what_describe_kvcache_reads_and_reflects_state() {
     assert!(total >= used);
     let ratio = l1["memory_usage_ratio"].as_f64().unwrap();
     assert!((ratio - used as f64 / total as f64).abs() < 1e-9, "{l1}");
+    // 0.5.6's shapes: L1 use as (used, total) bytes, capacity by backend type,
+    // the one L1 also under its default tag.
+    let sm = &st["storage_manager"];
+    assert_eq!(sm["l1_usage"], json!([used, total]));
+    assert_eq!(
+        sm["l1_capacity_bytes_by_backend"],
+        json!({"dram": 64 << 20})
+    );
+    assert_eq!(l1["capacity_bytes_by_backend"], json!({"dram": 64 << 20}));
+    assert_eq!(&sm["l1_managers"]["_default"], l1);
+    assert_eq!(l1["write_ttl_seconds"], json!(600));
+    assert_eq!(
+        st["worker_liveness"],
+        json!({"enabled": true, "reap_timeout_seconds": 120.0,
+               "registration_grace_seconds": 3600.0, "tracked_instances": 2})
+    );
     assert_eq!(st["registered_non_cuda_instance_ids"], json!([1000]));
     assert_eq!(
         st["non_cuda_context_meta"]["1000"]["model_name"],
@@ -160,13 +176,19 @@ fn status_has_what_describe_kvcache_reads_and_reflects_state() {
     let layout = &meta["kv_cache_layout"];
     assert_eq!(layout["num_layers"], json!(1), "{meta}");
     assert_eq!(layout["num_blocks"], json!(8), "{meta}");
+    let group = &layout["kernel_groups"][0];
+    assert_eq!(group["tokens_per_block"], json!(16), "{meta}");
+    assert_eq!(group["engine_kv_shape"], json!("NL x [2, NB, BS, NH, HS]"));
     assert_eq!(
-        layout["kernel_groups"][0]["tokens_per_block"],
-        json!(16),
-        "{meta}"
+        group["engine_kv_concrete_shape"],
+        json!("1 x [2, 8, 16, 2, 32]")
+    );
+    assert_eq!(
+        group["attention_backend"],
+        json!("vLLM non-MLA flash attention")
     );
     assert!(st["active_sessions"].as_u64().unwrap() >= 1);
-    assert!(st["worker_liveness"]["1000"].is_object());
+    assert!(st["worker_liveness_by_instance"]["1000"].is_object());
 
     // Locks show up while a lookup holds them.
     assert_eq!(ed_lookup(&mut c, &ed_key("m", None, &toks, 5, "s")), 5);

@@ -33,7 +33,7 @@ fn chunks_outlive_a_restart_under_0_5_6_names_and_load_back_from_s3() {
         }
         let st = srv.get_json("/status");
         let a = &st["storage_manager"]["l2_adapters"][0];
-        assert_eq!(a["type"], "s3");
+        assert_eq!(a["type"], "S3L2Adapter");
         assert_eq!(a["stored_object_count"], 4);
         // The secret never shows.
         let cfg = srv.http("GET", "/config/adapters", None).1;

@@ -73,7 +73,10 @@ fn fs_chunks_outlive_a_restart_and_load_back_from_l2() {
         );
         let st = srv.get_json("/status");
         assert_eq!(st["storage_manager"]["num_l2_adapters"], 1);
-        assert_eq!(st["storage_manager"]["l2_adapters"][0]["type"], "fs");
+        assert_eq!(
+            st["storage_manager"]["l2_adapters"][0]["type"],
+            "FSL2Adapter"
+        );
         assert_eq!(
             st["storage_manager"]["l2_adapters"][0]["stored_object_count"],
             4

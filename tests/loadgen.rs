@@ -150,7 +150,7 @@ fn bad_settings_are_refused_before_connecting() {
 /// `has_liveness_signal` of every worker in `/status`, by instance id.
 fn liveness(srv: &Server) -> Vec<(String, bool)> {
     let status = srv.get_json("/status");
-    let workers = status["worker_liveness"]
+    let workers = status["worker_liveness_by_instance"]
         .as_object()
         .cloned()
         .unwrap_or_default();

@@ -297,6 +297,59 @@ impl KvFormat {
         self == KvFormat::NbBsHs
     }
 
+    /// 0.5.6's symbolic shape of the format, read off its name:
+    /// `NL_X_TWO_NB_BS_NH_HS` is `NL x [2, NB, BS, NH, HS]`.
+    pub fn shape_description(self) -> String {
+        self.render_shape(|label| label.to_string())
+    }
+
+    /// The shape with a worker's sizes in it, e.g. `32 x [2, 2048, 16, 8, 128]`
+    /// (`elems` is the innermost axis: HS, or CS of a fused K/V format, for
+    /// which 0.5.6 itself prints "Unknown").
+    pub fn concrete_shape(
+        self,
+        layers: usize,
+        blocks: usize,
+        block_size: usize,
+        heads: usize,
+        elems: usize,
+    ) -> String {
+        self.render_shape(|label| match label {
+            "NL" => layers.to_string(),
+            "NB" => blocks.to_string(),
+            "BS" => block_size.to_string(),
+            "NH" => heads.to_string(),
+            _ => elems.to_string(),
+        })
+    }
+
+    /// `NL_X_<inner>`: the list levels, then the bracketed tensor axes.
+    fn render_shape(self, size: impl Fn(&str) -> String) -> String {
+        let label = |t: &str| match t {
+            "TWO" => "2".to_string(),
+            t => size(t),
+        };
+        let mut levels: Vec<&str> = self.name().split("_X_").collect();
+        let inner = levels.pop().expect("a format name has an inner shape");
+        let body: Vec<String> = inner.split('_').map(label).collect();
+        let mut parts: Vec<String> = levels.into_iter().map(label).collect();
+        parts.push(format!("[{}]", body.join(", ")));
+        parts.join(" x ")
+    }
+
+    /// The attention backend 0.5.6 names as the format's usual producer.
+    pub fn attention_backend(self) -> &'static str {
+        match self {
+            KvFormat::TwoNbBsNhHs => "vLLM non-MLA flash attention",
+            KvFormat::TwoNbNhBsHs => "vLLM non-MLA flash attention (HND layout)",
+            KvFormat::NbTwoBsNhHs => "vLLM non-MLA flash infer",
+            KvFormat::NbTwoNhBsHs => "vLLM non-MLA flash infer (HND layout)",
+            KvFormat::NbBsHs => "vLLM MLA / SGLang MLA (MP)",
+            KvFormat::NbBsNhCs => "vLLM non-MLA blocks-first, fused K/V (NHD)",
+            KvFormat::NbNhBsCs => "vLLM non-MLA blocks-first, fused K/V (HND)",
+        }
+    }
+
     /// Planes per object: 2 (K, V) or 1 (MLA latent, fused K/V).
     pub fn kv_size(self) -> usize {
         if self.axes().plane.is_some() {
@@ -2624,6 +2677,27 @@ mod tests {
                 status: 501,
                 detail: "checksum not supported for GPU KV format NL_X_NB_BS_NH_CS".into()
             }
+        );
+    }
+
+    #[test]
+    fn format_shapes_read_as_0_5_6_prints_them() {
+        assert_eq!(
+            KvFormat::TwoNbBsNhHs.shape_description(),
+            "NL x [2, NB, BS, NH, HS]"
+        );
+        assert_eq!(KvFormat::NbBsHs.shape_description(), "NL x [NB, BS, HS]");
+        assert_eq!(
+            KvFormat::TwoNbBsNhHs.concrete_shape(4, 65, 16, 4, 64),
+            "4 x [2, 65, 16, 4, 64]"
+        );
+        assert_eq!(
+            KvFormat::NbTwoNhBsHs.concrete_shape(32, 2048, 16, 8, 128),
+            "32 x [2048, 2, 8, 16, 128]"
+        );
+        assert_eq!(
+            KvFormat::NbBsNhCs.concrete_shape(2, 8, 16, 2, 64),
+            "2 x [8, 16, 2, 64]"
         );
     }
 
