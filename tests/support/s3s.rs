@@ -158,7 +158,11 @@ impl S3sFs {
             };
             for e in rd.flatten() {
                 let p = e.path();
-                let md = e.metadata().unwrap();
+                // A file s3s-fs removes (an object deleted, a temporary
+                // renamed) while the walk runs is not there.
+                let Ok(md) = e.metadata() else {
+                    continue;
+                };
                 if md.is_dir() {
                     walk(&p, base, out);
                 } else {
