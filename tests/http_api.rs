@@ -384,6 +384,17 @@ fn quota_put_get_delete_list() {
     assert_eq!(users["tenant"]["limit_gb"], json!(1.5));
     assert_eq!(users["_default"]["limit_gb"], json!(2.0));
     assert_eq!(users.as_object().unwrap().len(), 2);
+    // A limit is kept in whole bytes, as 0.5.6 keeps it, and read back from them.
+    assert_eq!(
+        put(&srv, "/quota/tenth", r#"{"limit_gb": 0.1}"#).1["limit_gb"],
+        json!(0.1)
+    );
+    // int(0.1 * 2**30) bytes is 0.09999999962747097 GiB (compared as text:
+    // serde_json's own float parsing may be one ulp off).
+    let (st, text) = srv.http("GET", "/quota/tenth", None);
+    assert_eq!(st, 200);
+    assert!(text.contains(r#""limit_gb":0.09999999962747097"#), "{text}");
+    assert_eq!(delete(&srv, "/quota/tenth").0, 200);
 
     // Bad bodies: 400, and the quota is unchanged.
     for body in [

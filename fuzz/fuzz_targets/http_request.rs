@@ -28,7 +28,11 @@ fuzz_target!(|data: &[u8]| {
                 .iter()
                 .find(|h| h.name.eq_ignore_ascii_case("host"))
                 .and_then(|h| std::str::from_utf8(h.value).ok());
-            route(req.method.unwrap_or_default(), req.path.unwrap_or_default(), host);
+            route(
+                req.method.unwrap_or_default(),
+                req.path.unwrap_or_default(),
+                host,
+            );
             &data[head_len..]
         }
         _ => data,
@@ -38,7 +42,8 @@ fuzz_target!(|data: &[u8]| {
 
 /// Routes a request line as the server does; a line hyper would refuse is ignored.
 fn route(method: &str, target: &str, host: Option<&str>) {
-    let (Ok(method), Ok(uri)) = (Method::from_bytes(method.as_bytes()), target.parse::<Uri>()) else {
+    let (Ok(method), Ok(uri)) = (Method::from_bytes(method.as_bytes()), target.parse::<Uri>())
+    else {
         return;
     };
     let path = percent_decode(uri.path());
@@ -46,8 +51,11 @@ fn route(method: &str, target: &str, host: Option<&str>) {
         Resolved::Found(_) => {}
         Resolved::MethodNotAllowed(allow) => assert!(!allow.is_empty()),
         Resolved::NotFound => {
-            if let Some(location) = redirect_location(&path, uri.path(), uri.query(), host) {
-                assert!(location.starts_with('/') || location.starts_with("http://"), "{location}");
+            if let Some(location) = redirect_location(&path, uri.query(), host) {
+                assert!(
+                    location.starts_with('/') || location.starts_with("http://"),
+                    "{location}"
+                );
             }
         }
     }
@@ -61,11 +69,10 @@ fn parse(body: &[u8]) {
     if let Err(r) = parse_clear(body) {
         assert!(r.status.is_client_error(), "{r:?}");
     }
-    match parse_checksums(body) {
-        Ok(c) => assert!(!c.block_ids.is_empty() && c.chunk_size_blocks > 0, "{c:?}"),
-        Err(r) => {
-            assert!(r.status.is_client_error(), "{r:?}");
-            assert!(r.body.get("detail").is_some(), "{r:?}");
-        }
+    // No block ids or no positive chunk size pass here: the front refuses
+    // them once it has found the instance, as 0.5.6 does.
+    if let Err(r) = parse_checksums(body) {
+        assert!(r.status.is_client_error(), "{r:?}");
+        assert!(r.body.get("detail").is_some(), "{r:?}");
     }
 }

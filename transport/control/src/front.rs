@@ -474,7 +474,9 @@ pub struct Front {
     unsupported_logged: HashSet<&'static str>,
     /// The lookup-hash log's writer thread (`--lookup-hash-log-dir`).
     lookup_log: Option<LookupLogWriter>,
-    quotas: HashMap<String, f64>,
+    /// `/quota` limits in bytes (0.5.6 keeps `int(limit_gb * 2**30)`), in
+    /// the order they were first set, as 0.5.6 lists them.
+    quotas: indexmap::IndexMap<String, u64>,
     /// Lookups whose L2 loads are running, and those waiting for a slot
     /// (`--l2-prefetch-max-in-flight`).
     loads_inflight: usize,
@@ -622,7 +624,7 @@ impl Front {
             metrics: Metrics::default(),
             unsupported_logged: HashSet::new(),
             lookup_log,
-            quotas: HashMap::new(),
+            quotas: indexmap::IndexMap::new(),
             loads_inflight: 0,
             load_queue: std::collections::VecDeque::new(),
             next_load_tag: 0,
@@ -3569,9 +3571,10 @@ impl Front {
                 cache_salt,
                 limit_gb,
             } => {
-                let n = self.shards.len() as f64;
-                let per_shard = (limit_gb * GIB / n) as u64;
-                self.quotas.insert(cache_salt.clone(), limit_gb);
+                // Python's int() truncates; `as` does too, saturating at u64::MAX.
+                let limit_bytes = (limit_gb * GIB) as u64;
+                let per_shard = limit_bytes / self.shards.len() as u64;
+                self.quotas.insert(cache_salt.clone(), limit_bytes);
                 let salt = cache_salt.clone();
                 self.post_all(move || ShardOp::SetQuota {
                     cache_salt: salt.clone(),
@@ -3580,7 +3583,7 @@ impl Front {
                 responder.send(ControlResponse::json(serde_json::json!({"cache_salt": cache_salt, "limit_gb": limit_gb, "status": "ok"})));
             }
             ControlRequest::QuotaDelete { cache_salt } => {
-                let existed = self.quotas.remove(&cache_salt).is_some();
+                let existed = self.quotas.shift_remove(&cache_salt).is_some();
                 let salt = cache_salt.clone();
                 self.post_all(move || ShardOp::RemoveQuota {
                     cache_salt: salt.clone(),
@@ -3742,7 +3745,7 @@ impl Front {
                 let limit = self.quotas.get(cache_salt);
                 ControlResponse::json(serde_json::json!({
                     "cache_salt": cache_salt,
-                    "limit_gb": limit.copied().unwrap_or(0.0),
+                    "limit_gb": limit.map_or(0.0, |&b| b as f64 / GIB),
                     "current_usage_gb": usage as f64 / GIB,
                     "exists": limit.is_some(),
                 }))
@@ -3751,7 +3754,7 @@ impl Front {
                 let mut users = serde_json::Map::new();
                 for (salt, limit) in &self.quotas {
                     let usage = self.salt_usage(&reports, salt);
-                    users.insert(salt.clone(), serde_json::json!({"limit_gb": limit, "current_usage_gb": usage as f64 / GIB}));
+                    users.insert(salt.clone(), serde_json::json!({"limit_gb": *limit as f64 / GIB, "current_usage_gb": usage as f64 / GIB}));
                 }
                 ControlResponse::json(serde_json::json!({ "users": users }))
             }

@@ -119,11 +119,9 @@ impl StatusSnapshot {
         let mut status = json!({
             "is_healthy": alive,
             "engine_type": "MPCacheServer",
-            "server": "kvshard",
             "chunk_size": cfg.chunk_size,
             "hash_algorithm": "blake3",
             "active_sessions": self.active_sessions,
-            "uptime_seconds": now.duration_since(self.started).as_secs_f64(),
             "storage_manager": {
                 "is_healthy": alive,
                 // One L1 (0.5.6's single-tier layout): the maps hold it
@@ -174,7 +172,10 @@ impl StatusSnapshot {
             "cache_context_meta": self.lmc_meta,
             "registered_non_cuda_instance_ids": self.engine_ids,
             "non_cuda_context_meta": self.engine_meta,
-            // kvshard only: each registered worker's liveness.
+            // kvshard only from here: the server, its uptime, each registered
+            // worker's liveness.
+            "server": "kvshard",
+            "uptime_seconds": now.duration_since(self.started).as_secs_f64(),
             "worker_liveness_by_instance": liveness_by_instance,
             // GPU workers whose CUDA registrations were refused, and why.
             "refused_gpu_instances": self.refused_gpu_instances,
@@ -250,9 +251,9 @@ impl StatusSnapshot {
                 .iter()
                 .all(|t| t.status["adapter"]["is_healthy"].as_bool().unwrap_or(true));
             let mut v = json!({
-                "name": kvshard_dataplane::shard::l2::tier_name(spec, i),
-                "type": adapter_class(spec),
                 "is_healthy": healthy,
+                "type": adapter_class(spec),
+                "name": kvshard_dataplane::shard::l2::tier_name(spec, i),
                 "stored_object_count": keys,
                 "current_size_bytes": used,
                 "max_capacity_bytes": spec.capacity_bytes(),

@@ -132,7 +132,7 @@ fn python_float_str(s: &str) -> Option<f64> {
 
 /// `PUT /quota/{salt}`'s hand-written checks, with 0.5.6's messages.
 pub fn parse_limit_gb(body: &[u8]) -> Result<f64, &'static str> {
-    let v = python_json(body).map_err(|_| "invalid JSON body")?;
+    let v = python_json(without_bom(body)).map_err(|_| "invalid JSON body")?;
     let Some(raw) = v.as_object().and_then(|o| o.get("limit_gb")) else {
         return Err("body must be {'limit_gb': <float>}");
     };
@@ -152,16 +152,37 @@ fn verr(kind: &str, loc: &[Value], msg: &str, input: &Value) -> Value {
     json!({ "type": kind, "loc": full, "msg": msg, "input": input })
 }
 
-/// A FastAPI model body: `Ok(None)` when absent (empty or `null`), 422 when not JSON.
+/// `json.loads` of bytes reads a UTF-8 byte order mark as the encoding's and
+/// drops it.
+fn without_bom(body: &[u8]) -> &[u8] {
+    body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body)
+}
+
+/// A FastAPI model body: `Ok(None)` when absent (empty or `null`), 422 when not
+/// JSON, 400 when not UTF-8 (FastAPI's answer to an error other than a JSON one).
 fn model_body(body: &[u8]) -> Result<Option<Value>, Rejection> {
     if body.is_empty() {
         return Ok(None);
     }
+    let body = without_bom(body);
+    let Ok(text) = std::str::from_utf8(body) else {
+        return Err(Rejection::detail(
+            StatusCode::BAD_REQUEST,
+            "There was an error parsing the body",
+        ));
+    };
     match python_json(body) {
         Ok(Value::Null) => Ok(None),
         Ok(v) => Ok(Some(v)),
         Err(e) => {
-            let pos = byte_offset(body, e.line(), e.column());
+            // Python's position: characters before the error, all of them
+            // when the text ended early.
+            let byte = if e.is_eof() {
+                body.len()
+            } else {
+                byte_offset(body, e.line(), e.column())
+            };
+            let pos = text.get(..byte).map_or(byte, |t| t.chars().count());
             Err(Rejection::validation(vec![json!({
                 "type": "json_invalid",
                 "loc": ["body", pos],
@@ -454,6 +475,26 @@ mod tests {
             parse_limit_gb(br#"{"limit_gb": -1}"#),
             Err("limit_gb must be non-negative")
         );
+    }
+
+    #[test]
+    fn json_bodies_read_as_python_reads_bytes() {
+        // A byte order mark is dropped.
+        assert_eq!(parse_limit_gb(b"\xEF\xBB\xBF{\"limit_gb\": 1}"), Ok(1.0));
+        assert_eq!(model_body(b"\xEF\xBB\xBF{}").unwrap(), Some(json!({})));
+        // Bytes that are not UTF-8: 400 from a model body, as FastAPI answers.
+        assert_eq!(
+            model_body(b"{\"tier\":\"\xff\"}").unwrap_err(),
+            Rejection::detail(
+                StatusCode::BAD_REQUEST,
+                "There was an error parsing the body"
+            )
+        );
+        assert_eq!(parse_limit_gb(b"\xff"), Err("invalid JSON body"));
+        // The error's position counts characters, and all of them at the end.
+        let loc = |body: &[u8]| model_body(body).unwrap_err().body["detail"][0]["loc"].clone();
+        assert_eq!(loc(b"{\"tier\":"), json!(["body", 8]));
+        assert_eq!(loc("{\"t\u{e9}\": x}".as_bytes()), json!(["body", 7]));
     }
 
     #[test]
