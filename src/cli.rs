@@ -449,6 +449,18 @@ pub struct L2PolicyArgs {
         allow_negative_numbers = true
     )]
     pub l2_prefetch_max_in_flight: i64,
+    /// Seconds a lookup waits for L2 (queueing, the existence check and the loads into L1)
+    /// before it concludes with the prefix already in L1; the rest is a miss the engine
+    /// recomputes, and loads still running land in L1 for the next request. A lookup that
+    /// runs out counts as a failure of the tier that held it up. 0 waits as long as L2 takes.
+    /// (The flag of lmcache's later releases; 0.5.6 has none.)
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 0.5,
+        allow_negative_numbers = true
+    )]
+    pub l2_prefetch_load_timeout: f64,
     /// Python notifier-thread heartbeat, in ms. Accepted; no effect in kvshard.
     #[arg(
         long,
@@ -765,6 +777,34 @@ pub struct KvshardArgs {
         allow_negative_numbers = true
     )]
     pub http_max_connections: usize,
+    /// [kvshard only] Cache salts `PUT /quota/<salt>` may hold limits for at once; a new salt
+    /// beyond it is refused with 400 (set or delete existing ones meanwhile).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 4096,
+        allow_negative_numbers = true
+    )]
+    pub max_quotas: usize,
+    /// [kvshard only] Block ids one `POST /cache/checksums` may name; a longer list is refused
+    /// with 400 (each block is read and hashed on every layer).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 16384,
+        allow_negative_numbers = true
+    )]
+    pub max_checksum_blocks: usize,
+    /// [kvshard only] Seconds a stopping server (SIGTERM, SIGINT) waits for L2 writes still
+    /// running before it exits anyway, logging what was abandoned. The ports, the SHM pool's
+    /// name and its lock are given up first, whatever L2 still holds. 0 does not wait.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 10.0,
+        allow_negative_numbers = true
+    )]
+    pub shutdown_drain_seconds: f64,
     /// [kvshard only] Microseconds that each shard and the front keep polling for their next
     /// piece of work before they sleep. A request that arrives meanwhile costs no wake-up (no
     /// syscall, no scheduler latency), at the price of a busy core for that long after each
@@ -1017,6 +1057,7 @@ impl ServerArgs {
                 store_policy: l2_policy.store_policy,
                 prefetch_policy: l2_policy.prefetch_policy,
                 prefetch_max_in_flight: l2_policy.prefetch_max_in_flight,
+                prefetch_load_timeout: l2_policy.prefetch_load_timeout,
                 store_inflight_bytes: kvshard.l2_store_inflight_bytes,
             },
             http_host,
@@ -1032,6 +1073,9 @@ impl ServerArgs {
             max_frame_bytes: kvshard.max_frame_bytes,
             cuda_transfer: kvshard.cuda_transfer,
             http_max_connections: kvshard.http_max_connections,
+            max_quotas: kvshard.max_quotas,
+            max_checksum_blocks: kvshard.max_checksum_blocks,
+            shutdown_drain: kvshard.shutdown_drain,
             spin: kvshard.spin,
         };
         check_cross_group(&mut config, &mut notes)?;
@@ -1550,6 +1594,7 @@ struct L2Policy {
     store_policy: L2StorePolicy,
     prefetch_policy: L2PrefetchPolicy,
     prefetch_max_in_flight: usize,
+    prefetch_load_timeout: Duration,
 }
 
 impl L2PolicyArgs {
@@ -1575,10 +1620,16 @@ impl L2PolicyArgs {
                 "shards are woken by completions; there is no notifier thread",
             );
         }
+        let prefetch_load_timeout = seconds(
+            "--l2-prefetch-load-timeout",
+            self.l2_prefetch_load_timeout,
+            true,
+        )?;
         Ok(L2Policy {
             store_policy,
             prefetch_policy,
             prefetch_max_in_flight,
+            prefetch_load_timeout,
         })
     }
 }
@@ -1828,6 +1879,9 @@ struct Kvshard {
     max_frame_bytes: usize,
     cuda_transfer: bool,
     http_max_connections: usize,
+    max_quotas: usize,
+    max_checksum_blocks: usize,
+    shutdown_drain: Duration,
     spin: Duration,
 }
 
@@ -1880,6 +1934,13 @@ impl KvshardArgs {
             max_frame_bytes: nonzero("--max-frame-bytes", self.max_frame_bytes)?,
             cuda_transfer: self.cuda_transfer == "on",
             http_max_connections: nonzero("--http-max-connections", self.http_max_connections)?,
+            max_quotas: nonzero("--max-quotas", self.max_quotas)?,
+            max_checksum_blocks: nonzero("--max-checksum-blocks", self.max_checksum_blocks)?,
+            shutdown_drain: seconds(
+                "--shutdown-drain-seconds",
+                self.shutdown_drain_seconds,
+                true,
+            )?,
             spin: spin_duration(self.spin_us)?,
         })
     }

@@ -120,8 +120,11 @@ fn a_cuda_registration_is_answered_refused_and_reported() {
         );
         assert_eq!(counter(&srv, "kvshard_refused_gpu_instances"), 1.0);
 
-        // Its PINGs say unhealthy; other instances' (and anonymous) PINGs do not.
+        // Its PINGs say unhealthy; anonymous PINGs do not, and an instance
+        // this server does not know hears unhealthy once (so that its client
+        // registers again), then healthy.
         assert!(!ping(&mut c, IID));
+        assert!(!ping(&mut c, IID + 1));
         assert!(ping(&mut c, IID + 1));
         assert_eq!(c.call(OP_PING, &[V::Nil]), Some(V::B(true)));
 
@@ -147,10 +150,12 @@ fn a_cuda_registration_is_answered_refused_and_reported() {
             Some(before + 1.0)
         );
 
-        // Unregistering forgets the refusal; the id is then unknown (healthy).
+        // Unregistering forgets the refusal; the id is then unknown
+        // (unhealthy once, then healthy).
         assert_eq!(c.call(OP_UNREGISTER_KV_CACHE, &[V::I(IID)]), None);
         assert!(refused(&srv).is_empty());
         assert_eq!(counter(&srv, "kvshard_refused_gpu_instances"), 0.0);
+        assert!(!ping(&mut c, IID));
         assert!(ping(&mut c, IID));
     }
 

@@ -753,3 +753,63 @@ fn l1_page_policy_is_reported_and_hugetlb_needs_its_pool_and_no_shm() {
         ),
     }
 }
+
+#[test]
+fn quota_salts_and_checksum_work_are_bounded() {
+    let srv = Server::start(&["--max-quotas", "3", "--max-checksum-blocks", "4"]);
+    let limit = r#"{"limit_gb": 1}"#;
+    for salt in ["a", "b", "_default"] {
+        assert_eq!(put(&srv, &format!("/quota/{salt}"), limit).0, 200, "{salt}");
+    }
+    // A new salt beyond the bound is refused; the ones held can still change.
+    let (st, v) = put(&srv, "/quota/c", limit);
+    assert_eq!(st, 400, "{v}");
+    let msg = v["error"].as_str().unwrap();
+    assert!(msg.contains("--max-quotas"), "{msg}");
+    assert_eq!(put(&srv, "/quota/a", r#"{"limit_gb": 2}"#).0, 200);
+    assert_eq!(delete(&srv, "/quota/b").0, 200);
+    assert_eq!(put(&srv, "/quota/c", limit).0, 200);
+    let (_, list) = srv.http("GET", "/quota", None);
+    let list: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(list["users"].as_object().unwrap().len(), 3, "{list}");
+
+    // Salts are checked as on the wire: what no request could carry is refused.
+    assert_eq!(delete(&srv, "/quota/c").0, 200);
+    for bad in ["nul%00salt", "at%40sign", "back%5Cslash", &"x".repeat(129)] {
+        let (st, v) = put(&srv, &format!("/quota/{bad}"), limit);
+        assert_eq!(st, 400, "{bad}: {v}");
+        assert!(v["error"].as_str().unwrap().contains("cache_salt"), "{v}");
+    }
+    let (_, list) = srv.http("GET", "/quota", None);
+    let list: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(list["users"].as_object().unwrap().len(), 2, "{list}");
+
+    // One checksum request names at most --max-checksum-blocks block ids
+    // (repeats count: each is read and hashed).
+    let mut c = srv.client();
+    let (_layer, desc) = lm_layer("kvt_bounded_sums");
+    assert_eq!(
+        c.call(OP_REGISTER_KV_CACHE, &lm_register_frames(7, desc)),
+        None
+    );
+    let sums = |ids: &str| {
+        post(
+            &srv,
+            "/cache/checksums",
+            Some(&format!(
+                r#"{{"instance_id":7,"block_ids":{ids},"chunk_size":1}}"#
+            )),
+        )
+    };
+    let (st, v) = sums("[1,1,1,1,1]");
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("--max-checksum-blocks"),
+        "{v}"
+    );
+    let (st, v) = sums("[1,2,3,4]");
+    assert_eq!((st, v["num_chunks"].as_i64()), (200, Some(4)), "{v}");
+}

@@ -899,3 +899,35 @@ fn checksums_match_before_and_after_a_round_trip() {
     );
     assert_eq!(st, 404, "unknown instance");
 }
+
+#[test]
+fn a_store_partly_without_l1_memory_succeeds_and_counts_what_it_left_out() {
+    // Room for 10 chunk objects of 4 KiB (whatever the shard count), and no
+    // eviction: a store of 16 chunks finds memory for at most 10 of them.
+    let obj = NL * 2 * CS * NH * HS * ES;
+    assert_eq!(obj, 4096);
+    let srv = Server::start(&["--l1-size-gb", "0.00004", "--eviction-policy", "noop"]);
+    let mut c = srv.client();
+    let w = Worker::new(100, NHD, 1);
+    w.register(&srv, &mut c, 1);
+    let blocks: Vec<i64> = (0..16 * BPC as i64).collect();
+    let toks = tokens(9, 16 * CS);
+    let k = key(1, Some(0), &toks, (0, 16 * CS), "s", 1);
+    assert!(
+        store(&mut c, 100, k, &blocks),
+        "answered as a success, as 0.5.6 answers it"
+    );
+    let metric = |name: &str| srv.metric(name, &[]).unwrap_or(0.0) as u64;
+    let left_out = metric("kvshard_store_chunks_left_out_total");
+    let stored = metric("lmcache_mp_l1_write_chunks_total");
+    assert!((6..16).contains(&left_out), "{left_out} chunks left out");
+    assert_eq!(stored + left_out, 16, "{stored} stored");
+    assert_eq!(metric("kvshard_partial_stores_total"), 1);
+    assert_eq!(
+        metric("lmcache_mp_l1_allocation_failure_chunks_total"),
+        left_out
+    );
+    // What was left out is a miss: the hit prefix is at most what was stored.
+    let hits = lookup(&mut c, 1, &toks, 16 * CS, "r", 1);
+    assert!(hits as u64 <= stored, "{hits} hits, {stored} stored");
+}

@@ -86,6 +86,8 @@ fn start_shard(
         // Due at once: only the shard's own scheduling keeps a tick waiting.
         eviction_interval: Duration::from_millis(1),
         spin,
+        shutdown_drain: Duration::from_secs(10),
+        prefault: None,
     };
     let backing = ShardBacking::Memory(arena);
     prefill(&tx);

@@ -57,3 +57,33 @@ fn a_busy_http_port_refuses_the_start_and_removes_the_shm_pool() {
         pool_segment(&shm).display()
     );
 }
+
+#[test]
+fn an_unwritable_lookup_hash_log_dir_refuses_the_start_with_the_path_and_cause() {
+    // A path that cannot be a directory (its parent is a file): refused
+    // whatever the permissions of the user running it.
+    let file = std::env::temp_dir().join(unique("kvshard-not-a-dir"));
+    std::fs::write(&file, b"").unwrap();
+    let below = file.join("logs");
+    let shm = unique("kvstart");
+    let err = Server::start_refused(&[
+        "--shm-name",
+        &shm,
+        "--lookup-hash-log-dir",
+        below.to_str().unwrap(),
+    ]);
+    assert!(err.contains("--lookup-hash-log-dir"), "{err}");
+    assert!(err.contains(&below.display().to_string()), "{err}");
+    assert!(err.contains("Not a directory"), "{err}");
+    assert!(!pool_segment(&shm).exists(), "{err}");
+    std::fs::remove_file(&file).unwrap();
+
+    // A directory that exists on a read-only file system: refused too (root
+    // ignores permission bits, a read-only mount it cannot).
+    let Some(ro) = Tmpfs::mount("1m", true) else {
+        return;
+    };
+    let err = Server::start_refused(&["--lookup-hash-log-dir", ro.path.to_str().unwrap()]);
+    assert!(err.contains(&ro.path.display().to_string()), "{err}");
+    assert!(err.contains("Read-only file system"), "{err}");
+}

@@ -51,6 +51,9 @@ pub struct SlabAllocator {
     /// double free or a made-up range.
     live: HashMap<u64, u64>,
     used: u64,
+    /// One past the highest byte ever handed out, relative to `base` (what a
+    /// lazily faulted arena must have faulted in).
+    high_water: u64,
 }
 
 impl SlabAllocator {
@@ -84,6 +87,7 @@ impl SlabAllocator {
             free_by_len: BTreeSet::new(),
             live: HashMap::new(),
             used: 0,
+            high_water: 0,
         };
         a.grow(capacity);
         a
@@ -124,6 +128,7 @@ impl SlabAllocator {
             self.used <= self.capacity,
             "slab accounting: used exceeds capacity"
         );
+        self.high_water = self.high_water.max(offset + need - self.base);
         Some(Slab { offset, len: need })
     }
 
@@ -195,6 +200,12 @@ impl SlabAllocator {
         self.capacity = new_capacity;
     }
 
+    /// One past the highest byte ever handed out, from `base`: never more
+    /// than the capacity, never going down.
+    pub fn high_water(&self) -> u64 {
+        self.high_water
+    }
+
     /// Bytes held by live slabs (aligned lengths).
     pub fn used_bytes(&self) -> u64 {
         self.used
@@ -254,6 +265,14 @@ impl SlabAllocator {
             live_sum, self.used,
             "used bytes differ from the sum of live slabs"
         );
+        assert!(self.high_water <= self.capacity, "high water past capacity");
+        for (&off, &len) in &self.live {
+            assert!(
+                off + len - self.base <= self.high_water,
+                "live slab {off:#x}+{len} above the high water {}",
+                self.high_water
+            );
+        }
         ranges.sort_unstable();
         // Free and live ranges must tile [base, base + capacity) exactly, with
         // no two free ranges adjacent (they would have been merged).

@@ -255,8 +255,12 @@ pub struct Arena {
     len: usize,
     /// Length of the mapping: `len` rounded up to the page size in use.
     map_len: usize,
-    /// The named segment behind the mapping, with its ownership lock.
-    segment: Option<OwnedSegment>,
+    /// The named segment's name (without '/'), kept for reports after the
+    /// segment itself is released.
+    shm_name: Option<String>,
+    /// The named segment behind the mapping, with its ownership lock, until
+    /// [`Arena::release_segment`] (or drop) gives both up.
+    segment: std::sync::Mutex<Option<OwnedSegment>>,
     huge_pages: HugePages,
     /// The external mapping the arena sits on; `None` when the arena mapped
     /// its memory itself (and so unmaps it on drop).
@@ -269,7 +273,8 @@ pub struct Arena {
 // threads touch the same bytes without synchronisation (each shard owns a
 // disjoint slice); the mapping itself may be accessed from any thread.
 unsafe impl Send for Arena {}
-// SAFETY: see `Send`: no method mutates the `Arena` value itself.
+// SAFETY: see `Send`: no method mutates the `Arena` value itself but
+// `release_segment`, through its mutex.
 unsafe impl Sync for Arena {}
 
 impl fmt::Debug for Arena {
@@ -580,7 +585,8 @@ impl Arena {
             base,
             len,
             map_len: len,
-            segment: None,
+            shm_name: None,
+            segment: std::sync::Mutex::new(None),
             huge_pages: HugePages::Off,
             region: Some(region),
         })
@@ -603,7 +609,8 @@ impl Arena {
             base,
             len,
             map_len: len.next_multiple_of(page_size()),
-            segment: None,
+            shm_name: None,
+            segment: std::sync::Mutex::new(None),
             huge_pages: cfg.huge_pages,
             region: None,
         };
@@ -652,7 +659,8 @@ impl Arena {
             base,
             len,
             map_len,
-            segment: None,
+            shm_name: None,
+            segment: std::sync::Mutex::new(None),
             huge_pages: HugePages::Hugetlb,
             region: None,
         })
@@ -715,7 +723,8 @@ impl Arena {
             base,
             len,
             map_len: len.next_multiple_of(page_size()),
-            segment: Some(segment),
+            shm_name: Some(segment.name().to_owned()),
+            segment: std::sync::Mutex::new(Some(segment)),
             huge_pages: cfg.huge_pages,
             region: None,
         };
@@ -800,14 +809,30 @@ impl Arena {
 
     /// The shm segment name (without '/'), for a named arena.
     pub fn shm_name(&self) -> Option<&str> {
-        self.segment.as_ref().map(OwnedSegment::name)
+        self.shm_name.as_deref()
+    }
+
+    /// Gives up the named segment's name and its ownership lock now, keeping
+    /// the mapping: the name is unlinked (if it still refers to this
+    /// segment), so a later server may create it again and nothing is left
+    /// in `/dev/shm` should this process not get to drop the arena (a write
+    /// stuck in the kernel at shutdown). The memory stays mapped, here and in
+    /// the clients that map it, until unmapped. Returns whether there was a
+    /// segment to release; a second call does nothing.
+    pub fn release_segment(&self) -> bool {
+        let taken = self
+            .segment
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        taken.is_some()
     }
 
     /// What backs the arena: "shm" (a POSIX shm segment), "anonymous"
     /// (private memory, base or huge pages), or the kind an [`ArenaRegion`]
     /// names ("devdax", "file").
     pub fn kind(&self) -> &'static str {
-        match (&self.region, &self.segment) {
+        match (&self.region, &self.shm_name) {
             (Some(r), _) => r.kind(),
             (None, Some(_)) => "shm",
             (None, None) => "anonymous",
@@ -817,18 +842,18 @@ impl Arena {
     /// The file or device behind the arena: `/dev/shm/<name>` for a named
     /// arena, the region's path for one built over a region.
     pub fn path(&self) -> Option<std::path::PathBuf> {
-        match (&self.region, &self.segment) {
+        match (&self.region, &self.shm_name) {
             (Some(r), _) => r.path().map(Path::to_path_buf),
-            (None, Some(s)) => Some(Path::new("/dev/shm").join(s.name())),
+            (None, Some(s)) => Some(Path::new("/dev/shm").join(s)),
             (None, None) => None,
         }
     }
 
     /// One line for logs.
     pub fn describe(&self) -> String {
-        match (&self.region, &self.segment) {
+        match (&self.region, &self.shm_name) {
             (Some(r), _) => r.describe(),
-            (None, Some(s)) => format!("POSIX shm segment /{} of {} bytes", s.name(), self.len),
+            (None, Some(s)) => format!("POSIX shm segment /{s} of {} bytes", self.len),
             (None, None) => format!("anonymous memory of {} bytes", self.len),
         }
     }
@@ -866,6 +891,38 @@ impl Arena {
             });
         }
         Ok(())
+    }
+
+    /// Faults `[offset, offset+len)` in for writing (widened to whole
+    /// pages) without changing a byte, so that later writes to it take no
+    /// page fault. Needs `MADV_POPULATE_WRITE` (Linux 5.14): older kernels
+    /// answer `Unsupported`, and the pages are then faulted on first use.
+    pub fn populate_range(&self, offset: u64, len: u64) -> Result<(), ArenaError> {
+        let (off, n) = self.check_range(offset, len)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let page = page_size();
+        let start = off & !(page - 1);
+        let end = (off + n).div_ceil(page) * page;
+        // SAFETY: `[start, end)` lies inside our mapping (page-rounded);
+        // MADV_POPULATE_WRITE faults pages in and leaves their contents alone.
+        let rc = unsafe {
+            libc::madvise(
+                self.base.as_ptr().add(start).cast(),
+                end - start,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        Err(ArenaError::Os {
+            op: "madvise(MADV_POPULATE_WRITE)",
+            name: self.shm_name.clone(),
+            size_bytes: self.len as u64,
+            source: last_os_error(),
+        })
     }
 
     /// View `[offset, offset+len)`.
@@ -981,6 +1038,27 @@ mod tests {
         }
         drop(arena);
         assert!(!shm_path(&name).exists(), "drop must unlink the segment");
+    }
+
+    #[test]
+    fn a_released_segment_leaves_dev_shm_and_its_name_free_but_stays_mapped() {
+        let name = unique_name("release");
+        let arena = Arena::create(&named_cfg(&name, 8192)).unwrap();
+        // SAFETY: nobody else touches the arena in this test.
+        unsafe { arena.slice_mut(0, 4) }.copy_from_slice(b"kept");
+        assert!(arena.release_segment());
+        assert!(!shm_path(&name).exists(), "the name is unlinked at once");
+        assert!(!arena.release_segment(), "a second release does nothing");
+        assert_eq!(arena.shm_name(), Some(name.as_str()), "still reported");
+        // SAFETY: as above.
+        assert_eq!(unsafe { arena.slice(0, 4) }, b"kept", "the mapping stays");
+        // Another server may take the name (and its lock) meanwhile, and this
+        // arena's drop leaves that one alone.
+        let next = Arena::create(&named_cfg(&name, 4096)).unwrap();
+        drop(arena);
+        assert!(shm_path(&name).exists(), "the new owner's segment stays");
+        drop(next);
+        assert!(!shm_path(&name).exists());
     }
 
     #[test]

@@ -7,6 +7,8 @@ pub mod http;
 pub mod json_text;
 pub mod log_limit;
 pub mod mailbox;
+pub mod memory;
+pub mod prefault;
 pub mod shm_segment;
 pub mod termination;
 pub mod timeout;

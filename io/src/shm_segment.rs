@@ -249,6 +249,52 @@ impl Drop for OwnedSegment {
     }
 }
 
+/// A segment [`remove_dead_segments`] removed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemovedSegment {
+    pub name: String,
+    pub size_bytes: u64,
+}
+
+/// Removes the segments in `/dev/shm` whose name `is_candidate` accepts and
+/// whose owner is gone: nobody holds their lock (a server killed with
+/// SIGKILL, or by the OOM killer, cannot remove its own). A segment whose
+/// lock is held belongs to a live server and is left alone; so is one another
+/// starter creates meanwhile (it takes the lock, or retries its claim when it
+/// finds the name gone). Errors skip the segment. Clients that still map a
+/// removed segment keep their pages until they unmap them.
+pub fn remove_dead_segments(is_candidate: impl Fn(&str) -> bool) -> Vec<RemovedSegment> {
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        if !is_candidate(&name) {
+            continue;
+        }
+        let Ok(fd) = shm_open(&name, libc::O_RDWR) else {
+            continue;
+        };
+        // Held: its server is alive. The lock is ours until `fd` closes.
+        if !try_lock(fd.as_raw_fd()).unwrap_or(false) {
+            continue;
+        }
+        let Ok(st) = fstat(fd.as_raw_fd()) else {
+            continue;
+        };
+        if name_refers_to(&name, fd.as_raw_fd()).unwrap_or(false) && unlink(&name).is_ok() {
+            removed.push(RemovedSegment {
+                name,
+                size_bytes: st.st_size.max(0) as u64,
+            });
+        }
+    }
+    removed
+}
+
 /// The process holding an flock on the file open as `fd`, from `/proc/locks`.
 pub fn holder_of(fd: RawFd) -> Option<Holder> {
     let st = fstat(fd).ok()?;
@@ -364,6 +410,34 @@ pub(crate) mod tests {
         let seg = OwnedSegment::create(&name).unwrap();
         assert!(!name_refers_to(&name, stale.as_raw_fd()).unwrap());
         assert!(name_refers_to(&name, seg.fd()).unwrap());
+    }
+
+    #[test]
+    fn only_dead_candidates_are_removed() {
+        let dead = unique_name("dead_owner");
+        let live = unique_name("live_owner");
+        let other = unique_name("not_a_candidate");
+        // A segment nobody holds (its creator is gone), one a live owner
+        // holds, and one whose name the caller does not claim.
+        let stale = shm_open(&dead, libc::O_CREAT | libc::O_RDWR).unwrap();
+        // SAFETY: `stale` is an open shm fd.
+        assert_eq!(unsafe { libc::ftruncate(stale.as_raw_fd(), 8192) }, 0);
+        drop(stale);
+        let held = OwnedSegment::create(&live).unwrap();
+        drop(shm_open(&other, libc::O_CREAT | libc::O_RDWR).unwrap());
+        let removed = remove_dead_segments(|n| n == dead || n == live);
+        assert_eq!(
+            removed,
+            vec![RemovedSegment {
+                name: dead.clone(),
+                size_bytes: 8192
+            }]
+        );
+        assert!(!exists(&dead));
+        assert!(exists(&live), "a live owner's segment stays");
+        assert!(exists(&other), "not a candidate");
+        drop(held);
+        unlink(&other).unwrap();
     }
 
     #[test]

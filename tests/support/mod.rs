@@ -530,7 +530,9 @@ impl Server {
     }
 
     /// The command line of [`Server::start`]: its small defaults, then `extra`.
-    fn args(port: u16, http_port: u16, shm: &str, extra: &[&str]) -> Vec<String> {
+    /// `shm` names the SHM pool; `None` leaves `--shm-name` out (the server
+    /// then makes up a name).
+    fn args(port: u16, http_port: u16, shm: Option<&str>, extra: &[&str]) -> Vec<String> {
         let mut args: Vec<String> = vec![
             "server".into(),
             "--l1-size-gb".into(),
@@ -545,9 +547,10 @@ impl Server {
             http_port.to_string(),
             "--chunk-size".into(),
             "16".into(),
-            "--shm-name".into(),
-            shm.to_string(),
         ];
+        if let Some(shm) = shm {
+            args.extend(["--shm-name".to_string(), shm.to_string()]);
+        }
         args.extend(extra.iter().map(|a| a.to_string()));
         args
     }
@@ -556,7 +559,7 @@ impl Server {
     /// exits within 20 s it must exit non-zero, and its stderr is returned;
     /// `None` (after killing it) if it is still serving then.
     pub fn start_or_refuse(extra: &[&str]) -> Option<String> {
-        let args = Self::args(free_port(), free_port(), &unique("kvtest"), extra);
+        let args = Self::args(free_port(), free_port(), Some(&unique("kvtest")), extra);
         let mut child = Command::new(kvshard_bin())
             .args(&args)
             .stdin(Stdio::null())
@@ -606,18 +609,42 @@ impl Server {
         Self::start_full(extra, &log_file(log), envs)
     }
 
+    /// [`Server::start_logged`] without `--shm-name`: the server names its
+    /// SHM pool itself (`lmcache_l1_pool_kvshard_<pid>_<random>`), as a
+    /// deployment that does not give one gets. `shm_name` is read from its
+    /// `/status`.
+    pub fn start_logged_auto_shm(extra: &[&str], log: &std::path::Path) -> Server {
+        let mut srv = Self::start_with(None, extra, &log_file(log), &[]);
+        let v = srv.get_json("/status");
+        let path = v["storage_manager"]["l1_manager"]["arena"]["path"]
+            .as_str()
+            .expect("a named arena reports its path")
+            .to_owned();
+        srv.shm_name = path.trim_start_matches("/dev/shm/").to_owned();
+        srv
+    }
+
     /// Spawns the server and waits for its noop reply. A server that exits
     /// before it answers is started again on other ports (3 tries in all): a
     /// port `free_port` found free can be taken by another test's connection
     /// before the server binds it.
     fn start_full(extra: &[&str], stderr: &dyn Fn() -> Stdio, envs: &[(&str, &str)]) -> Server {
+        Self::start_with(Some(&unique("kvtest")), extra, stderr, envs)
+    }
+
+    /// [`Server::start_full`] with the pool's name `shm` (`None`: automatic).
+    fn start_with(
+        shm: Option<&str>,
+        extra: &[&str],
+        stderr: &dyn Fn() -> Stdio,
+        envs: &[(&str, &str)],
+    ) -> Server {
         const TRIES: u32 = 3;
         let mut attempt = 1;
         loop {
             let port = free_port();
             let http_port = free_port();
-            let shm = unique("kvtest");
-            let args = Self::args(port, http_port, &shm, extra);
+            let args = Self::args(port, http_port, shm, extra);
             let child = Command::new(kvshard_bin())
                 .args(&args)
                 .envs(envs.iter().copied())
@@ -630,7 +657,7 @@ impl Server {
                 child,
                 port,
                 http_port,
-                shm_name: format!("lmcache_l1_pool_{shm}"),
+                shm_name: shm.map_or_else(String::new, |s| format!("lmcache_l1_pool_{s}")),
                 args,
             };
             match srv.answers_noop() {
@@ -669,6 +696,29 @@ impl Server {
 
     pub fn client(&self) -> Client {
         Client::connect(self.port)
+    }
+
+    /// Kills the server with SIGKILL (as a crash or the OOM killer would) and
+    /// starts it again with the same command line, so on the same ports: the
+    /// clients connected to it reconnect by themselves. Its log, if any, is
+    /// not kept.
+    pub fn kill_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Command::new(kvshard_bin())
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("KVSHARD_TEST_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .expect("spawn kvshard again");
+        if let Err(status) = self.answers_noop() {
+            panic!("kvshard exited when started again on its ports: {status}");
+        }
     }
 
     /// A plain HTTP/1.1 request; returns (status, body).
@@ -763,7 +813,9 @@ impl Drop for Server {
         // A server that was killed (a test's SIGKILL, or the one above) could
         // not remove its SHM pool; the name is this test's own, so nobody else
         // uses it. Left behind, each run would keep its whole L1 in /dev/shm.
-        let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm_name));
+        if !self.shm_name.is_empty() {
+            let _ = std::fs::remove_file(format!("/dev/shm/{}", self.shm_name));
+        }
     }
 }
 
@@ -1367,6 +1419,12 @@ pub mod cpu_worker;
 mod s3s;
 #[allow(unused_imports)]
 pub use s3s::*;
+
+// ------------------------------------------------------ mounted file systems
+
+mod mounts;
+#[allow(unused_imports)]
+pub use mounts::*;
 
 // ------------------------------------------------------------ fault proxy
 

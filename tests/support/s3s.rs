@@ -185,10 +185,24 @@ impl S3sFs {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// SIGSTOP: the server keeps its sockets (connections are accepted by
+    /// the kernel) and answers nothing, as a hung S3 does.
+    pub fn freeze(&self) {
+        // SAFETY: kill(2) of our own, not yet reaped child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGSTOP) };
+    }
+
+    /// SIGCONT after [`S3sFs::freeze`].
+    pub fn thaw(&self) {
+        // SAFETY: as in `freeze`.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGCONT) };
+    }
 }
 
 impl Drop for S3sFs {
     fn drop(&mut self) {
+        // A stopped process still dies of SIGKILL.
         self.kill();
         let _ = std::fs::remove_dir_all(&self.root);
     }

@@ -14,10 +14,12 @@ use kvshard_gds::slab::{GdsSlab, SlabOptions};
 use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
 use kvshard_io::executor::{spawn_shard, ShardHandle};
 use kvshard_io::mailbox::{mailbox, notify_queue, MailboxSender};
+use kvshard_io::prefault::Prefaulter;
 use kvshard_io::termination;
 
 use kvshard_control::control::ControlHandle;
 use kvshard_control::front::{FrontLoop, FrontSetup};
+use kvshard_control::lookup_log::LookupHashLog;
 use kvshard_dataplane::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
 use kvshard_dataplane::cuda_transfer::L1Memory;
 use kvshard_dataplane::messages::ShardMsg;
@@ -84,6 +86,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     let cfg = Arc::new(cfg);
     termination::catch_signals();
     raise_open_file_limit();
+    remove_dead_pools();
     let n = cfg.cores.len().max(1);
     let align = cfg.l1.align_bytes;
     let slices_of = |size: u64| -> Result<Vec<(u64, u64, u64)>, String> {
@@ -104,8 +107,17 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     // Checked before the arena is made, and again on what was mapped (a
     // device-DAX arena is rounded down to the device alignment).
     let slices = slices_of(cfg.l1.size_bytes)?;
+    // Before any memory is taken: a log directory that cannot be written
+    // refuses the start, as an unwritable L2 path does.
+    let mut lookup_log = cfg
+        .lookup_hash_log
+        .as_ref()
+        .map(LookupHashLog::open)
+        .transpose()
+        .map_err(|e| format!("--lookup-hash-log-dir: {e}"))?;
+    check_memory_room(&cfg)?;
     let (events_tx, events_rx) = notify_queue();
-    let (mut store, slices, lock_memory, setup) = match &cfg.l1.gds {
+    let (mut store, slices, lock_memory, setup, prefault) = match &cfg.l1.gds {
         Some(gds) => {
             let slabs = create_slabs(gds, &slices)?;
             let setup = FrontSetup {
@@ -115,13 +127,14 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
                 arena: slabs_status(gds, &slabs),
                 l1_memory: None,
                 events: events_tx.clone(),
+                lookup_log: lookup_log.take(),
             };
             // Offsets are file offsets: every shard's allocator starts at 0.
             let slices = slices
                 .iter()
                 .map(|&(_, max, init)| (0, max, init))
                 .collect::<Vec<_>>();
-            (L1Store::Slabs(slabs), slices, false, setup)
+            (L1Store::Slabs(slabs), slices, false, setup, None)
         }
         None => {
             // Device memory is not swapped and a shared file mapping is written back,
@@ -152,8 +165,20 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
                     keep: arena.clone(),
                 }),
                 events: events_tx.clone(),
+                lookup_log: lookup_log.take(),
             };
-            (L1Store::Memory(arena), slices, lock_memory, setup)
+            // A lazy L1 in memory is faulted (and locked) in the background,
+            // ahead of use: the start waits for none of it.
+            let prefault = if cfg.l1.use_lazy && cfg.l1.devdax_path.is_none() {
+                let parts: Vec<(u64, u64)> =
+                    slices.iter().map(|&(off, max, _)| (off, max)).collect();
+                let (p, handles) = Prefaulter::start(arena.clone(), &parts, lock_memory)
+                    .map_err(|e| format!("cannot start the L1 faulting thread: {e}"))?;
+                Some((p, handles))
+            } else {
+                None
+            };
+            (L1Store::Memory(arena), slices, lock_memory, setup, prefault)
         }
     };
 
@@ -184,6 +209,10 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     let mut senders = Vec::with_capacity(n);
     let mut handles: Vec<ShardHandle> = Vec::with_capacity(n);
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (prefaulter, mut prefault_handles) = match prefault {
+        Some((p, h)) => (Some(p), h.into_iter().map(Some).collect()),
+        None => (None, vec![None; n]),
+    };
     for (i, (offset, max, init)) in slices.iter().copied().enumerate() {
         let (tx, rx) = mailbox(cfg.shard_queue_depth);
         senders.push(tx);
@@ -206,6 +235,8 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             lock_memory,
             eviction_interval: Duration::from_secs(1),
             spin: cfg.spin,
+            shutdown_drain: cfg.shutdown_drain,
+            prefault: prefault_handles[i].take(),
         };
         let l2 = (cfg.l2.clone(), n);
         let ready = ready_tx.clone();
@@ -229,11 +260,19 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     // goes with them and its shm segment is unlinked.
     let started = shards_ready(&ready_rx, n)
         .and_then(|()| start_http(&cfg, ControlHandle::new(events_tx.clone())));
-    if let Err(e) = started {
-        stop_shards(senders, handles);
-        return Err(e);
-    }
+    let http = match started {
+        Ok(http) => http,
+        Err(e) => {
+            stop_shards(senders, handles);
+            return Err(e);
+        }
+    };
 
+    // Kept to give the SHM pool's name up at the stop, before the shards end.
+    let pool = match &store {
+        L1Store::Memory(arena) if arena.shm_name().is_some() => Some(arena.clone()),
+        _ => None,
+    };
     drop(store);
     drop(events_tx);
     log::info!(
@@ -255,12 +294,134 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         }
     }
     front.run(termination::flag());
-    log::info!("shutting down");
-    drop(front);
-    for h in handles {
-        let _ = h.join();
-    }
+    // The faulting thread ends after its current step: nothing more is faulted.
+    drop(prefaulter);
+    stop(front, http, pool, handles, cfg.shutdown_drain);
     Ok(())
+}
+
+/// Refuses an L1 this host cannot hold: the memory it takes at once (the
+/// initial size when lazy, all of it otherwise) must fit in `MemAvailable` and
+/// in what the memory cgroup's limit leaves. The hugetlb pool, device DAX and
+/// GDS slab files are not that memory (their own checks apply).
+fn check_memory_room(cfg: &ServerConfig) -> Result<(), String> {
+    let l1 = &cfg.l1;
+    if l1.gds.is_some() || l1.devdax_path.is_some() || l1.use_hugepages {
+        return Ok(());
+    }
+    let (need, what) = if l1.use_lazy {
+        (
+            l1.init_size_bytes.min(l1.size_bytes),
+            "its initial size (min of --l1-init-size-gb and --l1-size-gb; the L1 is lazy)",
+        )
+    } else {
+        (l1.size_bytes, "all of --l1-size-gb (--no-l1-use-lazy)")
+    };
+    let room = kvshard_io::memory::MemoryRoom::read();
+    match room.room() {
+        Some(r) if need > r => {
+            Err(format!(
+            "the L1 needs {need} bytes of memory at start, {what}, but this host has {r} bytes \
+             to give ({}); lower --l1-size-gb{}",
+            room.describe(),
+            if l1.use_lazy { " or --l1-init-size-gb" } else { "" }
+        ))
+        }
+        Some(r) => {
+            if l1.size_bytes > r {
+                log::warn!(
+                    "the L1 may grow to {} bytes, more than the {r} this host has to give now ({}): \
+                     it stops growing when memory runs short",
+                    l1.size_bytes,
+                    room.describe()
+                );
+            }
+            Ok(())
+        }
+        None => Ok(()),
+    }
+}
+
+/// The stop (SIGTERM, SIGINT): first gives up what another server or an
+/// operator needs back, whatever L2 still holds: the ZeroMQ port (with the
+/// front), the HTTP port, the SHM pool's name and its lock. Then lets the
+/// shards finish the L2 stores in flight for up to `drain`, and returns a
+/// second after that at the latest, saying which shards it leaves behind (a
+/// write stuck in the kernel keeps its thread; the process may not end
+/// before the kernel lets it go).
+fn stop(
+    front: FrontLoop,
+    http: HttpListener,
+    pool: Option<Arc<Arena>>,
+    handles: Vec<ShardHandle>,
+    drain: Duration,
+) {
+    let t0 = std::time::Instant::now();
+    // Closes the ZeroMQ socket and the shard mailboxes: the shards start
+    // draining their L2 stores.
+    drop(front);
+    http.close();
+    if let Some(arena) = &pool {
+        if arena.release_segment() {
+            log::info!(
+                "stopping: SHM pool /dev/shm/{} removed (clients that map it keep their pages)",
+                arena.shm_name().unwrap_or_default()
+            );
+        }
+    }
+    drop(pool);
+    log::info!(
+        "stopping: ports released; waiting up to {:.1} s for L2 stores in flight",
+        drain.as_secs_f64()
+    );
+    let deadline = t0 + drain + Duration::from_secs(1);
+    let mut handles: Vec<Option<ShardHandle>> = handles.into_iter().map(Some).collect();
+    loop {
+        for slot in handles.iter_mut() {
+            if slot.as_ref().is_some_and(ShardHandle::is_finished) {
+                let h = slot.take().expect("checked above");
+                let id = h.shard_id();
+                if h.join().is_err() {
+                    log::error!("shard {id} panicked while stopping");
+                }
+            }
+        }
+        let left: Vec<usize> = handles
+            .iter()
+            .flatten()
+            .map(ShardHandle::shard_id)
+            .collect();
+        if left.is_empty() {
+            log::info!("stopped in {:.2} s", t0.elapsed().as_secs_f64());
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            log::warn!(
+                "stopping: shards {left:?} have not ended {:.1} s after the stop (an L2 write \
+                 stuck in the kernel, such as on a frozen file system?): exiting without them; \
+                 what they still write to L2 is abandoned",
+                t0.elapsed().as_secs_f64()
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Removes the SHM pools that servers started without `--shm-name` left
+/// behind when they died without stopping (SIGKILL, the OOM killer): their
+/// automatic names are never used again, so nobody else would.
+fn remove_dead_pools() {
+    for seg in
+        kvshard_io::shm_segment::remove_dead_segments(kvshard_dataplane::config::is_auto_shm_name)
+    {
+        log::warn!(
+            "removed /dev/shm/{} ({} bytes): the SHM pool of a server that is gone (killed \
+             before it could remove it)",
+            seg.name,
+            seg.size_bytes
+        );
+    }
 }
 
 /// Waits until each of the `n` shards reports that it is ready; the first
@@ -411,8 +572,27 @@ fn log_huge_pages(arena: &Arena, huge_bytes: Option<u64>) {
     }
 }
 
-/// Starts the HTTP executor on its own thread; it lives until the process exits.
-fn start_http(cfg: &ServerConfig, control: ControlHandle) -> Result<(), String> {
+/// The HTTP API's listening socket, seen from the thread that started it.
+struct HttpListener {
+    /// A duplicate of the listener's descriptor: `shutdown(2)` on it stops
+    /// the socket listening (the port is free again) whatever the HTTP thread
+    /// does, and holding it keeps the descriptor number from being reused.
+    fd: std::os::fd::OwnedFd,
+}
+
+impl HttpListener {
+    /// Stops listening: new connections are refused and the HTTP executor's
+    /// accept loop ends.
+    fn close(self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: shutdown(2) on a descriptor this value owns.
+        unsafe { libc::shutdown(self.fd.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+}
+
+/// Starts the HTTP executor on its own thread; it lives until the process
+/// exits, or serves until [`HttpListener::close`].
+fn start_http(cfg: &ServerConfig, control: ControlHandle) -> Result<HttpListener, String> {
     let addr = (cfg.http_host.as_str(), cfg.http_port)
         .to_socket_addrs()
         .map_err(|e| format!("--http-host {}: {e}", cfg.http_host))?
@@ -421,6 +601,9 @@ fn start_http(cfg: &ServerConfig, control: ControlHandle) -> Result<(), String> 
     // Bind here so a busy port fails start-up, then hand the socket to the executor.
     let std_listener = std::net::TcpListener::bind(addr)
         .map_err(|e| format!("cannot bind the HTTP server on {addr}: {e}"))?;
+    let fd = std::os::fd::AsFd::as_fd(&std_listener)
+        .try_clone_to_owned()
+        .map_err(|e| format!("cannot duplicate the HTTP listener: {e}"))?;
     log::info!("HTTP API listening on http://{addr}");
     let info = HttpInfo {
         version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -437,13 +620,14 @@ fn start_http(cfg: &ServerConfig, control: ControlHandle) -> Result<(), String> 
             // SAFETY: the fd comes from a listener we own and give up here.
             let listener =
                 unsafe { glommio::net::TcpListener::from_raw_fd(std_listener.into_raw_fd()) };
-            if let Err(e) = kvshard_http::serve(listener, control, Rc::new(info)).await {
-                log::error!("HTTP server stopped: {e}");
+            match kvshard_http::serve(listener, control, Rc::new(info)).await {
+                Err(e) if !termination::requested() => log::error!("HTTP server stopped: {e}"),
+                _ => log::debug!("HTTP server stopped"),
             }
         },
     )
     .map_err(|e| format!("cannot start the HTTP executor: {e}"))?;
-    Ok(())
+    Ok(HttpListener { fd })
 }
 
 /// Creates the fs adapters' directories and checks they are writable, so a

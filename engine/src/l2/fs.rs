@@ -66,11 +66,43 @@ struct Shared {
 }
 
 /// I/O counts of one job, added to the adapter's counters on the executor.
-#[derive(Debug, Default, Clone, Copy)]
+/// Failures are not logged on the blocking thread: the job notes how many
+/// objects failed and the first cause, and the executor logs one
+/// rate-limited line per job ([`FsAdapter::settle`]), so a full disk writes a
+/// few lines, not one per chunk.
+#[derive(Debug, Default, Clone)]
 struct Tally {
     odirect: u64,
     buffered: u64,
+    /// System calls that failed.
     errors: u64,
+    /// Objects the job could not handle (I/O errors, files of the wrong size).
+    failed: u64,
+    first_failure: Option<String>,
+}
+
+impl Tally {
+    /// One object failed; `io` when a system call failed.
+    fn fail(&mut self, io: bool, cause: impl FnOnce() -> String) {
+        self.failed += 1;
+        if io {
+            self.errors += 1;
+        }
+        if self.first_failure.is_none() {
+            self.first_failure = Some(cause());
+        }
+    }
+}
+
+/// The adapter operations whose failures are logged, each its own
+/// rate-limited log site (a storm of one cannot hide the others).
+#[derive(Debug, Clone, Copy)]
+enum FsOp {
+    Store,
+    Load,
+    Lookup,
+    Delete,
+    List,
 }
 
 pub struct FsAdapter {
@@ -131,10 +163,38 @@ impl FsAdapter {
         })
     }
 
-    fn add(&self, t: Tally) {
+    /// Adds a job's counts to the adapter's and logs its failures, if any.
+    fn settle(&self, op: FsOp, t: Tally) {
         self.odirect_ios.set(self.odirect_ios.get() + t.odirect);
         self.buffered_ios.set(self.buffered_ios.get() + t.buffered);
         self.io_errors.set(self.io_errors.get() + t.errors);
+        let Some(first) = t.first_failure else {
+            return;
+        };
+        let (n, shard) = (t.failed, self.shard);
+        use kvshard_io::log_limit::Level::Warn;
+        match op {
+            FsOp::Store => kvshard_io::log_limited!(
+                Warn,
+                "fs adapter (shard {shard}): store: {n} objects not stored; first: {first}"
+            ),
+            FsOp::Load => kvshard_io::log_limited!(
+                Warn,
+                "fs adapter (shard {shard}): load: {n} objects not loaded; first: {first}"
+            ),
+            FsOp::Lookup => kvshard_io::log_limited!(
+                Warn,
+                "fs adapter (shard {shard}): lookup: {n} objects not checked (counted as misses); first: {first}"
+            ),
+            FsOp::Delete => kvshard_io::log_limited!(
+                Warn,
+                "fs adapter (shard {shard}): delete: {n} objects not deleted; first: {first}"
+            ),
+            FsOp::List => kvshard_io::log_limited!(
+                Warn,
+                "fs adapter (shard {shard}): list: {first}"
+            ),
+        }
     }
 
     /// The key's path, or `None` (logged) for a key 0.5.6 cannot name.
@@ -568,11 +628,7 @@ fn store_blocking(shared: &Shared, jobs: Vec<StoreJob>) -> (Vec<StoreResult>, Ta
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => {
-                log::warn!(
-                    "fs adapter: store: {}",
-                    io_err(&job.path, "cannot stat", &e)
-                );
-                tally.errors += 1;
+                tally.fail(true, || io_err(&job.path, "cannot stat", &e));
                 continue;
             }
         }
@@ -590,13 +646,7 @@ fn store_blocking(shared: &Shared, jobs: Vec<StoreJob>) -> (Vec<StoreResult>, Ta
                 });
                 open.push((j, f));
             }
-            Err(e) => {
-                log::warn!(
-                    "fs adapter: store: {}",
-                    io_err(&job.tmp, "cannot create", &e)
-                );
-                tally.errors += 1;
-            }
+            Err(e) => tally.fail(true, || io_err(&job.tmp, "cannot create", &e)),
         }
     }
     run_transfers(shared, &mut ts, &mut tally);
@@ -620,13 +670,12 @@ fn store_blocking(shared: &Shared, jobs: Vec<StoreJob>) -> (Vec<StoreResult>, Ta
                 other
             }
             Err(msg) => {
-                tally.errors += 1;
                 let cleanup = match fs::remove_file(&job.tmp) {
                     Ok(()) => String::new(),
                     Err(e) if e.kind() == io::ErrorKind::NotFound => String::new(),
                     Err(e) => format!("; temporary file left behind: {e}"),
                 };
-                log::warn!("fs adapter: store: {msg}{cleanup}");
+                tally.fail(true, || format!("{msg}{cleanup}"));
                 StoreResult::Failed
             }
         };
@@ -648,25 +697,25 @@ fn load_blocking(shared: &Shared, jobs: Vec<(PathBuf, ObjectBytes)>) -> (Vec<boo
                 continue;
             }
             Err(e) => {
-                log::warn!("fs adapter: load: {}", io_err(path, "cannot open", &e));
-                tally.errors += 1;
+                tally.fail(true, || io_err(path, "cannot open", &e));
                 continue;
             }
         };
         match f.metadata() {
             Ok(m) if m.len() == buf.len() as u64 => {}
             Ok(m) => {
-                log::warn!(
-                    "fs adapter: load: {} holds {} bytes, the buffer has {}",
-                    path.display(),
-                    m.len(),
-                    buf.len()
-                );
+                tally.fail(false, || {
+                    format!(
+                        "{} holds {} bytes, the buffer has {}",
+                        path.display(),
+                        m.len(),
+                        buf.len()
+                    )
+                });
                 continue;
             }
             Err(e) => {
-                log::warn!("fs adapter: load: {}", io_err(path, "cannot stat", &e));
-                tally.errors += 1;
+                tally.fail(true, || io_err(path, "cannot stat", &e));
                 continue;
             }
         }
@@ -695,11 +744,7 @@ fn load_blocking(shared: &Shared, jobs: Vec<(PathBuf, ObjectBytes)>) -> (Vec<boo
             let e = t
                 .error
                 .unwrap_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof));
-            log::warn!(
-                "fs adapter: load: {}",
-                io_err(&jobs[j].0, "cannot read", &e)
-            );
-            tally.errors += 1;
+            tally.fail(true, || io_err(&jobs[j].0, "cannot read", &e));
         }
     }
     (ok, tally)
@@ -720,6 +765,7 @@ fn list_blocking(
     model: Option<&str>,
     page_size: usize,
     cursor: Option<&str>,
+    tally: &mut Tally,
 ) -> io::Result<KeyPage> {
     let mut names: Vec<(String, ObjectKey)> = Vec::new();
     for entry in fs::read_dir(base)? {
@@ -747,10 +793,7 @@ fn list_blocking(
             Ok(Some(size)) => page.keys.push((key, size)),
             // Deleted since the scan.
             Ok(None) => {}
-            Err(e) => log::warn!(
-                "fs adapter: list: {}",
-                io_err(&base.join(&name), "cannot stat", &e)
-            ),
+            Err(e) => tally.fail(true, || io_err(&base.join(&name), "cannot stat", &e)),
         }
         if page.keys.len() == page_size {
             if rest.len() > 0 {
@@ -798,7 +841,7 @@ impl L2Adapter for FsAdapter {
             let (r, tally) = glommio::executor()
                 .spawn_blocking(move || store_blocking(&shared, jobs))
                 .await;
-            self.add(tally);
+            self.settle(FsOp::Store, tally);
             for (i, r) in idx.into_iter().zip(r) {
                 results[i] = r;
             }
@@ -809,27 +852,23 @@ impl L2Adapter for FsAdapter {
     fn lookup_and_lock<'a>(&'a self, keys: &'a [ObjectKey]) -> LocalFut<'a, Vec<Option<u64>>> {
         Box::pin(async move {
             let paths: Vec<Option<PathBuf>> = keys.iter().map(|k| self.path_of(k)).collect();
-            let (sizes, errors) = glommio::executor()
+            let (sizes, tally) = glommio::executor()
                 .spawn_blocking(move || {
-                    let mut errors = 0u64;
+                    let mut tally = Tally::default();
                     let sizes: Vec<Option<u64>> = paths
                         .iter()
                         .map(|p| {
                             let p = p.as_ref()?;
                             object_size(p).unwrap_or_else(|e| {
-                                log::warn!("fs adapter: lookup: {}", io_err(p, "cannot stat", &e));
-                                errors += 1;
+                                tally.fail(true, || io_err(p, "cannot stat", &e));
                                 None
                             })
                         })
                         .collect();
-                    (sizes, errors)
+                    (sizes, tally)
                 })
                 .await;
-            self.add(Tally {
-                errors,
-                ..Tally::default()
-            });
+            self.settle(FsOp::Lookup, tally);
             let mut locks = self.locks.borrow_mut();
             for (key, size) in keys.iter().zip(&sizes) {
                 if size.is_some() {
@@ -858,7 +897,7 @@ impl L2Adapter for FsAdapter {
             let (r, tally) = glommio::executor()
                 .spawn_blocking(move || load_blocking(&shared, jobs))
                 .await;
-            self.add(tally);
+            self.settle(FsOp::Load, tally);
             for (i, r) in idx.into_iter().zip(r) {
                 results[i] = r;
             }
@@ -895,20 +934,16 @@ impl L2Adapter for FsAdapter {
             if paths.is_empty() {
                 return results;
             }
-            let (freed, errors) = glommio::executor()
+            let (freed, tally) = glommio::executor()
                 .spawn_blocking(move || {
-                    let mut errors = 0u64;
+                    let mut tally = Tally::default();
                     let freed: Vec<Option<u64>> = paths
                         .iter()
                         .map(|p| {
                             let size = match object_size(p) {
                                 Ok(s) => s?,
                                 Err(e) => {
-                                    log::warn!(
-                                        "fs adapter: delete: {}",
-                                        io_err(p, "cannot stat", &e)
-                                    );
-                                    errors += 1;
+                                    tally.fail(true, || io_err(p, "cannot stat", &e));
                                     return None;
                                 }
                             };
@@ -916,23 +951,16 @@ impl L2Adapter for FsAdapter {
                                 Ok(()) => Some(size),
                                 Err(e) if e.kind() == io::ErrorKind::NotFound => None,
                                 Err(e) => {
-                                    log::warn!(
-                                        "fs adapter: delete: {}",
-                                        io_err(p, "cannot remove", &e)
-                                    );
-                                    errors += 1;
+                                    tally.fail(true, || io_err(p, "cannot remove", &e));
                                     None
                                 }
                             }
                         })
                         .collect();
-                    (freed, errors)
+                    (freed, tally)
                 })
                 .await;
-            self.add(Tally {
-                errors,
-                ..Tally::default()
-            });
+            self.settle(FsOp::Delete, tally);
             for (i, f) in idx.into_iter().zip(freed) {
                 results[i] = f;
             }
@@ -955,21 +983,25 @@ impl L2Adapter for FsAdapter {
             }
             let base = self.shared.base.clone();
             let model = model_name.map(str::to_string);
-            let r = glommio::executor()
+            let (r, mut tally) = glommio::executor()
                 .spawn_blocking(move || {
-                    list_blocking(&base, model.as_deref(), page_size, cursor.as_deref())
+                    let mut tally = Tally::default();
+                    let page = list_blocking(
+                        &base,
+                        model.as_deref(),
+                        page_size,
+                        cursor.as_deref(),
+                        &mut tally,
+                    );
+                    (page, tally)
                 })
                 .await;
             if let Err(e) = &r {
-                log::warn!(
-                    "fs adapter: list: {}",
+                tally.fail(true, || {
                     io_err(&self.shared.base, "cannot read directory", e)
-                );
-                self.add(Tally {
-                    errors: 1,
-                    ..Tally::default()
                 });
             }
+            self.settle(FsOp::List, tally);
             r
         })
     }

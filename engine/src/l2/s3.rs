@@ -132,8 +132,6 @@ pub struct S3Adapter {
     /// Full-chunk object size by model name, then world size.
     full_sizes: RefCell<HashMap<String, HashMap<u32, u64>>>,
     counters: Counters,
-    /// First error of each kind is logged at warn, the rest counted.
-    warned: Cell<u8>,
 }
 
 impl S3Adapter {
@@ -165,7 +163,6 @@ impl S3Adapter {
             locks: RefCell::new(HashMap::new()),
             full_sizes: RefCell::new(HashMap::new()),
             counters: Counters::default(),
-            warned: Cell::new(0),
         }
     }
 
@@ -182,26 +179,24 @@ impl S3Adapter {
     fn failed(&self, op: &str, name: &str, e: &StoreError) {
         let c = &self.counters;
         c.errors.set(c.errors.get() + 1);
-        let bit = match e.kind {
+        match e.kind {
             StoreErrorKind::PermissionDenied => {
-                c.permission_errors.set(c.permission_errors.get() + 1);
-                1
+                c.permission_errors.set(c.permission_errors.get() + 1)
             }
-            StoreErrorKind::Unavailable => {
-                c.unavailable_errors.set(c.unavailable_errors.get() + 1);
-                2
+            StoreErrorKind::Unavailable => c.unavailable_errors.set(c.unavailable_errors.get() + 1),
+            StoreErrorKind::NotFound | StoreErrorKind::Other => {}
+        }
+        // One rate-limited log site per operation: a storm of failing HEADs
+        // must not hide why PUTs fail. The counters stay exact.
+        let shard = self.shard;
+        use kvshard_io::log_limit::Level::Warn;
+        match op {
+            "PUT" => kvshard_io::log_limited!(Warn, "s3 adapter (shard {shard}): PUT {name}: {e}"),
+            "GET" => kvshard_io::log_limited!(Warn, "s3 adapter (shard {shard}): GET {name}: {e}"),
+            "HEAD" => {
+                kvshard_io::log_limited!(Warn, "s3 adapter (shard {shard}): HEAD {name}: {e}")
             }
-            StoreErrorKind::NotFound => 4,
-            StoreErrorKind::Other => 8,
-        };
-        if self.warned.get() & bit == 0 {
-            self.warned.set(self.warned.get() | bit);
-            log::warn!(
-                "s3 adapter (shard {}): {op} {name}: {e} (further errors of this kind are counted, not logged)",
-                self.shard
-            );
-        } else {
-            log::debug!("s3 adapter (shard {}): {op} {name}: {e}", self.shard);
+            _ => kvshard_io::log_limited!(Warn, "s3 adapter (shard {shard}): {op} {name}: {e}"),
         }
     }
 

@@ -199,6 +199,9 @@ pub struct FrontSetup {
     pub l1_memory: Option<L1Memory>,
     /// The front's own event queue, for the CUDA device threads' reports.
     pub events: NotifySender<FrontEvent>,
+    /// The lookup-hash log (`--lookup-hash-log-dir`), opened at start so that
+    /// a directory that cannot be written refuses the start.
+    pub lookup_log: Option<LookupHashLog>,
 }
 
 impl FrontSetup {
@@ -213,6 +216,7 @@ impl FrontSetup {
             arena: serde_json::Value::Null,
             l1_memory: None,
             events,
+            lookup_log: None,
         }
     }
 }
@@ -323,11 +327,11 @@ impl FrontLoop {
         }
     }
 
-    /// Serves until `stop` is set.
+    /// Serves until `stop` is set, seen within [`STOP_CHECK_MS`].
     pub fn run(&mut self, stop: &AtomicBool) {
         let mut events: Vec<FrontEvent> = Vec::new();
         while !stop.load(Ordering::Relaxed) {
-            let mut timeout_ms = self.front.poll_timeout_ms();
+            let mut timeout_ms = self.front.poll_timeout_ms().min(STOP_CHECK_MS);
             if !self.spin.is_zero() && timeout_ms != 0 {
                 let found = self.spin_for_work(&mut events);
                 // Re-arm the eventfd before sleeping on it, taking what came
@@ -424,6 +428,9 @@ pub struct Front {
     /// GPU workers whose CUDA registrations were refused, and the probe result
     /// behind the refusals (taken on the first one).
     refused: RefusedTable,
+    /// Instances whose PING found them unregistered and was answered `false`;
+    /// their next PING is answered `true` (see [`Front::ping`]).
+    unknown_pinged: HashSet<i64>,
     cuda_host: Option<CudaHost>,
     /// The CUDA device threads, started with the first CUDA registration.
     cuda_threads: Option<Arc<CudaExecutor>>,
@@ -490,6 +497,10 @@ pub struct Front {
 }
 
 const SESSION_SWEEP: Duration = Duration::from_secs(60);
+
+/// The longest the front's loop sleeps between looks at the stop flag: a
+/// SIGTERM caught by another thread does not interrupt its poll.
+const STOP_CHECK_MS: i64 = 100;
 
 /// How long a REGISTER_KV_CACHE waits for its GPU's device thread to set the
 /// instance up before it is answered anyway (a driver call that never
@@ -567,21 +578,18 @@ pub const MAX_OBJECTS_PER_REQUEST: usize = 1 << 18;
 impl Front {
     pub fn new(
         cfg: Arc<ServerConfig>,
-        setup: FrontSetup,
+        mut setup: FrontSetup,
         port: Box<dyn ReplyPort>,
         clock: Box<dyn Clock>,
         shards: Vec<MailboxSender<ShardMsg>>,
     ) -> Self {
         let now = clock.now();
-        let lookup_log = cfg.lookup_hash_log.as_ref().and_then(|s| {
-            let started = LookupHashLog::open(s)
-                .and_then(|l| LookupLogWriter::start(l, WRITER_QUEUE_RECORDS));
-            match started {
+        let lookup_log = setup.lookup_log.take().and_then(|l| {
+            match LookupLogWriter::start(l, WRITER_QUEUE_RECORDS) {
                 Ok(w) => Some(w),
                 Err(e) => {
                     log::error!(
-                        "lookup hash logging disabled: cannot open {}: {e}",
-                        s.dir.display()
+                        "lookup hash logging disabled: cannot start its writer thread: {e}"
                     );
                     None
                 }
@@ -612,6 +620,7 @@ impl Front {
             leases: LeaseBook::new(cfg.max_sessions, cfg.l1.read_ttl),
             registry: Registry::new(cfg.max_registrations),
             refused: RefusedTable::new(cfg.max_registrations),
+            unknown_pinged: HashSet::new(),
             cuda_host: None,
             cuda_threads: None,
             cuda_regs: HashMap::new(),
@@ -908,13 +917,10 @@ impl Front {
             }
             Request::GetExperimental => self.reply(&to, Some(wire::encode_str_list::<&str>(&[]))),
             Request::Ping { instance_id } => {
-                let mut healthy = true;
-                if let Some(iid) = instance_id {
-                    self.registry.ping(iid, now);
-                    // A worker kvshard cannot serve hears so, and its client
-                    // degrades with a warning instead of failing every transfer.
-                    healthy = !self.refused.touch(iid, now) || self.registry.is_registered(iid);
-                }
+                let healthy = match instance_id {
+                    Some(iid) => self.ping(iid, now),
+                    None => true,
+                };
                 self.reply(&to, Some(wire::encode_bool(healthy)))
             }
             Request::ReportBlockAllocation { records, .. } => {
@@ -1064,6 +1070,41 @@ impl Front {
                 self.retrieve(to, key, instance_id, t, skip_first_n_tokens, now)
             }
         }
+    }
+
+    /// A worker's heartbeat: whether to tell it the server is healthy.
+    ///
+    /// - A worker kvshard refused (CUDA) hears it is not, and its client
+    ///   degrades with a warning instead of failing every transfer.
+    /// - A worker this server does not know (it registered with a server that
+    ///   ran before this one) hears `false` once, then `true`: 0.5.6's adapter
+    ///   re-registers its KV caches only on an unhealthy-to-healthy edge of its
+    ///   heartbeat, and would otherwise store into a server that cannot serve it.
+    fn ping(&mut self, iid: i64, now: Instant) -> bool {
+        self.registry.ping(iid, now);
+        if self.refused.touch(iid, now) {
+            return self.registry.is_registered(iid);
+        }
+        if self.registry.is_registered(iid) || self.cuda_regs.contains_key(&iid) {
+            self.unknown_pinged.remove(&iid);
+            return true;
+        }
+        if self.unknown_pinged.remove(&iid) {
+            // Its second ping: the edge its adapter re-registers on.
+            return true;
+        }
+        if self.unknown_pinged.len() >= self.cfg.max_registrations {
+            // Instances that never came back: forget them all (bounded).
+            self.unknown_pinged.clear();
+        }
+        self.unknown_pinged.insert(iid);
+        self.metrics.unknown_instance_pings += 1;
+        log_limited!(
+            Level::Warn,
+            "PING from instance {iid}, which is not registered here (registered with a server \
+             that ran before this one?): answered unhealthy once, so that its client registers again"
+        );
+        false
     }
 
     // ------------------------------------------------------------ shard I/O
@@ -1522,15 +1563,24 @@ impl Front {
                 self.credits_granted(shard, size, slabs.into_iter().flatten().collect())
             }
             InflightKind::Store { to, outcomes } => {
-                let failed = outcomes
-                    .iter()
-                    .filter(|o| **o == StoreOutcome::Failed)
-                    .count();
-                self.metrics.stored_chunks += outcomes
-                    .iter()
-                    .filter(|o| **o == StoreOutcome::Stored)
-                    .count() as u64;
+                let count = |want: StoreOutcome| outcomes.iter().filter(|o| **o == want).count();
+                let failed = count(StoreOutcome::Failed);
+                let left_out = count(StoreOutcome::OutOfMemory);
+                self.metrics.stored_chunks += count(StoreOutcome::Stored) as u64;
                 self.metrics.finished_stores += 1;
+                // 0.5.6 answers a STORE whose chunks partly found no L1 memory
+                // as a success, leaving them out (lmcache_driven_transfer.py):
+                // the worker recomputes them later. Counted and logged here.
+                if failed == 0 && left_out > 0 {
+                    self.metrics.partial_stores += 1;
+                    self.metrics.store_chunks_left_out += left_out as u64;
+                    log_limited!(
+                        Level::Warn,
+                        "store: {left_out} of {} chunks found no L1 memory and were left out; \
+                         answered as a success, as lmcache 0.5.6 does",
+                        outcomes.len()
+                    );
+                }
                 self.reply(&to, Some(wire::encode_store_reply(b"", failed == 0)));
             }
             InflightKind::CudaStore {
@@ -3571,6 +3621,25 @@ impl Front {
                 cache_salt,
                 limit_gb,
             } => {
+                // A salt no request could carry names no cache; the table is
+                // bounded so that an admin loop cannot grow it (and /quota) without end.
+                if let Err(e) = wire::check_cache_salt(&cache_salt) {
+                    return responder.send(ControlResponse::bad_request(e));
+                }
+                if !self.quotas.contains_key(&cache_salt)
+                    && self.quotas.len() >= self.cfg.max_quotas
+                {
+                    log_limited!(
+                        Level::Warn,
+                        "PUT /quota refused: {} salts hold quotas, the bound of --max-quotas",
+                        self.quotas.len()
+                    );
+                    return responder.send(ControlResponse::bad_request(format!(
+                        "{} cache salts already hold quotas, the most --max-quotas allows; \
+                         delete one first, or raise --max-quotas",
+                        self.quotas.len()
+                    )));
+                }
                 // Python's int() truncates; `as` does too, saturating at u64::MAX.
                 let limit_bytes = (limit_gb * GIB) as u64;
                 let per_shard = limit_bytes / self.shards.len() as u64;
@@ -3610,6 +3679,19 @@ impl Front {
                         return responder.send(ControlResponse::error(
                             404,
                             format!("instance_id {instance_id} not registered"),
+                        ))
+                    }
+                    // Each block is read and hashed on every layer: bound what
+                    // one request can make a checksum thread do.
+                    Some(_) if block_ids.len() > self.cfg.max_checksum_blocks => {
+                        return responder.send(ControlResponse::error(
+                            400,
+                            format!(
+                                "{} block_ids asked for, more than the {} one request may \
+                                 name (--max-checksum-blocks); split the request",
+                                block_ids.len(),
+                                self.cfg.max_checksum_blocks
+                            ),
                         ))
                     }
                     Some((LmcTransfer::Cuda(c), _)) => {

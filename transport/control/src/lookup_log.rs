@@ -67,6 +67,14 @@ impl LookupHashLog {
     pub fn open(settings: &LookupHashLogSettings) -> io::Result<Self> {
         fs::create_dir_all(&settings.dir).map_err(|e| with_path(e, "create", &settings.dir))?;
         let files = existing_files(&settings.dir)?;
+        // The first line may come hours later: find out now whether files can
+        // be created here (a read-only mount, a full disk of inodes).
+        let probe = settings
+            .dir
+            .join(format!(".kvshard-write-probe.{}", std::process::id()));
+        fs::write(&probe, b"")
+            .and_then(|()| fs::remove_file(&probe))
+            .map_err(|e| with_path(e, "write a file in", &settings.dir))?;
         log::info!(
             "lookup hash log: dir={} rotation_interval={}s rotation_max_bytes={} max_files={} existing_files={}",
             settings.dir.display(),

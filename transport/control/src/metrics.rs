@@ -59,6 +59,10 @@ pub struct Metrics {
     pub submitted_retrieves: u64,
     pub finished_retrieves: u64,
     pub stored_chunks: u64,
+    /// lmcache_driven STOREs answered as a success with some of their chunks
+    /// left out for lack of L1 memory (as 0.5.6 answers them), and those chunks.
+    pub partial_stores: u64,
+    pub store_chunks_left_out: u64,
     pub retrieved_chunks: u64,
     pub retrieve_misses: u64,
     /// engine_driven `prepare_retrieve`s answered from the lookup's lease,
@@ -81,6 +85,9 @@ pub struct Metrics {
     /// register_kv_cache requests refused for carrying CUDA IPC descriptors.
     pub refused_cuda_registrations: u64,
     pub reaped_workers: u64,
+    /// PINGs from instances not registered here, answered `false` so that
+    /// their client registers again.
+    pub unknown_instance_pings: u64,
     /// Lookup read locks released because no live instance could release them.
     pub orphaned_read_locks: u64,
     pub block_allocation_records: u64,
@@ -198,6 +205,16 @@ impl Metrics {
             "lmcache_mp_num_finished_stores_total",
             "Store requests finished",
             self.finished_stores,
+        );
+        t.counter(
+            "kvshard_partial_stores_total",
+            "lmcache_driven STOREs answered as a success with chunks left out for lack of L1 memory",
+            self.partial_stores,
+        );
+        t.counter(
+            "kvshard_store_chunks_left_out_total",
+            "Chunks of lmcache_driven STOREs answered as a success but not stored (no L1 memory)",
+            self.store_chunks_left_out,
         );
         t.counter(
             "lmcache_mp_num_submitted_retrieves_total",
@@ -372,6 +389,11 @@ impl Metrics {
             "kvshard_reaped_workers_total",
             "Worker registrations reaped for silence",
             self.reaped_workers,
+        );
+        t.counter(
+            "kvshard_unknown_instance_pings_total",
+            "PINGs from instances not registered here, answered unhealthy once so that they register again",
+            self.unknown_instance_pings,
         );
         t.counter(
             "kvshard_orphaned_read_locks_released_total",

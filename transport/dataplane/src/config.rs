@@ -232,6 +232,10 @@ pub struct L2Settings {
     pub prefetch_policy: L2PrefetchPolicy,
     /// Requests whose L2 loads may run at once, server-wide (`--l2-prefetch-max-in-flight`).
     pub prefetch_max_in_flight: usize,
+    /// How long a lookup waits for L2 before it concludes with what L1 holds
+    /// (`--l2-prefetch-load-timeout`); zero waits as long as L2 takes.
+    #[serde(serialize_with = "duration_as_secs")]
+    pub prefetch_load_timeout: Duration,
     /// Bytes of L1 objects being stored to L2 at once, server-wide; further
     /// stores wait (their L1 objects stay read-locked meanwhile).
     pub store_inflight_bytes: u64,
@@ -244,6 +248,7 @@ impl Default for L2Settings {
             store_policy: L2StorePolicy::Default,
             prefetch_policy: L2PrefetchPolicy::Default,
             prefetch_max_in_flight: 8,
+            prefetch_load_timeout: Duration::from_millis(500),
             store_inflight_bytes: 1 << 30,
         }
     }
@@ -324,6 +329,14 @@ pub struct ServerConfig {
     pub cuda_transfer: bool,
     /// HTTP API connections kept open at once (`--http-max-connections`).
     pub http_max_connections: usize,
+    /// Cache salts with a `/quota` limit at once (`--max-quotas`).
+    pub max_quotas: usize,
+    /// Block ids one `/cache/checksums` request may name (`--max-checksum-blocks`).
+    pub max_checksum_blocks: usize,
+    /// How long a stopping server waits for L2 writes in flight
+    /// (`--shutdown-drain-seconds`).
+    #[serde(serialize_with = "duration_as_secs")]
+    pub shutdown_drain: Duration,
     /// How long shards and the front poll for their next piece of work
     /// before sleeping (`--spin-us`); zero sleeps at once.
     pub spin: Duration,
@@ -388,6 +401,9 @@ impl ServerConfig {
             max_frame_bytes: 512 << 20,
             cuda_transfer: true,
             http_max_connections: 1024,
+            max_quotas: 4096,
+            max_checksum_blocks: 16384,
+            shutdown_drain: Duration::from_secs(10),
             spin: Duration::ZERO,
         }
     }
@@ -466,6 +482,27 @@ pub fn auto_shm_name() -> String {
         std::process::id(),
         hex(&r)
     )
+}
+
+/// Whether `segment` (a name in `/dev/shm`) is one [`auto_shm_name`] makes:
+/// `lmcache_l1_pool_kvshard_<pid>_<8 hex digits>`. A start removes those whose
+/// server is gone; segments of names given with `--shm-name` are left alone.
+pub fn is_auto_shm_name(segment: &str) -> bool {
+    let Some(rest) = segment
+        .strip_prefix(SHM_POOL_PREFIX)
+        .and_then(|r| r.strip_prefix("kvshard_"))
+    else {
+        return false;
+    };
+    let Some((pid, rand)) = rest.split_once('_') else {
+        return false;
+    };
+    !pid.is_empty()
+        && pid.bytes().all(|b| b.is_ascii_digit())
+        && rand.len() == 8
+        && rand
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 /// A random (version 4, RFC 4122 variant) UUID in its canonical lowercase form.
@@ -615,6 +652,19 @@ mod tests {
         assert_ne!(a, b);
         // It must already be in normalised form.
         assert_eq!(normalize_shm_name(&a).unwrap(), a);
+        assert!(is_auto_shm_name(&a) && is_auto_shm_name(&b));
+        for given in [
+            "lmcache_l1_pool_bench",
+            "lmcache_l1_pool_kvshard_",
+            "lmcache_l1_pool_kvshard_12_0a0b0c0",
+            "lmcache_l1_pool_kvshard_12_0a0b0c0d0",
+            "lmcache_l1_pool_kvshard_12_0A0B0C0D",
+            "lmcache_l1_pool_kvshard_x2_0a0b0c0d",
+            "lmcache_l1_pool_kvshard__0a0b0c0d",
+            "kvshard_12_0a0b0c0d",
+        ] {
+            assert!(!is_auto_shm_name(given), "{given}");
+        }
     }
 
     #[test]

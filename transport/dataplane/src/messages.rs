@@ -355,6 +355,14 @@ impl ControlResponse {
         }
     }
 
+    /// A 400 as the quota API words its refusals (`{"error": ...}`).
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ControlResponse {
+            status: 400,
+            body: ControlBody::Json(serde_json::json!({ "error": message.into() })),
+        }
+    }
+
     pub fn error(status: u16, message: impl Into<String>) -> Self {
         ControlResponse {
             status,

@@ -496,6 +496,11 @@ pub(crate) async fn load(
     let oom = crate::shard::count_oom(&slabs);
     if oom > 0 {
         l2.bump(|s| s.prefetch_load_oom_objects += oom);
+        kvshard_io::log_limited!(
+            log::Level::Warn,
+            "{oom} of {} objects found in L2 could not be loaded: no L1 memory for them (misses)",
+            plain.len()
+        );
     }
     let mut ok = vec![false; keys.len()];
     // Keys that are resident already (another load or a store won the race):
@@ -729,14 +734,20 @@ pub fn tick(l2: &Rc<L2Shard>) {
     }
 }
 
-/// At shutdown: waits (up to `limit`) for stores in flight to finish.
-pub async fn drain(l2: &L2Shard, limit: Duration) {
+/// At shutdown: waits (up to `limit`) for stores in flight to finish, then
+/// says what it abandons.
+pub async fn drain(l2: &L2Shard, shard: usize, limit: Duration) {
     let until = Instant::now() + limit;
     while l2.pending_stores.get() > 0 {
         if Instant::now() >= until {
+            let s = l2.stats.get();
             log::warn!(
-                "{} L2 store batches still pending at shutdown; their objects are not in L2",
-                l2.pending_stores.get()
+                "shard {shard}: {} L2 store batches ({} bytes being written, the rest waiting \
+                 their turn) still pending {:.1} s after the stop (--shutdown-drain-seconds): \
+                 abandoned, their objects are not in L2",
+                l2.pending_stores.get(),
+                s.inflight_store_bytes,
+                limit.as_secs_f64()
             );
             return;
         }

@@ -18,6 +18,7 @@ use kvshard_engine::slab::Slab;
 use kvshard_gds::slab::{AlignedBuf, GdsSlab};
 use kvshard_io::arena::Arena;
 use kvshard_io::mailbox::{MailboxReceiver, NotifySender};
+use kvshard_io::prefault::PrefaultHandle;
 
 use crate::config::L2Settings;
 use crate::cpu_shm::CpuShmRegistration;
@@ -40,6 +41,13 @@ pub struct ShardConfig {
     pub eviction_interval: Duration,
     /// How long to poll an empty mailbox before parking (`--spin-us`).
     pub spin: Duration,
+    /// How long L2 stores in flight may finish once the mailbox closes
+    /// (`--shutdown-drain-seconds`).
+    pub shutdown_drain: Duration,
+    /// A lazy L1 in memory: the thread that faults (and mlocks) the slice
+    /// ahead of use, which also says when memory runs short. `None`: the
+    /// slice is faulted (and locked) whole at start, or is not memory.
+    pub prefault: Option<PrefaultHandle>,
 }
 
 /// What holds a shard's L1 objects, as the server hands it to the shard.
@@ -60,9 +68,6 @@ pub(crate) struct ShardState {
     cfg: ShardConfig,
     backing: Backing,
     pub(crate) l1: L1Shard,
-    /// Bytes of the slice already mlock'ed (prefix of the slice).
-    locked_bytes: u64,
-    mlock_warned: bool,
     /// Keys that became resident (not temporary) during the current message:
     /// the store controller writes them behind to L2.
     to_l2: Vec<ObjectKey>,
@@ -93,10 +98,13 @@ impl ShardState {
         }
     }
 
-    /// Lazy growth: extend the allocator before eviction would kick in.
+    /// Lazy growth: extend the allocator before eviction would kick in,
+    /// unless memory is short (the faulting thread says so), and keep the
+    /// slice faulted ahead of what `extra_bytes` more will use.
     pub(crate) fn maybe_grow(&mut self, extra_bytes: u64, watermark: Option<f64>) {
         let (used, cap) = self.l1.usage();
         let max = self.cfg.max_capacity_bytes;
+        self.fault_ahead(extra_bytes);
         if cap >= max {
             return;
         }
@@ -105,31 +113,67 @@ impl ShardState {
         if !need_room && !over_mark {
             return;
         }
+        if self.cfg.prefault.as_ref().is_some_and(|p| p.memory_short()) {
+            kvshard_io::log_limited!(
+                log::Level::Warn,
+                "shard {}: L1 stays at {cap} of its {max} bytes: the host is short of memory \
+                 (eviction makes room instead)",
+                self.cfg.id
+            );
+            return;
+        }
         let target = (cap.saturating_mul(2)).max(used + extra_bytes).min(max);
         self.l1.grow(target);
-        self.lock_prefix(target);
     }
 
-    fn lock_prefix(&mut self, upto: u64) {
-        if !self.cfg.lock_memory || upto <= self.locked_bytes {
+    /// Asks the faulting thread to keep the slice faulted past the highest
+    /// byte handed out so far plus `extra_bytes`.
+    fn fault_ahead(&self, extra_bytes: u64) {
+        if let Some(p) = &self.cfg.prefault {
+            let hw = self.l1.allocator().high_water();
+            p.used_up_to(hw.saturating_add(extra_bytes));
+        }
+    }
+
+    /// Counts and logs (rate-limited) `oom` of a store's `asked` chunks that
+    /// found no L1 memory, even after eviction: they are left out.
+    fn note_store_oom(&mut self, oom: u64, asked: usize) {
+        if oom == 0 {
             return;
+        }
+        self.store_oom_chunks += oom;
+        let (used, cap) = self.l1.usage();
+        let st = self.l1.status(Instant::now());
+        kvshard_io::log_limited!(
+            log::Level::Warn,
+            "shard {}: {oom} of {asked} chunks of a store found no L1 memory and are left out \
+             ({used} of {cap} bytes used, {} objects read-locked, {} staged; policy {:?})",
+            self.cfg.id,
+            st.read_locked_count,
+            st.staging_object_count,
+            self.l1.policy().config().policy
+        );
+    }
+
+    /// At start: a slice faulted whole at start (`--no-l1-use-lazy`) is
+    /// locked whole; a lazy one is faulted (and locked) by the faulting
+    /// thread, ahead of use, starting now.
+    fn lock_at_start(&self) {
+        if self.cfg.prefault.is_some() {
+            return self.fault_ahead(0);
         }
         let Backing::Memory(arena) = &self.backing else {
             return;
         };
-        let off = self.cfg.slice_offset + self.locked_bytes;
-        match arena.lock_range(off, upto - self.locked_bytes) {
-            Ok(()) => self.locked_bytes = upto,
-            Err(e) => {
-                if !self.mlock_warned {
-                    self.mlock_warned = true;
-                    log::warn!(
-                        "shard {}: could not mlock L1 memory ({e}); pages may be swapped out. \
-                         Raise the limit with `ulimit -l unlimited` or LimitMEMLOCK=infinity in the systemd unit",
-                        self.cfg.id
-                    );
-                }
-            }
+        if !self.cfg.lock_memory {
+            return;
+        }
+        if let Err(e) = arena.lock_range(self.cfg.slice_offset, self.cfg.max_capacity_bytes) {
+            log::warn!(
+                "shard {}: could not mlock L1 memory ({e}); pages may be swapped out. \
+                 Raise the limit with `ulimit -l unlimited` or LimitMEMLOCK=infinity in the systemd unit",
+                self.cfg.id
+            );
         }
     }
 
@@ -156,7 +200,7 @@ impl ShardState {
                 let res = self
                     .l1
                     .reserve_write(&keys, size, WriterTag(tag), false, now);
-                self.store_oom_chunks += count_oom(&res);
+                self.note_store_oom(count_oom(&res), keys.len());
                 ShardReplyBody::Slabs(res.into_iter().map(|r| r.ok()).collect())
             }
             ShardOp::GrantCredits { size, count } => {
@@ -290,7 +334,7 @@ impl ShardState {
                 self.cfg.max_capacity_bytes
             );
         }
-        self.store_oom_chunks += oom;
+        self.note_store_oom(oom, keys.len());
         let mut out = Vec::with_capacity(keys.len());
         let mut staged = Vec::new();
         for (i, ((key, blocks), res)) in items.into_iter().zip(reserved).enumerate() {
@@ -635,8 +679,8 @@ pub async fn run_shard(
 ) {
     let id = cfg.id;
     let interval = cfg.eviction_interval;
+    let drain_limit = cfg.shutdown_drain;
     rx.set_spin(cfg.spin);
-    let initial = l1.usage().1;
     let l2 = match L2Shard::new(&l2.0, id, l2.1) {
         Ok(built) => {
             let built = Rc::new(built);
@@ -658,12 +702,10 @@ pub async fn run_shard(
         cfg,
         backing,
         l1,
-        locked_bytes: 0,
-        mlock_warned: false,
         to_l2: Vec::new(),
         store_oom_chunks: 0,
     }));
-    state.borrow_mut().lock_prefix(initial);
+    state.borrow().lock_at_start();
 
     let ticker = {
         let state = state.clone();
@@ -854,6 +896,6 @@ pub async fn run_shard(
         }
     }
     drop(ticker.cancel());
-    l2::drain(&l2, Duration::from_secs(10)).await;
+    l2::drain(&l2, id, drain_limit).await;
     log::debug!("shard {id} stopped");
 }
