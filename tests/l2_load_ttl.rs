@@ -56,6 +56,10 @@ fn a_load_slower_than_the_write_ttl_keeps_its_stages_and_corrupts_nothing() {
         "1",
         "--l2-adapter",
         &adapter,
+        // The lookup waits for its slow load (the subject here), not its
+        // default deadline.
+        "--l2-prefetch-load-timeout",
+        "0",
     ]);
     let toks = ed_tokens(21, LOADED * ED_CHUNK);
     let stored = ed_store_chunks_of(&srv, 1, "m", HIDDEN, &toks, LOADED, 77);

@@ -396,3 +396,90 @@ fn fs_capacity_evicts_the_least_recently_used_objects() {
         4
     );
 }
+
+#[test]
+fn fs_capacity_counts_what_is_on_disk_at_start_and_holds_across_restarts() {
+    let dir = TempDir::new("rescan");
+    // 20 requests of 2 chunks written by a server without a cap.
+    let reqs: Vec<Vec<u32>> = (0..20).map(|i| ed_tokens(300 + i, 2 * ED_CHUNK)).collect();
+    {
+        let srv = Server::start(&["--l2-adapter", &fs_adapter(&dir)]);
+        for (i, toks) in reqs.iter().enumerate() {
+            ed_store_chunks(&srv, 1, toks, 2, 500 + i as u64);
+        }
+        wait_until("40 files", || data_files(&dir.0).len() == 40);
+    }
+    // Dated a minute apart, in name order: the LRU order a restart must
+    // find.
+    let t0 = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    let files = data_files(&dir.0);
+    for (n, (file, _)) in files.iter().enumerate() {
+        let f = std::fs::File::options()
+            .write(true)
+            .open(dir.0.join(file))
+            .unwrap();
+        f.set_modified(t0 + std::time::Duration::from_secs(60 * n as u64))
+            .unwrap();
+    }
+
+    // A start with a cap of 10 objects and LRU eviction counts all 40 at
+    // once, and evicts the oldest down to the watermark.
+    let cap_gb = 10.0 * ED_CHUNK_BYTES as f64 / (1u64 << 30) as f64;
+    let capped = format!(
+        r#"{{"type":"fs","base_path":"{}","max_capacity_gb":{cap_gb},
+            "eviction":{{"eviction_policy":"LRU","trigger_watermark":0.8,"eviction_ratio":0.5}}}}"#,
+        dir.path()
+    );
+    let srv = Server::start(&["--cores", "0", "--l2-adapter", &capped]);
+    wait_until("the scan done", || {
+        let st = srv.get_json("/status");
+        st["storage_manager"]["l2_adapters"][0]["shards"][0]["usage_seed"]["state"] == "done"
+    });
+    let seed = srv.get_json("/status")["storage_manager"]["l2_adapters"][0]["shards"][0]
+        ["usage_seed"]
+        .clone();
+    assert_eq!(seed["objects_adopted"], 40, "{seed}");
+    assert_eq!(seed["bytes_adopted"], 40 * ED_CHUNK_BYTES as u64, "{seed}");
+    wait_until("the directory under its cap", || {
+        data_files(&dir.0).len() <= 8
+    });
+    // The newest files are the ones kept.
+    let kept: Vec<String> = data_files(&dir.0).into_iter().map(|(n, _)| n).collect();
+    let newest: Vec<String> = files[files.len() - kept.len()..]
+        .iter()
+        .map(|(n, _)| n.clone())
+        .collect();
+    assert_eq!(
+        kept, newest,
+        "eviction took the oldest by modification time"
+    );
+
+    // More stores keep it there, and so does another restart.
+    for i in 0..10 {
+        ed_store_chunks(
+            &srv,
+            1,
+            &ed_tokens(900 + i, 2 * ED_CHUNK),
+            2,
+            900 + i as u64,
+        );
+    }
+    let srv_ticks = || {
+        srv.metric("kvshard_l2_eviction_ticks_total", &[])
+            .unwrap_or(0.0)
+    };
+    let ticks = srv_ticks();
+    wait_until("two eviction passes", || srv_ticks() >= ticks + 2.0);
+    assert!(
+        data_files(&dir.0).len() <= 10,
+        "{} files",
+        data_files(&dir.0).len()
+    );
+    drop(srv);
+    let on_disk = data_files(&dir.0).len() as u64;
+    let srv = Server::start(&["--cores", "0", "--l2-adapter", &capped]);
+    wait_until("the second scan", || {
+        let st = srv.get_json("/status");
+        st["storage_manager"]["l2_adapters"][0]["stored_object_count"] == on_disk
+    });
+}

@@ -5,8 +5,10 @@
 //!   resolution, timeout. HTTP statuses (403, 404, 5xx) never move it.
 //! - At [`BreakerConfig::failure_threshold`] (3) it opens: operations fail at
 //!   once with [`crate::error::ErrorKind::Unavailable`] and send nothing.
-//! - After the cooldown it re-arms (closed, count 0). There is no half-open
-//!   probe, as in lmcache. The cooldown starts at
+//! - After the cooldown it re-arms (closed, count 0). Before that, a probe
+//!   (`S3Client::probe`, which the adapter sends once a second while its tier
+//!   does not answer) goes past it, and any answer closes it at once
+//!   ([`Breaker::probe_answered`]); lmcache has no such probe. The cooldown starts at
 //!   [`BreakerConfig::initial_cooldown`] (5 s) and doubles on each re-trip up
 //!   to [`BreakerConfig::max_cooldown`] (300 s).
 //! - Any success resets the count and the cooldown. Outcomes that arrive
@@ -170,6 +172,24 @@ impl Breaker {
             s.trips
         );
         true
+    }
+
+    /// The endpoint answered a probe sent past the breaker: it closes at
+    /// once, whatever is left of the cooldown, and the cooldown starts over.
+    /// Returns whether it was open.
+    pub fn probe_answered(&self) -> bool {
+        let was_open = {
+            let s = self.state.borrow();
+            self.is_open(&s)
+        };
+        let mut s = self.state.borrow_mut();
+        s.open_until = None;
+        s.consecutive_failures = 0;
+        s.next_cooldown = self.config.initial_cooldown;
+        if was_open {
+            log::info!("s3: circuit breaker closed: the endpoint answered a probe");
+        }
+        was_open
     }
 
     /// A snapshot for `/status`.

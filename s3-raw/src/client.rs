@@ -713,6 +713,50 @@ impl S3Client {
         self.inner.budget.available()
     }
 
+    /// One `HEAD /<key>` sent past the circuit breaker, with no retry and
+    /// `limit` as its whole deadline (queueing for a connection included):
+    /// `Ok` when the endpoint answered at all, whatever the status (an
+    /// object that does not exist, a refused credential). An answer closes
+    /// the breaker at once. Used to find out that a tier that stopped
+    /// answering answers again.
+    pub async fn probe(&self, key: &str, limit: Duration) -> Result<(), S3Error> {
+        let inner = &self.inner;
+        let path = inner.cfg.address.object_path(key);
+        let attempt = async {
+            let ticket = inner.ticket(Auth::Data).await?;
+            let req = inner.req(Method::HEAD, &path, &[], &[], Bytes::new());
+            let (head, lease) = inner.exchange(ticket, &req).await?;
+            // A HEAD answer has no body: the connection is free.
+            lease.release();
+            Ok::<u16, Failure>(head.status)
+        };
+        match with_timeout(limit, attempt).await {
+            Some(Ok(status)) => {
+                let outcome = match status {
+                    200..=299 | 404 => Outcome::Ok,
+                    s => Outcome::Failed(crate::error::classify_status(s, None)),
+                };
+                inner.record(Op::HeadObject, outcome);
+                inner.breaker.probe_answered();
+                Ok(())
+            }
+            Some(Err(f)) => {
+                inner.record(Op::HeadObject, Outcome::Failed(f.kind));
+                Err(f.into_error(Op::HeadObject, Some(key), 1))
+            }
+            None => {
+                add(&inner.counters.timeouts, 1);
+                inner.record(Op::HeadObject, Outcome::Failed(ErrorKind::Transient));
+                Err(S3Error::new(
+                    Op::HeadObject,
+                    Some(key),
+                    ErrorKind::Transient,
+                    Cause::Timeout { after: limit },
+                ))
+            }
+        }
+    }
+
     /// `HEAD /<key>`: the object's size, or `None` when it does not exist.
     pub async fn head_object(&self, key: &str) -> Result<Option<u64>, S3Error> {
         let inner = &self.inner;

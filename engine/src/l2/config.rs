@@ -131,8 +131,16 @@ impl AdapterSpec {
     }
 
     /// Whether usage is counted from what the adapter holds at start.
+    /// Whether a start counts what the adapter holds already: an s3 adapter
+    /// when asked (`s3_seed_usage_on_start`; a bucket listing costs requests),
+    /// an fs adapter with a capacity always (its directory is scanned, so
+    /// that `max_capacity_gb` holds across restarts).
     pub fn seed_usage_on_start(&self) -> bool {
-        matches!(&self.kind, AdapterKind::S3(c) if c.seed_usage_on_start)
+        match &self.kind {
+            AdapterKind::S3(c) => c.seed_usage_on_start,
+            AdapterKind::Fs(f) => f.max_capacity_gb > 0.0,
+            AdapterKind::Mock(_) => false,
+        }
     }
 
     /// Capacity of the whole adapter (all shards) in bytes; 0 = unbounded.

@@ -35,8 +35,9 @@ use io_uring::{opcode, types, IoUring};
 use serde_json::json;
 
 use super::config::{FsConfig, GIB};
+use super::health::{Failure, Failures, L2Op};
 use super::naming::{check_key, file_name, parse_file_name};
-use super::{KeyPage, L2Adapter, LocalFut, ObjectBytes, StoreResult};
+use super::{KeyPage, L2Adapter, LocalFut, ObjectBytes, ScanSeen, Scanned, StoreResult};
 use crate::keys::ObjectKey;
 
 /// Alignment of buffers, sizes and offsets for O_DIRECT (covers 512-byte and
@@ -114,6 +115,7 @@ pub struct FsAdapter {
     buffered_ios: Cell<u64>,
     io_errors: Cell<u64>,
     stale_tmp_removed: u64,
+    failures: Failures,
 }
 
 impl FsAdapter {
@@ -160,6 +162,7 @@ impl FsAdapter {
             buffered_ios: Cell::new(0),
             io_errors: Cell::new(0),
             stale_tmp_removed,
+            failures: Failures::default(),
         })
     }
 
@@ -168,9 +171,19 @@ impl FsAdapter {
         self.odirect_ios.set(self.odirect_ios.get() + t.odirect);
         self.buffered_ios.set(self.buffered_ios.get() + t.buffered);
         self.io_errors.set(self.io_errors.get() + t.errors);
+        let l2op = match op {
+            FsOp::Store => L2Op::Store,
+            FsOp::Load => L2Op::Load,
+            FsOp::Lookup => L2Op::Lookup,
+            FsOp::Delete => L2Op::Delete,
+            FsOp::List => L2Op::List,
+        };
         let Some(first) = t.first_failure else {
+            self.failures.succeeded(l2op);
             return;
         };
+        self.failures
+            .failed(l2op, t.failed, || first.clone(), std::time::Instant::now());
         let (n, shard) = (t.failed, self.shard);
         use kvshard_io::log_limit::Level::Warn;
         match op {
@@ -805,6 +818,45 @@ fn list_blocking(
     Ok(page)
 }
 
+/// The object files of `base` whose keys shard `shard` of `num_shards`
+/// owns, with sizes and modification times, in one pass over the directory
+/// (each shard stats only its own files). Files that vanish meanwhile are
+/// skipped; a stat that fails is counted in `tally`.
+fn scan_blocking(
+    base: &Path,
+    shard: usize,
+    num_shards: usize,
+    seen: &ScanSeen,
+    tally: &mut Tally,
+) -> (Vec<Scanned>, io::Result<()>) {
+    let mut found = Vec::new();
+    let entries = match fs::read_dir(base) {
+        Ok(e) => e,
+        Err(e) => return (found, Err(e)),
+    };
+    for entry in entries {
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) => return (found, Err(e)),
+        };
+        seen.fetch_add(1, Ordering::Relaxed);
+        let name = entry.file_name();
+        let Some(key) = name.to_str().and_then(parse_file_name) else {
+            continue;
+        };
+        if key.shard(num_shards) != shard {
+            continue;
+        }
+        match entry.metadata() {
+            Ok(m) if m.is_file() => found.push((key, m.len(), m.modified().ok())),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => tally.fail(true, || io_err(&entry.path(), "cannot stat", &e)),
+        }
+    }
+    (found, Ok(()))
+}
+
 impl L2Adapter for FsAdapter {
     fn kind(&self) -> &'static str {
         "fs"
@@ -1003,6 +1055,50 @@ impl L2Adapter for FsAdapter {
             }
             self.settle(FsOp::List, tally);
             r
+        })
+    }
+
+    fn failures(&self) -> Vec<Failure> {
+        self.failures.current()
+    }
+
+    fn scan(
+        &self,
+        shard: usize,
+        num_shards: usize,
+        seen: ScanSeen,
+    ) -> LocalFut<'_, (Vec<Scanned>, io::Result<()>)> {
+        Box::pin(async move {
+            let base = self.shared.base.clone();
+            let (found, done, tally) = glommio::executor()
+                .spawn_blocking(move || {
+                    let mut tally = Tally::default();
+                    let (found, done) = scan_blocking(&base, shard, num_shards, &seen, &mut tally);
+                    (found, done, tally)
+                })
+                .await;
+            self.settle(FsOp::List, tally);
+            (found, done)
+        })
+    }
+
+    /// Creates and removes a file in the temporary directory: an answer
+    /// means the file system takes writes again (a frozen one does not
+    /// answer until it is thawed).
+    fn probe(&self) -> LocalFut<'_, Result<(), String>> {
+        Box::pin(async move {
+            let path = self.shared.tmp_dir.join(format!(
+                ".kvshard-probe.{}.{}",
+                std::process::id(),
+                self.shard
+            ));
+            glommio::executor()
+                .spawn_blocking(move || {
+                    fs::write(&path, b"")
+                        .and_then(|()| fs::remove_file(&path))
+                        .map_err(|e| io_err(&path, "cannot write", &e))
+                })
+                .await
         })
     }
 

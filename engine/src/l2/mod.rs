@@ -17,11 +17,15 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::SystemTime;
 
 use crate::keys::ObjectKey;
 
 pub mod config;
 pub mod fs;
+pub mod health;
 pub mod mock;
 pub mod naming;
 pub mod s3;
@@ -143,6 +147,14 @@ pub struct KeyPage {
     pub next_cursor: Option<String>,
 }
 
+/// One object a [`L2Adapter::scan`] found: its key, the bytes it occupies and,
+/// when the adapter knows it, when it was last written.
+pub type Scanned = (ObjectKey, u64, Option<SystemTime>);
+
+/// Objects a [`L2Adapter::scan`] has looked at so far, all shards' included
+/// (shared with the threads it runs on, for `/status`).
+pub type ScanSeen = Arc<AtomicU64>;
+
 /// A storage tier behind L1, driven by one shard.
 ///
 /// Every method may be called while other calls on the same instance are in
@@ -191,6 +203,56 @@ pub trait L2Adapter {
 
     /// Adapter-specific health and settings for `/status` (never secrets).
     fn status(&self) -> serde_json::Value;
+
+    /// Every object the adapter holds whose key shard `shard` of
+    /// `num_shards` owns, for usage seeding; `seen` counts the objects looked
+    /// at as it goes. Also answers what it found before an error, with the
+    /// error. Default: [`L2Adapter::list`] page by page.
+    fn scan(
+        &self,
+        shard: usize,
+        num_shards: usize,
+        seen: ScanSeen,
+    ) -> LocalFut<'_, (Vec<Scanned>, io::Result<()>)> {
+        Box::pin(async move {
+            const PAGE: usize = 1000;
+            let mut cursor = None;
+            let mut found = Vec::new();
+            loop {
+                let page = match self.list(None, PAGE, cursor).await {
+                    Ok(p) => p,
+                    Err(e) => return (found, Err(e)),
+                };
+                seen.fetch_add(page.keys.len() as u64, Ordering::Relaxed);
+                let mut modified = page.modified.into_iter();
+                for (key, size) in page.keys {
+                    let at = modified.next().flatten();
+                    if key.shard(num_shards) == shard {
+                        found.push((key, size, at));
+                    }
+                }
+                match page.next_cursor {
+                    Some(c) => cursor = Some(c),
+                    None => return (found, Ok(())),
+                }
+            }
+        })
+    }
+
+    /// The operations whose latest outcome was a failure, with the cause
+    /// (a full disk, a refused credential, an endpoint that does not
+    /// connect). Default: none.
+    fn failures(&self) -> Vec<health::Failure> {
+        Vec::new()
+    }
+
+    /// Asks the backing store for an answer (a stat, a HEAD of an object
+    /// that need not exist): `Ok` when it answers at all, whatever the
+    /// answer. The shard probes a tier its [`health::Gate`] closed; the
+    /// probe bounds its own wait where it can. Default: `Ok`.
+    fn probe(&self) -> LocalFut<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
 
     /// The size of one full chunk's object for `model_name` at world size
     /// `world_size` (the top byte of a kv_rank), from the layout registered

@@ -41,6 +41,7 @@ use serde_json::json;
 use crate::keys::ObjectKey;
 
 use super::config::{S3Config, GIB};
+use super::health::{Failure, Failures, L2Op};
 use super::naming::{check_key, parse_s3_object_name, s3_object_name};
 use super::{kv_rank_world_size, KeyPage, L2Adapter, LocalFut, ObjectBytes, StoreResult};
 
@@ -97,6 +98,12 @@ pub trait ObjectStore {
         continuation: Option<String>,
         max_keys: usize,
     ) -> LocalFut<'a, Result<ListPage, StoreError>>;
+    /// Asks the endpoint for any answer about `name` (which need not exist),
+    /// past a circuit breaker that is open and within a short deadline of
+    /// its own: `Ok` when it answered at all. Default: a HEAD.
+    fn probe<'a>(&'a self, name: &'a str) -> LocalFut<'a, Result<(), StoreError>> {
+        Box::pin(async move { self.head(name).await.map(|_| ()) })
+    }
     /// Client health for `/status` (breaker, connections, counters; never
     /// secrets).
     fn status(&self) -> serde_json::Value;
@@ -132,6 +139,7 @@ pub struct S3Adapter {
     /// Full-chunk object size by model name, then world size.
     full_sizes: RefCell<HashMap<String, HashMap<u32, u64>>>,
     counters: Counters,
+    failures: Failures,
 }
 
 impl S3Adapter {
@@ -163,6 +171,7 @@ impl S3Adapter {
             locks: RefCell::new(HashMap::new()),
             full_sizes: RefCell::new(HashMap::new()),
             counters: Counters::default(),
+            failures: Failures::default(),
         }
     }
 
@@ -185,6 +194,22 @@ impl S3Adapter {
             }
             StoreErrorKind::Unavailable => c.unavailable_errors.set(c.unavailable_errors.get() + 1),
             StoreErrorKind::NotFound | StoreErrorKind::Other => {}
+        }
+        let l2op = match op {
+            "PUT" => L2Op::Store,
+            "GET" => L2Op::Load,
+            "HEAD" => L2Op::Lookup,
+            "DELETE" => L2Op::Delete,
+            _ => L2Op::List,
+        };
+        // An object another node evicted is a miss, not a failing tier.
+        if e.kind != StoreErrorKind::NotFound {
+            self.failures.failed(
+                l2op,
+                1,
+                || format!("{op} {name}: {e}"),
+                std::time::Instant::now(),
+            );
         }
         // One rate-limited log site per operation: a storm of failing HEADs
         // must not hide why PUTs fail. The counters stay exact.
@@ -245,6 +270,7 @@ impl S3Adapter {
         self.counters.puts.set(self.counters.puts.get() + 1);
         match self.store.put(&name, body).await {
             Ok(()) => {
+                self.failures.succeeded(L2Op::Store);
                 let size = body.len() as u64;
                 self.sizes.borrow_mut().insert(*key, size);
                 StoreResult::Stored(size)
@@ -265,10 +291,14 @@ impl S3Adapter {
         self.counters.heads.set(self.counters.heads.get() + 1);
         match self.store.head(&name).await {
             Ok(Some(size)) if size > 0 => {
+                self.failures.succeeded(L2Op::Lookup);
                 self.sizes.borrow_mut().insert(*key, size);
                 Some(size)
             }
-            Ok(_) => None,
+            Ok(_) => {
+                self.failures.succeeded(L2Op::Lookup);
+                None
+            }
             Err(e) => {
                 self.failed("HEAD", &name, &e);
                 None
@@ -292,7 +322,10 @@ impl S3Adapter {
         let _p = self.permit().await;
         self.counters.gets.set(self.counters.gets.get() + 1);
         match self.store.get_into(&name, dest).await {
-            Ok(()) => true,
+            Ok(()) => {
+                self.failures.succeeded(L2Op::Load);
+                true
+            }
             Err(e) => {
                 if e.kind == StoreErrorKind::NotFound {
                     // Evicted by another node since the lookup.
@@ -413,6 +446,20 @@ impl L2Adapter for S3Adapter {
         })
     }
 
+    fn failures(&self) -> Vec<Failure> {
+        self.failures.current()
+    }
+
+    fn probe(&self) -> LocalFut<'_, Result<(), String>> {
+        Box::pin(async move {
+            let name = format!("{}kvshard-probe", self.prefix);
+            self.store
+                .probe(&name)
+                .await
+                .map_err(|e| format!("HEAD {name}: {e}"))
+        })
+    }
+
     fn status(&self) -> serde_json::Value {
         let c = &self.counters;
         json!({
@@ -455,6 +502,10 @@ impl L2Adapter for S3Adapter {
 }
 
 // ------------------------------------------------------------ the S3 client
+
+/// How long a probe of a tier that stopped answering waits (the shard sends
+/// one a second while it does).
+const PROBE_LIMIT: Duration = Duration::from_secs(2);
 
 /// A shard's S3 client as the adapter's [`ObjectStore`].
 pub struct S3Store {
@@ -629,6 +680,15 @@ impl ObjectStore for S3Store {
 
     fn head<'a>(&'a self, name: &'a str) -> LocalFut<'a, Result<Option<u64>, StoreError>> {
         Box::pin(async move { self.client.head_object(name).await.map_err(store_error) })
+    }
+
+    fn probe<'a>(&'a self, name: &'a str) -> LocalFut<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.client
+                .probe(name, PROBE_LIMIT)
+                .await
+                .map_err(store_error)
+        })
     }
 
     fn delete<'a>(&'a self, name: &'a str) -> LocalFut<'a, Result<(), StoreError>> {

@@ -7,13 +7,19 @@
 //! run or another process) is adopted with the size the adapter reported, so
 //! eviction can reach it.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use crate::eviction::{eviction_target, EvictionConfig, EvictionPolicy, PolicyKind, Scope};
 use crate::keys::{KeyMap, Name, ObjectKey};
 
+use super::health::{Failure, Failures, Gate, L2Op};
 use super::{KeyPage, L2Adapter, ObjectBytes, StoreResult};
+
+/// An operation that has run this long without an answer makes the tier
+/// unhealthy (a frozen disk, a hung endpoint), while it still runs.
+pub const STALL_AFTER: Duration = Duration::from_secs(10);
 
 /// Counters of one tier on one shard (summed over shards for `/metrics`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -35,6 +41,9 @@ pub struct TierStats {
     pub evicted_bytes: u64,
     pub eviction_ticks: u64,
     pub eviction_triggered: u64,
+    /// Keys not sent to the adapter because its gate was closed (stores
+    /// failed, lookups missed, loads failed at once).
+    pub gate_skipped_keys: u64,
 }
 
 /// Bytes held, by cache_salt.
@@ -95,6 +104,49 @@ impl Book {
     }
 }
 
+/// [`L2Tier::health`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierHealth {
+    pub healthy: bool,
+    /// Why not, in one line (the gate, a stall, or the first failure).
+    pub cause: Option<String>,
+    /// Operations whose latest outcome was a failure.
+    pub failing: Vec<Failure>,
+    /// The oldest operation running past [`STALL_AFTER`], and for how long.
+    pub stalled: Option<(L2Op, Duration)>,
+    pub gate_closed: bool,
+    pub gate_closed_for: Option<Duration>,
+    pub consecutive_timeouts: u32,
+    pub timeouts: u64,
+    pub gate_trips: u64,
+}
+
+impl TierHealth {
+    pub fn json(&self) -> serde_json::Value {
+        let now = Instant::now();
+        serde_json::json!({
+            "is_healthy": self.healthy,
+            "cause": self.cause,
+            "failing": self.failing.iter().map(|f| serde_json::json!({
+                "op": f.op.name(),
+                "cause": f.cause,
+                "count": f.count,
+                "since_seconds": now.saturating_duration_since(f.since).as_secs_f64(),
+            })).collect::<Vec<_>>(),
+            "stalled": self.stalled.map(|(op, d)| serde_json::json!({
+                "op": op.name(), "running_seconds": d.as_secs_f64(),
+            })),
+            "gate": {
+                "closed": self.gate_closed,
+                "closed_for_seconds": self.gate_closed_for.map(|d| d.as_secs_f64()),
+                "consecutive_timeouts": self.consecutive_timeouts,
+                "timeouts": self.timeouts,
+                "trips": self.gate_trips,
+            },
+        })
+    }
+}
+
 /// Result of one eviction tick.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct TierEvictOutcome {
@@ -108,6 +160,43 @@ pub struct L2Tier {
     adapter: Box<dyn L2Adapter>,
     book: RefCell<Book>,
     policy: RefCell<Option<EvictionPolicy>>,
+    gate: Gate,
+    /// Failures the tier sees itself (lookups past their deadline).
+    failures: Failures,
+    /// Operations running on the adapter, by a sequence number: when each
+    /// started (a stall shows while it lasts).
+    running: RefCell<BTreeMap<u64, (L2Op, Instant)>>,
+    next_op: Cell<u64>,
+    /// Counting what the adapter held at start ([`L2Tier::seed_usage`]).
+    seed: RefCell<Seed>,
+}
+
+/// Where [`L2Tier::seed_usage`] is.
+enum Seed {
+    Off,
+    Scanning {
+        since: Instant,
+        seen: super::ScanSeen,
+    },
+    Done {
+        objects: u64,
+        bytes: u64,
+        took: Duration,
+        /// Why the scan stopped early (what it found before is counted).
+        error: Option<String>,
+    },
+}
+
+/// Removes its operation from [`L2Tier::running`] when the operation ends.
+struct Running<'a> {
+    tier: &'a L2Tier,
+    id: u64,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.tier.running.borrow_mut().remove(&self.id);
+    }
 }
 
 impl L2Tier {
@@ -129,6 +218,126 @@ impl L2Tier {
             adapter,
             book: RefCell::new(book),
             policy: RefCell::new(eviction.map(EvictionPolicy::new)),
+            gate: Gate::default(),
+            failures: Failures::default(),
+            running: RefCell::new(BTreeMap::new()),
+            next_op: Cell::new(0),
+            seed: RefCell::new(Seed::Off),
+        }
+    }
+
+    fn begin(&self, op: L2Op) -> Running<'_> {
+        let id = self.next_op.get();
+        self.next_op.set(id + 1);
+        self.running.borrow_mut().insert(id, (op, Instant::now()));
+        Running { tier: self, id }
+    }
+
+    /// Whether requests may go to the adapter (see [`Gate`]).
+    pub fn is_open(&self) -> bool {
+        self.gate.is_open()
+    }
+
+    /// Counts `n` keys not sent because the gate is closed.
+    fn skipped(&self, n: usize) {
+        self.book.borrow_mut().stats.gate_skipped_keys += n as u64;
+    }
+
+    /// A lookup or load (`op`) of this tier answered within its lookup's
+    /// deadline.
+    pub fn answered_in_time(&self, op: L2Op) {
+        self.gate.answered(op);
+        self.failures.succeeded(op);
+    }
+
+    /// A lookup or load (`op`) of this tier ran past its lookup's deadline
+    /// `limit` (it goes on: what a lookup finds is given back, what a load
+    /// loads lands in L1). Counts toward the gate at once.
+    pub fn timed_out(&self, op: L2Op, limit: Duration) {
+        let now = Instant::now();
+        self.failures.failed(
+            op,
+            1,
+            || format!("no answer within {limit:?} (--l2-prefetch-load-timeout)"),
+            now,
+        );
+        if self.gate.timed_out(op, now) {
+            log::warn!(
+                "L2 {}: {} {}s in a row got no answer within {limit:?}: lookups miss and stores \
+                 skip it until it answers a probe (one a second)",
+                self.name,
+                Gate::THRESHOLD,
+                op.name()
+            );
+        }
+    }
+
+    /// Probes the adapter if the gate is closed and no probe runs (the shard
+    /// calls it every second); an answer opens the gate.
+    pub async fn probe(&self) {
+        if !self.gate.begin_probe() {
+            return;
+        }
+        let res = {
+            let _op = self.begin(L2Op::Probe);
+            self.adapter.probe().await
+        };
+        let now = Instant::now();
+        match &res {
+            Ok(()) => self.failures.succeeded(L2Op::Probe),
+            Err(e) => self.failures.failed(L2Op::Probe, 1, || e.clone(), now),
+        }
+        if let Some(closed) = self.gate.probed(res.is_ok(), now) {
+            log::info!(
+                "L2 {}: answers again after {:.1} s: lookups and stores use it again",
+                self.name,
+                closed.as_secs_f64()
+            );
+        }
+    }
+
+    /// Whether the tier is healthy and why not: its gate, its own and the
+    /// adapter's latest failures, and operations stalled past
+    /// [`STALL_AFTER`].
+    pub fn health(&self, now: Instant) -> TierHealth {
+        let mut failing = self.adapter.failures();
+        failing.extend(self.failures.current());
+        failing.sort_by_key(|f| f.op);
+        let stalled = self
+            .running
+            .borrow()
+            .values()
+            .filter(|(_, at)| now.saturating_duration_since(*at) >= STALL_AFTER)
+            .min_by_key(|(_, at)| *at)
+            .map(|&(op, at)| (op, now.saturating_duration_since(at)));
+        let gate = self.gate.status(now);
+        let cause = if gate.closed {
+            Some(format!(
+                "closed to requests for {:.1} s: {} requests in a row got no answer in time; probed every second",
+                gate.closed_for.unwrap_or_default().as_secs_f64(),
+                gate.consecutive_timeouts
+            ))
+        } else if let Some((op, d)) = stalled {
+            Some(format!(
+                "a {} has run for {:.1} s without an answer",
+                op.name(),
+                d.as_secs_f64()
+            ))
+        } else {
+            failing
+                .first()
+                .map(|f| format!("{}: {}", f.op.name(), f.cause))
+        };
+        TierHealth {
+            healthy: cause.is_none(),
+            cause,
+            failing,
+            stalled,
+            gate_closed: gate.closed,
+            gate_closed_for: gate.closed_for,
+            consecutive_timeouts: gate.consecutive_timeouts,
+            timeouts: gate.timeouts,
+            gate_trips: gate.trips,
         }
     }
 
@@ -141,7 +350,17 @@ impl L2Tier {
     }
 
     pub async fn store(&self, items: &[(ObjectKey, ObjectBytes)]) -> Vec<StoreResult> {
-        let res = self.adapter.store(items).await;
+        if !self.is_open() {
+            self.skipped(items.len());
+            let mut book = self.book.borrow_mut();
+            book.stats.store_keys += items.len() as u64;
+            book.stats.store_failed_keys += items.len() as u64;
+            return vec![StoreResult::Failed; items.len()];
+        }
+        let res = {
+            let _op = self.begin(L2Op::Store);
+            self.adapter.store(items).await
+        };
         let mut book = self.book.borrow_mut();
         let mut created = Vec::new();
         book.stats.store_keys += items.len() as u64;
@@ -168,7 +387,15 @@ impl L2Tier {
     /// Looks up and locks; hits are touched (and adopted into the accounting
     /// when this shard did not know them).
     pub async fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Vec<Option<u64>> {
-        let res = self.adapter.lookup_and_lock(keys).await;
+        if !self.is_open() {
+            self.skipped(keys.len());
+            self.book.borrow_mut().stats.lookup_keys += keys.len() as u64;
+            return vec![None; keys.len()];
+        }
+        let res = {
+            let _op = self.begin(L2Op::Lookup);
+            self.adapter.lookup_and_lock(keys).await
+        };
         let mut book = self.book.borrow_mut();
         book.stats.lookup_keys += keys.len() as u64;
         let mut adopted = Vec::new();
@@ -193,7 +420,17 @@ impl L2Tier {
     }
 
     pub async fn load(&self, items: &[(ObjectKey, ObjectBytes)]) -> Vec<bool> {
-        let res = self.adapter.load(items).await;
+        if !self.is_open() {
+            self.skipped(items.len());
+            let mut book = self.book.borrow_mut();
+            book.stats.load_keys += items.len() as u64;
+            book.stats.load_failed_keys += items.len() as u64;
+            return vec![false; items.len()];
+        }
+        let res = {
+            let _op = self.begin(L2Op::Load);
+            self.adapter.load(items).await
+        };
         let mut book = self.book.borrow_mut();
         book.stats.load_keys += items.len() as u64;
         for ((_, buf), ok) in items.iter().zip(&res) {
@@ -227,7 +464,13 @@ impl L2Tier {
 
     /// Deletes unlocked keys; answers the bytes freed per key.
     pub async fn delete(&self, keys: &[ObjectKey]) -> Vec<Option<u64>> {
-        let res = self.adapter.delete(keys).await;
+        if !self.is_open() {
+            return vec![None; keys.len()];
+        }
+        let res = {
+            let _op = self.begin(L2Op::Delete);
+            self.adapter.delete(keys).await
+        };
         let mut book = self.book.borrow_mut();
         let mut policy = self.policy.borrow_mut();
         for (key, r) in keys.iter().zip(&res) {
@@ -352,43 +595,66 @@ impl L2Tier {
     /// the dated ones. Returns the keys adopted; a listing error stops the
     /// scan, and what was listed before it is still adopted.
     pub async fn seed_usage(&self, shard: usize, num_shards: usize) -> std::io::Result<u64> {
-        const PAGE: usize = 1000;
-        let mut cursor = None;
-        let mut found: Vec<(Option<std::time::SystemTime>, ObjectKey, u64)> = Vec::new();
-        let listed = loop {
-            let page = match self.adapter.list(None, PAGE, cursor).await {
-                Ok(p) => p,
-                Err(e) => break Err(e),
-            };
-            let mut modified = page.modified.into_iter();
-            for (key, size) in page.keys {
-                let at = modified.next().flatten();
-                if key.shard(num_shards) == shard {
-                    found.push((at, key, size));
-                }
-            }
-            match page.next_cursor {
-                Some(c) => cursor = Some(c),
-                None => break Ok(()),
-            }
+        let t0 = Instant::now();
+        let seen: super::ScanSeen = Default::default();
+        *self.seed.borrow_mut() = Seed::Scanning {
+            since: t0,
+            seen: seen.clone(),
+        };
+        let (mut found, listed) = {
+            let _op = self.begin(L2Op::List);
+            self.adapter.scan(shard, num_shards, seen).await
         };
         // One batch, newest first: the policy makes a batch's last key its
         // least recently used, so the oldest object is evicted first. The
         // sort is stable, and undated keys sort as the oldest.
-        found.sort_by_key(|(at, _, _)| std::cmp::Reverse(*at));
+        found.sort_by_key(|(_, _, at)| std::cmp::Reverse(*at));
         let mut adopted = Vec::new();
+        let mut bytes = 0;
         {
             let mut book = self.book.borrow_mut();
-            for (_, key, size) in found {
+            for (key, size, _) in found {
                 if book.add(&key, size) {
                     adopted.push(key);
+                    bytes += size;
                 }
             }
         }
         if let Some(p) = self.policy.borrow_mut().as_mut() {
             p.on_keys_created(adopted.iter());
         }
-        listed.map(|()| adopted.len() as u64)
+        let n = adopted.len() as u64;
+        *self.seed.borrow_mut() = Seed::Done {
+            objects: n,
+            bytes,
+            took: t0.elapsed(),
+            error: listed.as_ref().err().map(|e| e.to_string()),
+        };
+        listed.map(|()| n)
+    }
+
+    /// The usage seeding's progress, for `/status`.
+    fn seed_json(&self) -> serde_json::Value {
+        match &*self.seed.borrow() {
+            Seed::Off => serde_json::json!({"state": "off"}),
+            Seed::Scanning { since, seen } => serde_json::json!({
+                "state": "scanning",
+                "objects_seen": seen.load(std::sync::atomic::Ordering::Relaxed),
+                "seconds": since.elapsed().as_secs_f64(),
+            }),
+            Seed::Done {
+                objects,
+                bytes,
+                took,
+                error,
+            } => serde_json::json!({
+                "state": if error.is_some() { "stopped" } else { "done" },
+                "objects_adopted": objects,
+                "bytes_adopted": bytes,
+                "seconds": took.as_secs_f64(),
+                "error": error,
+            }),
+        }
     }
 
     /// Sets this shard's share of `salt`'s quota (IsolatedLRU).
@@ -435,7 +701,10 @@ impl L2Tier {
 
     pub fn status(&self) -> serde_json::Value {
         let u = self.usage();
+        let h = self.health(Instant::now());
         serde_json::json!({
+            "health": h.json(),
+            "usage_seed": self.seed_json(),
             "name": self.name,
             "type": self.adapter.kind(),
             "used_bytes": u.used_bytes,

@@ -26,9 +26,9 @@ use kvshard_dataplane::cuda_refusal::{
 use kvshard_dataplane::cuda_transfer::{CudaExecutor, CudaOp, L1Memory, PendingRegistration};
 use kvshard_dataplane::layout::Layout;
 use kvshard_dataplane::messages::{
-    ControlBody, ControlRequest, ControlResponse, CudaEvent, FrontEvent, ReplyTo, Responder,
-    RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome,
-    FOUND_L1, FOUND_L2, FOUND_MISS, NO_SLAB,
+    ControlBody, ControlRequest, ControlResponse, CudaEvent, FrontEvent, L2Deadline, ReplyTo,
+    Responder, RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport,
+    StoreOutcome, FOUND_L1, FOUND_L2, FOUND_MISS, NO_SLAB,
 };
 
 use crate::lookup_leases::{clamped, Grant, LeaseBook};
@@ -487,6 +487,9 @@ pub struct Front {
     /// Lookups whose L2 loads are running, and those waiting for a slot
     /// (`--l2-prefetch-max-in-flight`).
     loads_inflight: usize,
+    /// When the lookups with L2 loads to wait for conclude anyway
+    /// (`--l2-prefetch-load-timeout` after they arrived), by their job's seq.
+    load_deadlines: std::collections::BTreeSet<(Instant, Seq)>,
     load_queue: std::collections::VecDeque<PendingLoad>,
     next_load_tag: u64,
     started: Instant,
@@ -635,6 +638,7 @@ impl Front {
             lookup_log,
             quotas: indexmap::IndexMap::new(),
             loads_inflight: 0,
+            load_deadlines: std::collections::BTreeSet::new(),
             load_queue: std::collections::VecDeque::new(),
             next_load_tag: 0,
             started: now,
@@ -667,6 +671,9 @@ impl Front {
         let now = self.clock.now();
         let mut next = self.next_session_sweep.min(self.next_reap);
         if let Some(d) = self.jobs.next_deadline() {
+            next = next.min(d);
+        }
+        if let Some(&(d, _)) = self.load_deadlines.first() {
             next = next.min(d);
         }
         if self.lazy.iter().any(|(_, since)| since.is_some()) {
@@ -732,6 +739,15 @@ impl Front {
         // wait_prefetch_status deadlines: answer with no payload (still running).
         for to in self.jobs.expire_waiters(now) {
             self.reply(&to, None);
+        }
+        // Lookups whose L2 loads ran past their deadline conclude with what
+        // L1 holds; the loads land all the same.
+        while let Some(&(at, job_seq)) = self.load_deadlines.first() {
+            if at > now {
+                break;
+            }
+            self.load_deadlines.pop_first();
+            self.conclude_at_deadline(job_seq);
         }
     }
 
@@ -1851,10 +1867,12 @@ impl Front {
             },
         };
         let mut sent = sent.into_iter();
+        let deadline = self.l2_deadline(now);
         let immediate = self.fan_out(parts, kind, |_| ShardOp::Lookup {
             keys: sent.next().unwrap_or_default(),
             readers,
             size,
+            deadline,
         });
         debug_assert!(
             immediate.is_none(),
@@ -1895,12 +1913,97 @@ impl Front {
         for to in self.jobs.begin_load(&p.request_id) {
             self.reply(&to, None);
         }
+        let (job_seq, deadline) = (p.job_seq, self.l2_deadline(p.sent_at));
         if self.loads_inflight < self.cfg.l2.prefetch_max_in_flight {
             self.start_load(p);
         } else {
             self.load_queue.push_back(p);
         }
+        if let Some(d) = deadline {
+            if d.at <= self.clock.now() {
+                // The L2 check took the whole wait: conclude now; the loads
+                // started above still land.
+                self.conclude_at_deadline(job_seq);
+            } else {
+                self.load_deadlines.insert((d.at, job_seq));
+            }
+        }
         None
+    }
+
+    /// The deadline for L2 of a lookup that arrived at `arrived`; `None`
+    /// when `--l2-prefetch-load-timeout` is 0 or there is no L2.
+    fn l2_deadline(&self, arrived: Instant) -> Option<L2Deadline> {
+        let limit = self.cfg.l2.prefetch_load_timeout;
+        (!limit.is_zero() && !self.cfg.l2.adapters.is_empty()).then(|| L2Deadline {
+            at: arrived + limit,
+            limit,
+        })
+    }
+
+    /// The lookup of job `job_seq` ran out of time for its L2 loads: it
+    /// concludes with the prefix L1 held when it was looked up (those locks
+    /// go to its lease, the rest are released); the loads running go on, and
+    /// what they load is released when they end (it stays in L1 for the
+    /// next request); loads still queued are dropped. Nothing when the job
+    /// concluded or was superseded already.
+    fn conclude_at_deadline(&mut self, job_seq: Seq) {
+        let jobs = &self.jobs;
+        let found = self
+            .inflight
+            .values_mut()
+            .find_map(|inf| match &mut inf.kind {
+                InflightKind::Load { load, .. } if load.job_seq == job_seq => Some(load),
+                _ => None,
+            })
+            .or_else(|| self.load_queue.iter_mut().find(|p| p.job_seq == job_seq));
+        let Some(p) = found.filter(|p| jobs.is_current(&p.request_id, job_seq)) else {
+            return;
+        };
+        let nr = p.num_ranks;
+        let prefix = (0..p.keys.len() / nr)
+            .take_while(|c| p.found[c * nr..(c + 1) * nr].iter().all(|f| *f == FOUND_L1))
+            .count();
+        let keep = prefix * nr;
+        let beyond: Vec<ObjectKey> = (keep..p.keys.len())
+            .filter(|&i| p.found[i] == FOUND_L1)
+            .map(|i| p.keys[i])
+            .collect();
+        // Handed to the lease or released here: whatever ends the load
+        // later no longer sees these locks.
+        for f in p.found.iter_mut().filter(|f| **f == FOUND_L1) {
+            *f = FOUND_MISS;
+        }
+        let rid = p.request_id.clone();
+        let (ws, readers, sent_at) = (p.world_size, p.readers, p.sent_at);
+        let lease_keys = p.keys[..keep].to_vec();
+        let lease_slabs = p.slabs[..keep].to_vec();
+        self.post(beyond, |keys| ShardOp::Release {
+            keys,
+            count: readers,
+        });
+        if keep > 0 {
+            let ranks: Vec<u32> = lease_keys[..nr].iter().map(|k| k.kv_rank).collect();
+            self.leases.grant(Grant {
+                request_id: &rid,
+                world_size: ws,
+                ranks: &ranks,
+                keys: &lease_keys,
+                slabs: &lease_slabs,
+                readers,
+                sent_at,
+            });
+        }
+        self.metrics.lookups_cut_at_deadline += 1;
+        log_limited!(
+            Level::Warn,
+            "lookup {rid}: L2 did not answer within --l2-prefetch-load-timeout ({:?}): \
+             concluded with the {prefix} chunks L1 holds; the loads running go on",
+            self.cfg.l2.prefetch_load_timeout
+        );
+        if let Some((waiters, hits)) = self.conclude_lookup(&rid, prefix, nr, 0) {
+            self.answer_waiters(waiters, hits);
+        }
     }
 
     /// Records the read locks a concluded lookup holds on its prefix (`p.keys`)
@@ -1975,6 +2078,7 @@ impl Front {
         self.next_load_tag += 1;
         let tag = LOAD_TAG_BIT | self.next_load_tag;
         let (size, readers) = (p.size, p.readers);
+        let deadline = self.l2_deadline(p.sent_at);
         let kind = InflightKind::Load {
             loaded: vec![false; lkeys.len()],
             slabs: vec![NO_SLAB; lkeys.len()],
@@ -1986,6 +2090,7 @@ impl Front {
             size,
             readers,
             tag,
+            deadline,
         });
         debug_assert!(immediate.is_none(), "a load always involves a shard");
     }

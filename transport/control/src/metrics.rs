@@ -54,6 +54,9 @@ pub struct Metrics {
     pub lookup_hit_l2_tokens: u64,
     pub lookup_hit_l2_keys: u64,
     pub early_exits: BTreeMap<&'static str, u64>,
+    /// Lookups concluded at their L2 deadline with loads still running or
+    /// queued (`--l2-prefetch-load-timeout`).
+    pub lookups_cut_at_deadline: u64,
     pub submitted_stores: u64,
     pub finished_stores: u64,
     pub submitted_retrieves: u64,
@@ -187,6 +190,11 @@ impl Metrics {
             "lmcache_mp_lookups_requests_total",
             "Lookup requests",
             self.lookups,
+        );
+        t.counter(
+            "kvshard_lookups_cut_at_deadline_total",
+            "Lookups concluded at --l2-prefetch-load-timeout with L2 loads still running or queued",
+            self.lookups_cut_at_deadline,
         );
         for (reason, n) in &self.early_exits {
             t.counter_labeled(
@@ -715,6 +723,28 @@ fn render_l2(t: &mut PromText, shards: &[ShardReport]) {
             &[("l2_name", &n)],
             tier(i, &|s| s.eviction_ticks),
         );
+        t.counter_labeled(
+            "kvshard_l2_gate_skipped_objects_total",
+            "Objects not sent to an adapter that stopped answering in time (stores failed, lookups missed)",
+            &[("l2_name", &n)],
+            tier(i, &|s| s.gate_skipped_keys),
+        );
+        let reports = || shards.iter().filter_map(|r| r.l2.get(i));
+        let healthy = reports().all(|t| t.status["health"]["is_healthy"] != false);
+        t.gauge_labeled(
+            "kvshard_l2_healthy",
+            "1 while every shard's instance of an adapter is healthy (no recent failure, stall or closed gate), else 0",
+            &[("l2_name", &n)],
+            if healthy { 1.0 } else { 0.0 },
+        );
+        t.gauge_labeled(
+            "kvshard_l2_gate_closed_shards",
+            "Shards on which an adapter is closed to requests until it answers a probe",
+            &[("l2_name", &n)],
+            reports()
+                .filter(|t| t.status["health"]["gate"]["closed"] == true)
+                .count() as f64,
+        );
         let used: u64 = shards
             .iter()
             .filter_map(|r| r.l2.get(i))
@@ -767,6 +797,16 @@ fn render_l2(t: &mut PromText, shards: &[ShardReport]) {
         "kvshard_l2_store_lock_expired_objects_total",
         "Objects not stored to L2 because their L1 lock expired while waiting for the store budget",
         ctl(&|s| s.store_lock_expired_objects),
+    );
+    t.counter(
+        "kvshard_l2_lookup_timeouts_total",
+        "Lookups whose L2 check had not answered by --l2-prefetch-load-timeout (concluded without it)",
+        ctl(&|s| s.prefetch_lookup_timeouts),
+    );
+    t.counter(
+        "kvshard_l2_load_timeouts_total",
+        "L2 load batches still running at their lookup's --l2-prefetch-load-timeout (they land in L1 after)",
+        ctl(&|s| s.prefetch_load_timeouts),
     );
     t.counter(
         "kvshard_l2_size_mismatch_objects_total",

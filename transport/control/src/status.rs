@@ -109,6 +109,11 @@ impl StatusSnapshot {
             "evicted_chunks": sum(&|r| r.stats.evicted_chunks),
         });
         let now = self.taken_at;
+        let l2_adapters = self.l2_status();
+        // 0.5.6's storage manager is healthy when every component is, the
+        // L2 adapters included; the server's is_healthy is the storage
+        // manager's.
+        let storage_healthy = alive && l2_adapters.iter().all(|a| a["is_healthy"] != false);
         let mut liveness_by_instance = serde_json::Map::new();
         for (iid, mode, last_seen, pinged) in &self.liveness {
             liveness_by_instance.insert(
@@ -117,13 +122,13 @@ impl StatusSnapshot {
             );
         }
         let mut status = json!({
-            "is_healthy": alive,
+            "is_healthy": storage_healthy,
             "engine_type": "MPCacheServer",
             "chunk_size": cfg.chunk_size,
             "hash_algorithm": "blake3",
             "active_sessions": self.active_sessions,
             "storage_manager": {
-                "is_healthy": alive,
+                "is_healthy": storage_healthy,
                 // One L1 (0.5.6's single-tier layout): the maps hold it
                 // under 0.5.6's default tag, and the singular keys repeat it.
                 "l1_managers": {"_default": l1_manager.clone()},
@@ -141,7 +146,7 @@ impl StatusSnapshot {
                     "thread_alive": alive,
                     "adapters": self.l2_eviction_status(),
                 },
-                "l2_adapters": self.l2_status(),
+                "l2_adapters": l2_adapters,
                 "num_l2_adapters": adapters,
                 "l1_usage": [used, total],
                 "l1_capacity_bytes_by_backend": l1_manager["capacity_bytes_by_backend"].clone(),
@@ -172,8 +177,10 @@ impl StatusSnapshot {
             "cache_context_meta": self.lmc_meta,
             "registered_non_cuda_instance_ids": self.engine_ids,
             "non_cuda_context_meta": self.engine_meta,
-            // kvshard only from here: the server, its uptime, each registered
-            // worker's liveness.
+            // kvshard only from here: whether every shard serves from L1
+            // (what /healthcheck answers), the server, its uptime, each
+            // registered worker's liveness.
+            "serving": alive,
             "server": "kvshard",
             "uptime_seconds": now.duration_since(self.started).as_secs_f64(),
             "worker_liveness_by_instance": liveness_by_instance,
@@ -193,6 +200,16 @@ impl StatusSnapshot {
             // /healthcheck's reason.
             status["unhealthy_reason"] = format!(
                 "shard(s) {dead:?} stopped: requests that need them are answered with failure replies"
+            )
+            .into();
+        } else if let Some(a) = status["storage_manager"]["l2_adapters"]
+            .as_array()
+            .and_then(|a| a.iter().find(|a| a["is_healthy"] == false))
+        {
+            status["unhealthy_reason"] = format!(
+                "L2 adapter {}: {}",
+                a["name"].as_str().unwrap_or("?"),
+                a["unhealthy_reason"].as_str().unwrap_or("unhealthy")
             )
             .into();
         }
@@ -249,9 +266,16 @@ impl StatusSnapshot {
             let keys: u64 = tiers.iter().map(|t| t.usage.keys).sum();
             let healthy = tiers
                 .iter()
-                .all(|t| t.status["adapter"]["is_healthy"].as_bool().unwrap_or(true));
+                .all(|t| t.status["health"]["is_healthy"].as_bool().unwrap_or(true));
+            // The first shard's reason, naming it.
+            let cause = tiers.iter().enumerate().find_map(|(shard, t)| {
+                t.status["health"]["cause"]
+                    .as_str()
+                    .map(|c| format!("shard {shard}: {c}"))
+            });
             let mut v = json!({
                 "is_healthy": healthy,
+                "unhealthy_reason": cause,
                 "type": adapter_class(spec),
                 "name": kvshard_dataplane::shard::l2::tier_name(spec, i),
                 "stored_object_count": keys,
@@ -273,12 +297,20 @@ impl StatusSnapshot {
                             .filter_map(|t| t.status["adapter"]["client"][k].as_u64())
                             .sum::<u64>()
                     };
-                    let disabled = tiers
+                    // The client's breaker counts connection failures; the
+                    // tier's gate counts requests that did not answer in time.
+                    let disabled = tiers.iter().any(|t| {
+                        t.status["adapter"]["client"]["breaker_open"] == true
+                            || t.status["health"]["gate"]["closed"] == true
+                    });
+                    let timeouts: u64 = tiers
                         .iter()
-                        .any(|t| t.status["adapter"]["client"]["breaker_open"] == true);
+                        .filter_map(|t| t.status["health"]["gate"]["consecutive_timeouts"].as_u64())
+                        .sum();
                     v["endpoint"] = serde_json::Value::String(c.endpoint.clone());
                     v["region"] = serde_json::Value::String(c.region.clone());
-                    v["connection_failures"] = shard_client("connection_failures").into();
+                    v["connection_failures"] =
+                        (shard_client("connection_failures") + timeouts).into();
                     v["connection_disabled"] = disabled.into();
                     if disabled {
                         v["is_healthy"] = false.into();

@@ -4,6 +4,7 @@
 //! can depend on it without a cycle.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::l1::{L1Stats, L1Status};
@@ -29,14 +30,21 @@ pub enum ShardOp {
         keys: Vec<ObjectKey>,
         readers: u32,
         size: u64,
+        /// When the lookup's wait for L2 ends: the misses L2 has not
+        /// answered by then are answered as misses (the L2 check goes on and
+        /// gives back what it finds). `None`: no limit.
+        deadline: Option<L2Deadline>,
     },
     /// Load keys found in L2 by a lookup into L1 with `readers` read locks
-    /// each; answers [`ShardReplyBody::Loaded`].
+    /// each; answers [`ShardReplyBody::Loaded`]. A load still running at
+    /// `deadline` (the front answered the lookup without it) counts against
+    /// its tiers, and lands in L1 all the same.
     Load {
         keys: Vec<(ObjectKey, u8)>,
         size: u64,
         readers: u32,
         tag: u64,
+        deadline: Option<L2Deadline>,
     },
     /// Release L2 lookup locks (keys with their `Found` code).
     UnlockL2 {
@@ -131,6 +139,15 @@ pub struct RetrieveItem {
     pub take: bool,
 }
 
+/// A lookup's deadline for L2 (`--l2-prefetch-load-timeout` after the
+/// lookup arrived).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct L2Deadline {
+    pub at: Instant,
+    /// The configured wait, for the log and `/status`.
+    pub limit: std::time::Duration,
+}
+
 /// Outcome of storing one chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreOutcome {
@@ -219,6 +236,10 @@ pub struct L2CtlStats {
     pub prefetch_load_oom_objects: u64,
     /// L2 hits whose size is not the registered object size (treated as misses).
     pub size_mismatch_objects: u64,
+    /// Lookups whose L2 check had not answered by their deadline
+    /// (`--l2-prefetch-load-timeout`), and loads still running at it.
+    pub prefetch_lookup_timeouts: u64,
+    pub prefetch_load_timeouts: u64,
     pub inflight_stores: u64,
     pub inflight_store_bytes: u64,
     pub inflight_loads: u64,

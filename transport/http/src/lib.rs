@@ -171,10 +171,13 @@ where
         ),
         Endpoint::Healthcheck => {
             let r = call(ctx, ControlRequest::Status).await;
-            // A status that answers but says unhealthy (a shard stopped) is unhealthy.
+            // A liveness probe: unhealthy only when the server cannot serve
+            // from L1 (a shard stopped). A failing L2 tier makes `/status`
+            // unhealthy, never this: restarting a server whose L1 serves
+            // would lose the cache and fix nothing.
             let said_unhealthy = matches!(
                 &r.body,
-                ControlBody::Json(v) if v.get("is_healthy") == Some(&Value::Bool(false))
+                ControlBody::Json(v) if v.get("serving") == Some(&Value::Bool(false))
             );
             if r.status == 200 && !said_unhealthy {
                 json_bytes(StatusCode::OK, br#"{"status":"healthy"}"#.to_vec())

@@ -26,13 +26,14 @@ use kvshard_engine::keys::{Name, ObjectKey};
 use kvshard_engine::l1::{L1Error, WriterTag};
 use kvshard_engine::l2::config::{AdapterKind, AdapterSpec};
 use kvshard_engine::l2::fs::FsAdapter;
+use kvshard_engine::l2::health::L2Op;
 use kvshard_engine::l2::mock::MockAdapter;
 use kvshard_engine::l2::tier::L2Tier;
 use kvshard_engine::l2::{kv_rank_world_size, L2Adapter, ObjectBytes, StoreResult};
 use kvshard_gds::slab::AlignedBuf;
 
 use crate::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
-use crate::messages::{L2CtlStats, TierReport, FOUND_L2, FOUND_MISS, NO_SLAB};
+use crate::messages::{L2CtlStats, L2Deadline, TierReport, FOUND_L2, FOUND_MISS, NO_SLAB};
 use crate::shard::State;
 
 pub struct L2Shard {
@@ -144,8 +145,9 @@ impl L2Shard {
         }
     }
 
-    /// Starts counting what the adapters that ask for it (`s3_seed_usage_on_start`)
-    /// already hold, in the background on the L2 task queue.
+    /// Starts counting what the adapters already hold (an fs adapter with a
+    /// capacity, an s3 adapter with `s3_seed_usage_on_start`), in the
+    /// background on the L2 task queue; `/status` shows the progress.
     pub fn seed_usage(self: &Rc<Self>, settings: &L2Settings, shard: usize, num_shards: usize) {
         for (t, spec) in settings.adapters.iter().enumerate() {
             if !spec.seed_usage_on_start() {
@@ -415,8 +417,16 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
 }
 
 /// Looks up `keys` (the L1 misses of a lookup) tier by tier; each key found is
-/// locked in the first tier that has it with the expected `size`.
-pub async fn lookup(l2: &L2Shard, keys: &[ObjectKey], size: u64) -> Vec<u8> {
+/// locked in the first tier that has it with the expected `size`. A tier that
+/// has not answered by `deadline` leaves its keys (and the later tiers') as
+/// misses: its lookup goes on, gives back what it locked, and counts against
+/// the tier.
+pub async fn lookup(
+    l2: &Rc<L2Shard>,
+    keys: &[ObjectKey],
+    size: u64,
+    deadline: Option<L2Deadline>,
+) -> Vec<u8> {
     let mut found = vec![FOUND_MISS; keys.len()];
     l2.bump(|s| {
         s.prefetch_lookup_requests += 1;
@@ -428,7 +438,20 @@ pub async fn lookup(l2: &L2Shard, keys: &[ObjectKey], size: u64) -> Vec<u8> {
             break;
         }
         let ask: Vec<ObjectKey> = pending.iter().map(|&i| keys[i]).collect();
-        let res = tier.lookup_and_lock(&ask).await;
+        let res = match deadline {
+            None => tier.lookup_and_lock(&ask).await,
+            Some(d) => match lookup_within(l2, t, ask.clone(), d.at).await {
+                Some(res) => {
+                    tier.answered_in_time(L2Op::Lookup);
+                    res
+                }
+                None => {
+                    tier.timed_out(L2Op::Lookup, d.limit);
+                    l2.bump(|s| s.prefetch_lookup_timeouts += 1);
+                    break;
+                }
+            },
+        };
         let mut wrong = Vec::new();
         let mut still = Vec::new();
         for ((&i, key), r) in pending.iter().zip(ask).zip(res) {
@@ -452,6 +475,97 @@ pub async fn lookup(l2: &L2Shard, keys: &[ObjectKey], size: u64) -> Vec<u8> {
         pending = still;
     }
     found
+}
+
+/// Tier `t`'s lookup of `keys`, or `None` when it has not answered by `at`.
+/// The lookup runs as a task of its own, so it goes on when this gives up on
+/// it; what it then locks it unlocks at once (nobody will load it).
+async fn lookup_within(
+    l2: &Rc<L2Shard>,
+    t: usize,
+    keys: Vec<ObjectKey>,
+    at: Instant,
+) -> Option<Vec<Option<u64>>> {
+    let late = Rc::new(Cell::new(false));
+    let mut task = {
+        let (l2, late) = (l2.clone(), late.clone());
+        glommio::spawn_local(async move {
+            let tier = &l2.tiers[t];
+            let res = tier.lookup_and_lock(&keys).await;
+            if late.get() {
+                let found: Vec<ObjectKey> = keys
+                    .iter()
+                    .zip(&res)
+                    .filter(|(_, r)| r.is_some())
+                    .map(|(k, _)| *k)
+                    .collect();
+                tier.unlock(&found);
+            }
+            res
+        })
+    };
+    let timer = glommio::timer::sleep(at.saturating_duration_since(Instant::now()));
+    let answered = futures_lite::future::or(async { Some((&mut task).await) }, async {
+        timer.await;
+        None
+    })
+    .await;
+    if answered.is_none() {
+        // Nothing runs between the timer and this: a lookup that ended in
+        // the meantime was taken above.
+        late.set(true);
+        task.detach();
+    }
+    answered
+}
+
+/// [`load`], counting against its tiers when it is still running at
+/// `deadline` (it goes on to the end: the objects land in L1 for the next
+/// request).
+pub(crate) async fn load_by(
+    state: &State,
+    l2: &L2Shard,
+    keys: Vec<(ObjectKey, u8)>,
+    size: u64,
+    readers: u32,
+    tag: u64,
+    deadline: Option<L2Deadline>,
+) -> (Vec<bool>, Vec<u64>) {
+    let Some(d) = deadline else {
+        return load(state, l2, keys, size, readers, tag).await;
+    };
+    let tiers: Vec<u8> = {
+        let mut t: Vec<u8> = keys.iter().map(|(_, c)| c - FOUND_L2).collect();
+        t.sort_unstable();
+        t.dedup();
+        t
+    };
+    let work = std::pin::pin!(load(state, l2, keys, size, readers, tag));
+    let mut work = work;
+    let timer = glommio::timer::sleep(d.at.saturating_duration_since(Instant::now()));
+    let first = futures_lite::future::or(async { Some((&mut work).await) }, async {
+        timer.await;
+        None
+    })
+    .await;
+    let of_tiers = |f: &dyn Fn(&L2Tier)| {
+        for &t in &tiers {
+            if let Some(tier) = l2.tiers.get(t as usize) {
+                f(tier);
+            }
+        }
+    };
+    match first {
+        Some(done) => {
+            of_tiers(&|tier| tier.answered_in_time(L2Op::Load));
+            done
+        }
+        None => {
+            of_tiers(&|tier| tier.timed_out(L2Op::Load, d.limit));
+            l2.bump(|s| s.prefetch_load_timeouts += 1);
+            work.await
+        }
+    }
 }
 
 /// Releases L2 lookup locks: `(key, found code)` pairs with codes >= FOUND_L2.
@@ -709,7 +823,18 @@ pub(crate) fn drop_stored_from_l1(state: &State, l2: &L2Shard) {
 /// Starts an eviction pass over every tier with an eviction policy, unless
 /// the previous pass is still running.
 pub fn tick(l2: &Rc<L2Shard>) {
-    if !l2.is_enabled() || l2.evicting.get() {
+    if !l2.is_enabled() {
+        return;
+    }
+    // Tiers that stopped answering are probed, one probe each at a time, on
+    // the shard's main queue: their return is noticed within a second.
+    for t in 0..l2.tiers.len() {
+        if !l2.tiers[t].is_open() {
+            let l2c = l2.clone();
+            glommio::spawn_local(async move { l2c.tiers[t].probe().await }).detach();
+        }
+    }
+    if l2.evicting.get() {
         return;
     }
     l2.evicting.set(true);

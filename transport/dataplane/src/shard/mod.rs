@@ -769,6 +769,7 @@ pub async fn run_shard(
                 keys,
                 readers,
                 size,
+                deadline,
             } => {
                 let (found, slabs) = state.borrow_mut().lookup_l1(&keys, readers, Instant::now());
                 if !l2.is_enabled() || found.iter().all(|f| *f == FOUND_L1) {
@@ -787,7 +788,7 @@ pub async fn run_shard(
                         .filter(|&i| found[i] == FOUND_MISS)
                         .collect();
                     let ask: Vec<ObjectKey> = misses.iter().map(|&i| keys[i]).collect();
-                    let codes = l2::lookup(&l2, &ask, size).await;
+                    let codes = l2::lookup(&l2, &ask, size, deadline).await;
                     let mut found = found;
                     for (i, c) in misses.into_iter().zip(codes) {
                         found[i] = c;
@@ -807,10 +808,12 @@ pub async fn run_shard(
                 size,
                 readers,
                 tag,
+                deadline,
             } => {
                 let (state, l2, replies) = (state.clone(), l2.clone(), replies.clone());
                 glommio::spawn_local(async move {
-                    let (ok, slabs) = l2::load(&state, &l2, keys, size, readers, tag).await;
+                    let (ok, slabs) =
+                        l2::load_by(&state, &l2, keys, size, readers, tag, deadline).await;
                     to.send(&replies, ShardReplyBody::Loaded { ok, slabs });
                 })
                 .detach();
