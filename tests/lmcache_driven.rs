@@ -906,7 +906,11 @@ fn a_store_partly_without_l1_memory_succeeds_and_counts_what_it_left_out() {
     // eviction: a store of 16 chunks finds memory for at most 10 of them.
     let obj = NL * 2 * CS * NH * HS * ES;
     assert_eq!(obj, 4096);
-    let srv = Server::start(&["--l1-size-gb", "0.00004", "--eviction-policy", "noop"]);
+    let log = std::env::temp_dir().join(format!("{}.log", unique("kvshard-partial")));
+    let srv = Server::start_logged(
+        &["--l1-size-gb", "0.00004", "--eviction-policy", "noop"],
+        &log,
+    );
     let mut c = srv.client();
     let w = Worker::new(100, NHD, 1);
     w.register(&srv, &mut c, 1);
@@ -930,4 +934,17 @@ fn a_store_partly_without_l1_memory_succeeds_and_counts_what_it_left_out() {
     // What was left out is a miss: the hit prefix is at most what was stored.
     let hits = lookup(&mut c, 1, &toks, 16 * CS, "r", 1);
     assert!(hits as u64 <= stored, "{hits} hits, {stored} stored");
+    // Logged at the default level, with the L1's state and 0.5.6's answer.
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains(&format!(
+            "{left_out} of 16 chunks of a store found no L1 memory"
+        )) && text.contains("WARN"),
+        "{text}"
+    );
+    assert!(
+        text.contains("answered as a success, as lmcache 0.5.6 does"),
+        "{text}"
+    );
+    let _ = std::fs::remove_file(&log);
 }

@@ -31,7 +31,7 @@ ARGS=(server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT
     --http-port "$HTTP_PORT" --shm-name "compat_$$")
 "$BIN" "${ARGS[@]}" >"$LOG" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -f "$LOG" "$LOG.second"' EXIT
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -f "$LOG" "$LOG.second" "$LOG.restart"' EXIT
 wait_http "$HTTP_PORT" || { echo "compat: kvshard did not start"; cat "$LOG"; exit 1; }
 
 # The same command run twice: the second must fail naming the live server and
@@ -104,3 +104,12 @@ expect "quota delete" "$(cli quota delete tenant-a)" 'doc["metrics"]["status"] =
     || { echo "compat: lmcache kvcache clear failed"; exit 1; }
 echo "compat: lmcache kvcache clear: ok"
 echo "compat: lmcache CLI HTTP commands passed"
+
+# A worker that outlives a server restart (SIGKILL, started again on the same
+# ports) registers again through lmcache 0.5.6's own heartbeat within two
+# heartbeats, and stores and retrieves with checksums passing.
+for mode in engine_driven lmcache_driven; do
+    "$VENV/bin/python" tools/compat/restart.py "$BIN" "$mode" 2>"$LOG.restart" \
+        || { echo "compat: restart ($mode) failed"; tail -30 "$LOG.restart"; exit 1; }
+done
+rm -f "$LOG.restart"

@@ -215,7 +215,10 @@ impl FsAdapter {
         match check_key(key) {
             Ok(()) => Some(self.shared.base.join(file_name(key))),
             Err(e) => {
-                log::warn!("fs adapter: key {key:?} has no file name: {e}");
+                kvshard_io::log_limited!(
+                    log::Level::Warn,
+                    "fs adapter: key {key:?} has no file name: {e}"
+                );
                 None
             }
         }

@@ -109,7 +109,8 @@ impl MockAdapter {
             results.push(StoreResult::Stored(size));
         }
         if let Some((key, size, used)) = first_failure {
-            log::warn!(
+            kvshard_io::log_limited!(
+                log::Level::Warn,
                 "L2 mock (shard {}): not enough capacity for {} of {} objects, first {:?} \
                  ({} bytes; used {} of {} bytes)",
                 self.shard,
@@ -134,7 +135,8 @@ impl MockAdapter {
                     return false;
                 };
                 if entry.bytes.len() != buf.len() {
-                    log::warn!(
+                    kvshard_io::log_limited!(
+                        log::Level::Warn,
                         "L2 mock (shard {}): {:?} holds {} bytes, the load buffer has {}",
                         self.shard,
                         key,

@@ -93,7 +93,7 @@ fn intern_listed(s: &str, object: &str) -> Option<Name> {
     match Name::intern(s) {
         Ok(n) => Some(n),
         Err(e) => {
-            log::warn!("skipping L2 object {object:?}: {e}");
+            kvshard_io::log_limited!(log::Level::Warn, "skipping L2 object {object:?}: {e}");
             None
         }
     }

@@ -177,7 +177,10 @@ impl S3Adapter {
 
     fn name_of(&self, key: &ObjectKey) -> Option<String> {
         if let Err(e) = check_key(key) {
-            log::warn!("s3 adapter: key {key:?} has no object name: {e}");
+            kvshard_io::log_limited!(
+                log::Level::Warn,
+                "s3 adapter: key {key:?} has no object name: {e}"
+            );
             return None;
         }
         let mut s = self.prefix.clone();
@@ -250,13 +253,12 @@ impl S3Adapter {
             if body.len() as u64 != full {
                 let c = &self.counters;
                 c.unfull_rejected.set(c.unfull_rejected.get() + 1);
-                if c.unfull_rejected.get() == 1 {
-                    log::warn!(
-                        "s3 adapter (shard {}): {key:?} has {} bytes, a full chunk of its layout has {full}; only full chunks are stored (further ones are counted, not logged)",
-                        self.shard,
-                        body.len()
-                    );
-                }
+                kvshard_io::log_limited!(
+                    log::Level::Warn,
+                    "s3 adapter (shard {}): {key:?} has {} bytes, a full chunk of its layout has {full}; only full chunks are stored",
+                    self.shard,
+                    body.len()
+                );
                 return StoreResult::Failed;
             }
         }
@@ -312,7 +314,8 @@ impl S3Adapter {
         };
         if let Some(size) = self.sizes.borrow().get(key) {
             if *size != dest.len() as u64 {
-                log::warn!(
+                kvshard_io::log_limited!(
+                    log::Level::Warn,
                     "s3 adapter: {name} holds {size} bytes, the L1 object has {}",
                     dest.len()
                 );

@@ -441,9 +441,9 @@ pub struct Front {
     layouts: Layouts,
     /// Per shard: messages waiting for room in its full mailbox, in send order
     /// (once a shard has some, later messages to it queue behind them).
-    /// Client requests are refused while it holds `overflow_bound`; other
-    /// messages always queue (see `Front::send`).
-    overflow: Vec<VecDeque<ShardMsg>>,
+    /// Client requests are refused while it holds `overflow_bound` messages
+    /// that want a reply; other messages always queue (see `Front::send`).
+    overflow: Vec<Overflow>,
     /// Shards whose overflow queue is not empty (the loop polls while any).
     overflowing: usize,
     /// Shards sent messages whose wake-up is still to come: each `on_*`
@@ -509,6 +509,45 @@ const STOP_CHECK_MS: i64 = 100;
 /// instance up before it is answered anyway (a driver call that never
 /// returns must not hang the worker; its transfers fail until it is done).
 const CUDA_SETUP_ANSWER: Duration = Duration::from_secs(60);
+
+/// One shard's overflow queue (see `Front::overflow`), counting the messages
+/// in it that want a reply.
+#[derive(Default)]
+struct Overflow {
+    queue: VecDeque<ShardMsg>,
+    requests: usize,
+}
+
+impl Overflow {
+    fn push_back(&mut self, msg: ShardMsg) {
+        self.requests += usize::from(msg.seq != 0);
+        self.queue.push_back(msg);
+    }
+
+    fn push_front(&mut self, msg: ShardMsg) {
+        self.requests += usize::from(msg.seq != 0);
+        self.queue.push_front(msg);
+    }
+
+    fn pop_front(&mut self) -> Option<ShardMsg> {
+        let msg = self.queue.pop_front()?;
+        self.requests -= usize::from(msg.seq != 0);
+        Some(msg)
+    }
+
+    fn clear(&mut self) {
+        self.queue.clear();
+        self.requests = 0;
+    }
+
+    fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+}
 
 /// Write credits the front holds for one shard and object size.
 struct CreditPool {
@@ -607,7 +646,7 @@ impl Front {
         }
         Front {
             token_cache: wire::msgpack::TokenCache::new(),
-            overflow: (0..n).map(|_| VecDeque::new()).collect(),
+            overflow: (0..n).map(|_| Overflow::default()).collect(),
             overflowing: 0,
             unwoken: Vec::with_capacity(n),
             is_unwoken: vec![false; n],
@@ -1372,10 +1411,13 @@ impl Front {
                 );
                 return true;
             }
-            if self.overflow[shard].len() >= self.overflow_bound {
+            // Counted in messages that want a reply: the replyless ones a
+            // client's commit or release leaves (lazily woken) must not get
+            // its next request refused.
+            if self.overflow[shard].requests >= self.overflow_bound {
                 self.drain_overflow(shard);
             }
-            if self.overflow[shard].len() >= self.overflow_bound {
+            if self.overflow[shard].requests >= self.overflow_bound {
                 self.metrics.shard_overflow_refused += 1;
                 log_limited!(
                     Level::Warn,
@@ -3919,7 +3961,7 @@ impl Front {
                     leases: self.leases.len(),
                     refused_gpu_instances: self.refused.len(),
                     dead_shards: self.dead.iter().filter(|d| **d).count(),
-                    overflow_queued: self.overflow.iter().map(VecDeque::len).sum(),
+                    overflow_queued: self.overflow.iter().map(Overflow::len).sum(),
                 };
                 ControlResponse::render(move || {
                     let mut t = PromText::default();
@@ -3991,7 +4033,7 @@ impl Front {
             refused_gpu_instances: self.refused.to_json(now),
             dead: self.dead.clone(),
             overflow_bound: self.overflow_bound,
-            overflow_queued: self.overflow.iter().map(VecDeque::len).collect(),
+            overflow_queued: self.overflow.iter().map(Overflow::len).collect(),
         }
     }
 }

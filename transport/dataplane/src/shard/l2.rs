@@ -50,7 +50,6 @@ pub struct L2Shard {
     /// skip_l1: stored keys that were read-locked (a reader got to them first)
     /// when the store finished; dropped from L1 once unlocked.
     skip_l1_later: RefCell<Vec<ObjectKey>>,
-    size_mismatch_logged: Cell<bool>,
     /// Full-chunk object sizes the adapters were told, by model name and
     /// world size.
     layouts: RefCell<HashMap<Name, HashMap<u32, u64>>>,
@@ -105,7 +104,6 @@ impl L2Shard {
             evicting: Cell::new(false),
             pending_stores: Cell::new(0),
             skip_l1_later: RefCell::new(Vec::new()),
-            size_mismatch_logged: Cell::new(false),
             layouts: RefCell::new(HashMap::new()),
         })
     }
@@ -356,7 +354,8 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
         items.push((key, bytes));
     }
     if !expired.is_empty() {
-        log::warn!(
+        kvshard_io::log_limited!(
+            log::Level::Warn,
             "{} objects were not stored to L2: their L1 read lock expired while waiting for the L2 store budget",
             expired.len()
         );
@@ -458,12 +457,11 @@ pub async fn lookup(
             match r {
                 Some(s) if s == size => found[i] = FOUND_L2 + t as u8,
                 Some(s) => {
-                    if !l2.size_mismatch_logged.replace(true) {
-                        log::warn!(
-                            "L2 {}: object {key:?} has {s} bytes, the registered layout needs {size}; treated as a miss (logged once)",
-                            tier.name()
-                        );
-                    }
+                    kvshard_io::log_limited!(
+                        log::Level::Warn,
+                        "L2 {}: object {key:?} has {s} bytes, the registered layout needs {size}; treated as a miss",
+                        tier.name()
+                    );
                     l2.bump(|st| st.size_mismatch_objects += 1);
                     wrong.push(key);
                     still.push(i);
