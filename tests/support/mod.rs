@@ -705,19 +705,32 @@ impl Server {
     pub fn kill_and_restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        self.child = Command::new(kvshard_bin())
-            .args(&self.args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(if std::env::var_os("KVSHARD_TEST_LOG").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            })
-            .spawn()
-            .expect("spawn kvshard again");
-        if let Err(status) = self.answers_noop() {
-            panic!("kvshard exited when started again on its ports: {status}");
+        // The ports are ephemeral ones: a client's connection attempt (the
+        // test's own clients reconnect) may hold one as its local port for a
+        // moment, and the bind fails. Tried again a few times.
+        const TRIES: u32 = 10;
+        for attempt in 1..=TRIES {
+            self.child = Command::new(kvshard_bin())
+                .args(&self.args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(if std::env::var_os("KVSHARD_TEST_LOG").is_some() {
+                    Stdio::inherit()
+                } else {
+                    Stdio::null()
+                })
+                .spawn()
+                .expect("spawn kvshard again");
+            match self.answers_noop() {
+                Ok(()) => return,
+                Err(status) if attempt < TRIES => {
+                    eprintln!("kvshard exited when started again on its ports ({status}); again");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(status) => {
+                    panic!("kvshard exited when started again on its ports {TRIES} times: {status}")
+                }
+            }
         }
     }
 

@@ -29,8 +29,12 @@ start() { # kind (kvshard|lmcache) dir [extra flags...]
     PORT=$(free_port); HTTP=$(free_port)
     local adapter="{\"type\":\"fs\",\"base_path\":\"$dir\"}"
     if [ "$kind" = kvshard ]; then
+        # Every warm lookup must hit from L2: on a shared machine 128 MiB a
+        # lookup can take longer than the 0.5 s default wait for L2, after
+        # which a lookup concludes without it (tests/l2_health.rs checks that).
         "$BIN" server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT" \
-            --http-port "$HTTP" --shm-name "l2c_$$_$PORT" --l2-adapter "$adapter" "$@" >"$LOG" 2>&1 &
+            --http-port "$HTTP" --shm-name "l2c_$$_$PORT" --l2-adapter "$adapter" \
+            --l2-prefetch-load-timeout 60 "$@" >"$LOG" 2>&1 &
     else
         "$VENV/bin/lmcache" server --l1-size-gb 2 --eviction-policy LRU --supported-transfer-mode auto \
             --host 127.0.0.1 --port "$PORT" --http-port "$HTTP" --shm-name "l2c_$$_$PORT" --no-l1-use-lazy \

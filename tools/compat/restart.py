@@ -34,15 +34,24 @@ def free_port():
 
 
 def start_server(binary, args, log):
-    proc = subprocess.Popen([binary, *args], stdout=log, stderr=log)
+    """Starts kvshard and waits for its /healthcheck. A start that exits is
+    tried again: the ports are ephemeral ones, and a client's connection
+    attempt may hold one as its own port for a moment (a deployment's fixed
+    ports are outside that range)."""
     http = args[args.index("--http-port") + 1]
     deadline = time.monotonic() + 60
+    proc = subprocess.Popen([binary, *args], stdout=log, stderr=log)
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            time.sleep(0.1)
+            proc = subprocess.Popen([binary, *args], stdout=log, stderr=log)
+            continue
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{http}/healthcheck", timeout=1).read()
             return proc
         except Exception:
             time.sleep(0.05)
+    proc.kill()
     raise SystemExit("restart: kvshard did not start")
 
 

@@ -44,8 +44,11 @@ adapter() { # bucket
 
 start() { # [flags...]; sets PORT, HTTP
     PORT=$(free_port); HTTP=$(free_port)
+    # Every warm lookup must hit from S3: 128 MiB a lookup from s3s-fs on a
+    # shared machine can take longer than the 0.5 s default wait for L2, after
+    # which a lookup concludes without it (tests/l2_health.rs checks that).
     "$BIN" server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT" \
-        --http-port "$HTTP" --shm-name "s3c_$$_$PORT" "$@" >"$LOG" 2>&1 &
+        --http-port "$HTTP" --shm-name "s3c_$$_$PORT" --l2-prefetch-load-timeout 60 "$@" >"$LOG" 2>&1 &
     PIDS+=($!)
     wait_http "$HTTP" 60 || { echo "compat-s3: kvshard did not start"; cat "$LOG"; exit 1; }
 }

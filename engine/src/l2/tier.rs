@@ -250,6 +250,14 @@ impl L2Tier {
         self.failures.succeeded(op);
     }
 
+    /// A lookup or load (`op`) that ran past its deadline answered after
+    /// all: the count toward the gate starts over (a tier that answers
+    /// slowly is not closed for it; one that does not answer at all is), and
+    /// the operation's latest outcome is this answer.
+    pub fn answered_late(&self, op: L2Op) {
+        self.answered_in_time(op);
+    }
+
     /// A lookup or load (`op`) of this tier ran past its lookup's deadline
     /// `limit` (it goes on: what a lookup finds is given back, what a load
     /// loads lands in L1). Counts toward the gate at once.

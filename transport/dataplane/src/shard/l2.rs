@@ -498,6 +498,8 @@ async fn lookup_within(
                     .map(|(k, _)| *k)
                     .collect();
                 tier.unlock(&found);
+                // Late, but it answered: the tier is slow, not gone.
+                tier.answered_late(L2Op::Lookup);
             }
             res
         })
@@ -561,7 +563,12 @@ pub(crate) async fn load_by(
         None => {
             of_tiers(&|tier| tier.timed_out(L2Op::Load, d.limit));
             l2.bump(|s| s.prefetch_load_timeouts += 1);
-            work.await
+            let done = work.await;
+            if done.0.iter().any(|ok| *ok) {
+                // Late, but it loaded: the tier is slow, not gone.
+                of_tiers(&|tier| tier.answered_late(L2Op::Load));
+            }
+            done
         }
     }
 }
