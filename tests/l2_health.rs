@@ -47,6 +47,8 @@ fn timed_lookup(c: &mut Client, toks: &[u32], n: usize, rid: &str) -> (i64, Dura
 fn in_l2_only(srv: &Server, toks: &[u32], n: usize, count: impl Fn() -> usize) -> Vec<Vec<u8>> {
     let stored = ed_store_chunks(srv, 1, toks, n, 3);
     wait_until("the chunks in L2", || count() >= n);
+    // The store controller lets go of the L1 copies once it is done.
+    wait_until("the stores settled", || stores_settled(srv));
     let (st, body) = srv.http("POST", "/cache/clear", None);
     assert_eq!(st, 200, "{body}");
     assert_eq!(srv.l1_count("total_object_count"), 0);
@@ -79,11 +81,15 @@ fn with_s3_hung_lookups_conclude_at_their_deadline_with_l1_and_recover_within_a_
         let got = ed_retrieve(&mut c, &pool, &ed_key("m", Some(0), &toks, 2, &rid), 2);
         assert!(got == stored[..2], "lookup {i}: L1's bytes");
         if i == 0 {
-            let st = adapter_status(&srv);
-            assert_eq!(
-                st["is_healthy"], false,
-                "unhealthy after one deadline: {st}"
+            // The shard counts the load that ran out at the same deadline
+            // the front answered at: within a deadline more.
+            wait_until_within(
+                "the adapter unhealthy",
+                DEADLINE,
+                Duration::from_millis(5),
+                || !healthy(&srv),
             );
+            let st = adapter_status(&srv);
             let why = st["unhealthy_reason"].as_str().unwrap();
             assert!(why.contains("--l2-prefetch-load-timeout"), "{why}");
             assert_eq!(
@@ -187,25 +193,29 @@ fn with_a_frozen_file_system_lookups_conclude_at_their_deadline_and_the_tier_rec
     wait_until("healthy again", || healthy(&srv));
 }
 
+/// Every object submitted to the store controller was stored or failed,
+/// and no store batch runs.
+fn stores_settled(srv: &Server) -> bool {
+    let s = srv.scrape();
+    let get = |name: &str| {
+        s.iter()
+            .filter(|x| x.name == name)
+            .map(|x| x.value)
+            .sum::<f64>()
+    };
+    get("lmcache_mp_num_inflight_l2_stores") == 0.0
+        && get("lmcache_mp_l2_store_submitted_objects_chunks_total")
+            == get("lmcache_mp_l2_store_completed_objects_chunks_total")
+                + get("kvshard_l2_store_failed_objects_total")
+}
+
 /// Stores `reqs` requests of `n` chunks each (tokens of seeds `first..`)
 /// and waits until the store controller has settled them all.
 fn store_many(srv: &Server, first: u32, reqs: u32, n: usize) {
     for r in first..first + reqs {
         ed_store_chunks(srv, 1, &ed_tokens(1000 + r, n * ED_CHUNK), n, r as u64);
     }
-    wait_until("the stores settled", || {
-        let s = srv.scrape();
-        let get = |name: &str| {
-            s.iter()
-                .filter(|x| x.name == name)
-                .map(|x| x.value)
-                .sum::<f64>()
-        };
-        get("lmcache_mp_num_inflight_l2_stores") == 0.0
-            && get("lmcache_mp_l2_store_submitted_objects_chunks_total")
-                == get("lmcache_mp_l2_store_completed_objects_chunks_total")
-                    + get("kvshard_l2_store_failed_objects_total")
-    });
+    wait_until("the stores settled", || stores_settled(srv));
 }
 
 fn log_lines(log: &Path, needle: &str) -> Vec<String> {

@@ -39,6 +39,21 @@ fn store_until_l2_writes_hang(srv: &Server) {
     });
 }
 
+/// With L2 writes stuck in flight, SIGTERM: the SHM pool must be gone
+/// within a second. Returns when the signal went.
+fn stop_with_l2_hung(srv: &Server, pool: &Path) -> Instant {
+    store_until_l2_writes_hang(srv);
+    let t0 = Instant::now();
+    sigterm(srv);
+    wait_until_within(
+        "the SHM pool to go",
+        Duration::from_secs(1),
+        Duration::from_millis(5),
+        || !pool.exists(),
+    );
+    t0
+}
+
 /// Waits for the child to exit within `limit`; its status, or `None`.
 fn exited_within(srv: &mut Server, limit: Duration) -> Option<std::process::ExitStatus> {
     let t0 = Instant::now();
@@ -70,15 +85,7 @@ fn a_stop_with_s3_hung_removes_the_pool_at_once_and_exits_after_the_drain() {
     wait_until("2 objects in S3", || s3.objects("hung").len() == 2);
 
     s3.freeze();
-    store_until_l2_writes_hang(&srv);
-    let t0 = Instant::now();
-    sigterm(&srv);
-    wait_until_within(
-        "the SHM pool to go",
-        Duration::from_secs(1),
-        Duration::from_millis(5),
-        || !pool.exists(),
-    );
+    let t0 = stop_with_l2_hung(&srv, &pool);
     // Another server may take the ports at once.
     let http = std::net::TcpListener::bind(("127.0.0.1", srv.http_port));
     let status = exited_within(
@@ -119,15 +126,7 @@ fn a_stop_with_a_frozen_file_system_removes_the_pool_at_once_and_says_what_it_ab
     });
 
     disk.freeze();
-    store_until_l2_writes_hang(&srv);
-    let t0 = Instant::now();
-    sigterm(&srv);
-    wait_until_within(
-        "the SHM pool to go",
-        Duration::from_secs(1),
-        Duration::from_millis(5),
-        || !pool.exists(),
-    );
+    let t0 = stop_with_l2_hung(&srv, &pool);
     // Within the drain and a second, the server has said what it abandons
     // (it may not end before the file system lets its writers go).
     let said = || {
@@ -358,19 +357,13 @@ fn a_default_lazy_8_gib_l1_serves_at_once_and_faults_ahead_of_use() {
     // before serving: 12 s and 8.4 GB resident on this kind of machine.
     assert!(took < Duration::from_secs(5), "{took:?}");
     assert_eq!(rss.arena_size, 8 << 30);
-    // What is faulted is a lead ahead of use: a few hundred MiB at most.
-    wait_until("the faulting thread to settle", || {
-        let a = srv.rss_split().arena_rss;
-        std::thread::sleep(Duration::from_millis(100));
-        srv.rss_split().arena_rss == a
+    // What is faulted is a lead ahead of use (256 MiB), and no more.
+    wait_until("the lead faulted", || {
+        srv.rss_split().arena_rss >= 256 << 20
     });
+    std::thread::sleep(Duration::from_millis(500));
     let rss = srv.rss_split();
     assert!(rss.arena_rss < 1 << 30, "{} bytes faulted", rss.arena_rss);
-    assert!(
-        rss.arena_rss >= 128 << 20,
-        "{} bytes faulted: nothing ahead",
-        rss.arena_rss
-    );
     let mut srv = srv;
     assert_serving(&mut srv);
 }

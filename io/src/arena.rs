@@ -869,17 +869,24 @@ impl Arena {
         }
     }
 
+    /// `[offset, offset+len)` widened to whole pages, as mapping offsets;
+    /// `None` for an empty range.
+    fn page_span(&self, offset: u64, len: u64) -> Result<Option<(usize, usize)>, ArenaError> {
+        let (off, n) = self.check_range(offset, len)?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let page = page_size();
+        // The mapping covers whole pages, so rounding the end up stays inside it.
+        Ok(Some((off & !(page - 1), (off + n).div_ceil(page) * page)))
+    }
+
     /// mlock `[offset, offset+len)`, widened to whole pages. Locking faults the
     /// pages in. An empty range is a no-op.
     pub fn lock_range(&self, offset: u64, len: u64) -> Result<(), ArenaError> {
-        let (off, n) = self.check_range(offset, len)?;
-        if n == 0 {
+        let Some((start, end)) = self.page_span(offset, len)? else {
             return Ok(());
-        }
-        let page = page_size();
-        let start = off & !(page - 1);
-        // The mapping covers whole pages, so rounding the end up stays inside it.
-        let end = (off + n).div_ceil(page) * page;
+        };
         // SAFETY: `[start, end)` lies inside our mapping (page-rounded).
         let rc = unsafe { libc::mlock(self.base.as_ptr().add(start).cast(), end - start) };
         if rc != 0 {
@@ -898,13 +905,9 @@ impl Arena {
     /// page fault. Needs `MADV_POPULATE_WRITE` (Linux 5.14): older kernels
     /// answer `Unsupported`, and the pages are then faulted on first use.
     pub fn populate_range(&self, offset: u64, len: u64) -> Result<(), ArenaError> {
-        let (off, n) = self.check_range(offset, len)?;
-        if n == 0 {
+        let Some((start, end)) = self.page_span(offset, len)? else {
             return Ok(());
-        }
-        let page = page_size();
-        let start = off & !(page - 1);
-        let end = (off + n).div_ceil(page) * page;
+        };
         // SAFETY: `[start, end)` lies inside our mapping (page-rounded);
         // MADV_POPULATE_WRITE faults pages in and leaves their contents alone.
         let rc = unsafe {

@@ -504,12 +504,9 @@ async fn lookup_within(
             res
         })
     };
-    let timer = glommio::timer::sleep(at.saturating_duration_since(Instant::now()));
-    let answered = futures_lite::future::or(async { Some((&mut task).await) }, async {
-        timer.await;
-        None
-    })
-    .await;
+    let left = at.saturating_duration_since(Instant::now());
+    // The task goes on when this gives up on it: it is only borrowed here.
+    let answered = kvshard_io::timeout::with_timeout(left, &mut task).await;
     if answered.is_none() {
         // Nothing runs between the timer and this: a lookup that ended in
         // the meantime was taken above.
@@ -540,14 +537,10 @@ pub(crate) async fn load_by(
         t.dedup();
         t
     };
-    let work = std::pin::pin!(load(state, l2, keys, size, readers, tag));
-    let mut work = work;
-    let timer = glommio::timer::sleep(d.at.saturating_duration_since(Instant::now()));
-    let first = futures_lite::future::or(async { Some((&mut work).await) }, async {
-        timer.await;
-        None
-    })
-    .await;
+    let mut work = std::pin::pin!(load(state, l2, keys, size, readers, tag));
+    let left = d.at.saturating_duration_since(Instant::now());
+    // Only borrowed: the load is driven to its end below either way.
+    let first = kvshard_io::timeout::with_timeout(left, &mut work).await;
     let of_tiers = |f: &dyn Fn(&L2Tier)| {
         for &t in &tiers {
             if let Some(tier) = l2.tiers.get(t as usize) {
