@@ -39,20 +39,23 @@ struct Slice {
     offset: u64,
     /// Its length: nothing past it is faulted.
     max: u64,
-    /// Bytes from the start of the slice the shard wants faulted.
-    target: u64,
+    /// Bytes from the start of the slice the shard wants faulted. Read
+    /// without the lock (the shard asks on every reservation, and mostly for
+    /// what it asked before); raised under it, so the thread cannot miss a
+    /// wake-up.
+    target: AtomicU64,
+    /// Bytes from its start faulted so far.
+    faulted: AtomicU64,
 }
 
 struct State {
-    slices: Vec<Slice>,
     stop: bool,
 }
 
 struct Shared {
     state: Mutex<State>,
     wake: Condvar,
-    /// Per slice: bytes from its start faulted so far.
-    faulted: Vec<AtomicU64>,
+    slices: Vec<Slice>,
     /// A step was held back for lack of memory, and still is.
     short: AtomicBool,
 }
@@ -91,19 +94,17 @@ impl Prefaulter {
         room: Box<dyn Fn() -> MemoryRoom + Send>,
     ) -> std::io::Result<(Prefaulter, Vec<PrefaultHandle>)> {
         let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                slices: slices
-                    .iter()
-                    .map(|&(offset, max)| Slice {
-                        offset,
-                        max,
-                        target: 0,
-                    })
-                    .collect(),
-                stop: false,
-            }),
+            state: Mutex::new(State { stop: false }),
             wake: Condvar::new(),
-            faulted: slices.iter().map(|_| AtomicU64::new(0)).collect(),
+            slices: slices
+                .iter()
+                .map(|&(offset, max)| Slice {
+                    offset,
+                    max,
+                    target: AtomicU64::new(0),
+                    faulted: AtomicU64::new(0),
+                })
+                .collect(),
             short: AtomicBool::new(false),
         });
         let worker = shared.clone();
@@ -146,19 +147,22 @@ impl PrefaultHandle {
     /// Asks for the first `upto` bytes of the slice to be faulted. Returns
     /// at once; the thread gets to it in steps.
     pub fn want(&self, upto: u64) {
-        let mut st = lock(&self.shared.state);
-        let s = &mut st.slices[self.slice];
+        let s = &self.shared.slices[self.slice];
         let upto = upto.min(s.max);
-        if upto > s.target {
-            s.target = upto;
-            drop(st);
-            self.shared.wake.notify_all();
+        if upto <= s.target.load(Ordering::Relaxed) {
+            return;
         }
+        let st = lock(&self.shared.state);
+        s.target.fetch_max(upto, Ordering::Relaxed);
+        drop(st);
+        self.shared.wake.notify_all();
     }
 
     /// Bytes from the start of the slice faulted so far.
     pub fn faulted(&self) -> u64 {
-        self.shared.faulted[self.slice].load(Ordering::Relaxed)
+        self.shared.slices[self.slice]
+            .faulted
+            .load(Ordering::Relaxed)
     }
 
     /// Whether the thread holds back for lack of memory: the shard should
@@ -183,15 +187,21 @@ fn run(shared: &Shared, arena: &Arena, mut mlock: bool, read_room: &dyn Fn() -> 
                 if st.stop {
                     return;
                 }
-                let n = st.slices.len();
+                let n = shared.slices.len();
+                let behind = |s: &Slice| {
+                    let (target, done) = (
+                        s.target.load(Ordering::Relaxed),
+                        s.faulted.load(Ordering::Relaxed),
+                    );
+                    (target > done).then_some((done, target))
+                };
                 let found = (0..n)
                     .map(|i| (next + i) % n)
-                    .find(|&i| st.slices[i].target > shared.faulted[i].load(Ordering::Relaxed));
+                    .find_map(|i| behind(&shared.slices[i]).map(|b| (i, b)));
                 match found {
-                    Some(i) => {
-                        let done = shared.faulted[i].load(Ordering::Relaxed);
-                        let s = &st.slices[i];
-                        break (i, s.offset + done, (s.target - done).min(STEP));
+                    Some((i, (done, target))) => {
+                        let s = &shared.slices[i];
+                        break (i, s.offset + done, (target - done).min(STEP));
                     }
                     None => st = shared.wake.wait(st).unwrap_or_else(|e| e.into_inner()),
                 }
@@ -242,7 +252,7 @@ fn run(shared: &Shared, arena: &Arena, mut mlock: bool, read_room: &dyn Fn() -> 
                 log::info!("L1 memory is faulted on first use: {e}");
             }
         }
-        shared.faulted[i].fetch_add(len, Ordering::Relaxed);
+        shared.slices[i].faulted.fetch_add(len, Ordering::Relaxed);
     }
 }
 
