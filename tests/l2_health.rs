@@ -9,7 +9,7 @@
 mod support;
 use support::*;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 const DEADLINE: Duration = Duration::from_millis(500);
@@ -23,10 +23,6 @@ fn adapter_status(srv: &Server) -> serde_json::Value {
 
 fn healthy(srv: &Server) -> bool {
     adapter_status(srv)["is_healthy"] == true
-}
-
-fn log_path(tag: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("{}.log", unique(tag)))
 }
 
 /// `/healthcheck`'s status: a liveness probe that L2 trouble must not fail.
@@ -48,7 +44,7 @@ fn in_l2_only(srv: &Server, toks: &[u32], n: usize, count: impl Fn() -> usize) -
     let stored = ed_store_chunks(srv, 1, toks, n, 3);
     wait_until("the chunks in L2", || count() >= n);
     // The store controller lets go of the L1 copies once it is done.
-    wait_until("the stores settled", || stores_settled(srv));
+    wait_until("the stores settled", || srv.stores_settled());
     let (st, body) = srv.http("POST", "/cache/clear", None);
     assert_eq!(st, 200, "{body}");
     assert_eq!(srv.l1_count("total_object_count"), 0);
@@ -193,29 +189,13 @@ fn with_a_frozen_file_system_lookups_conclude_at_their_deadline_and_the_tier_rec
     wait_until("healthy again", || healthy(&srv));
 }
 
-/// Every object submitted to the store controller was stored or failed,
-/// and no store batch runs.
-fn stores_settled(srv: &Server) -> bool {
-    let s = srv.scrape();
-    let get = |name: &str| {
-        s.iter()
-            .filter(|x| x.name == name)
-            .map(|x| x.value)
-            .sum::<f64>()
-    };
-    get("lmcache_mp_num_inflight_l2_stores") == 0.0
-        && get("lmcache_mp_l2_store_submitted_objects_chunks_total")
-            == get("lmcache_mp_l2_store_completed_objects_chunks_total")
-                + get("kvshard_l2_store_failed_objects_total")
-}
-
 /// Stores `reqs` requests of `n` chunks each (tokens of seeds `first..`)
 /// and waits until the store controller has settled them all.
 fn store_many(srv: &Server, first: u32, reqs: u32, n: usize) {
     for r in first..first + reqs {
         ed_store_chunks(srv, 1, &ed_tokens(1000 + r, n * ED_CHUNK), n, r as u64);
     }
-    wait_until("the stores settled", || stores_settled(srv));
+    wait_until("the stores settled", || srv.stores_settled());
 }
 
 fn log_lines(log: &Path, needle: &str) -> Vec<String> {

@@ -42,7 +42,7 @@ impl Rig {
         let srv = Server::start(&["--l2-adapter", adapter]);
         let stored = ed_store_chunks(&srv, 1, toks, n, seed);
         wait_until("the objects in the bucket", || {
-            self.objects().len() == n && stores_settled(&srv)
+            self.objects().len() == n && srv.stores_settled()
         });
         drop(srv);
         (stored, Server::start(&["--l2-adapter", adapter]))
@@ -113,14 +113,6 @@ fn breaker_open(srv: &Server) -> bool {
 
 /// Every object submitted to the store controller has been stored or has
 /// failed, and no store batch is running.
-fn stores_settled(srv: &Server) -> bool {
-    let s = srv.scrape();
-    let get = |name: &str| s.iter().find(|x| x.name == name).map_or(0.0, |x| x.value);
-    get("lmcache_mp_num_inflight_l2_stores") == 0.0
-        && get("lmcache_mp_l2_store_submitted_objects_chunks_total")
-            == get("lmcache_mp_l2_store_completed_objects_chunks_total")
-                + get("kvshard_l2_store_failed_objects_total")
-}
 
 #[test]
 fn a_put_cut_mid_body_leaves_no_partial_object_and_l1_keeps_serving() {
@@ -134,7 +126,7 @@ fn a_put_cut_mid_body_leaves_no_partial_object_and_l1_keeps_serving() {
         .set_times(Fault::CutPutBody(ED_CHUNK_BYTES / 2), 1);
     let first = ed_store_chunks(&srv, 1, &ed_tokens(31, 2 * ED_CHUNK), 2, 1);
     wait_until("2 objects stored despite one cut", || {
-        rig.objects().len() == 2 && stores_settled(&srv)
+        rig.objects().len() == 2 && srv.stores_settled()
     });
     assert_eq!(rig.proxy.injected(), 1);
     rig.assert_objects_are(&[&first]);
@@ -147,7 +139,7 @@ fn a_put_cut_mid_body_leaves_no_partial_object_and_l1_keeps_serving() {
     let before = rig.names();
     let toks = ed_tokens(32, 3 * ED_CHUNK);
     let second = ed_store_chunks(&srv, 2, &toks, 3, 2);
-    wait_until("the failed stores to settle", || stores_settled(&srv));
+    wait_until("the failed stores to settle", || srv.stores_settled());
     assert!(counter(&srv, "kvshard_l2_store_failed_objects_total") >= 3.0);
     assert_eq!(rig.names(), before, "a cut PUT left an object behind");
     rig.assert_objects_are(&[&first]);
@@ -164,7 +156,7 @@ fn a_put_cut_mid_body_leaves_no_partial_object_and_l1_keeps_serving() {
     let n = rig.objects().len();
     let third = ed_store_chunks(&srv, 3, &ed_tokens(33, 2 * ED_CHUNK), 2, 3);
     wait_until("new stores after the recovery", || {
-        rig.objects().len() == n + 2 && stores_settled(&srv)
+        rig.objects().len() == n + 2 && srv.stores_settled()
     });
     rig.assert_objects_are(&[&first, &third]);
     // Healthy once the latest outcome of each operation is a success (a
@@ -262,7 +254,7 @@ fn a_stalled_server_costs_the_request_deadline_not_the_server() {
     let names = rig.names();
     let other = ed_tokens(52, 2 * ED_CHUNK);
     let in_l1 = ed_store_chunks(&srv, 3, &other, 2, 6);
-    wait_until("the stalled stores to fail", || stores_settled(&srv));
+    wait_until("the stalled stores to fail", || srv.stores_settled());
     assert!(counter(&srv, "kvshard_l2_store_failed_objects_total") >= 2.0);
     assert_eq!(rig.names(), names);
     let (hits, back) = ed_lookup_retrieve(&srv, 3, &other, 2, "l1");
@@ -294,7 +286,7 @@ fn slow_down_is_retried_and_a_throttled_spell_costs_only_l2() {
     let toks = ed_tokens(61, 2 * ED_CHUNK);
     let first = ed_store_chunks(&srv, 1, &toks, 2, 7);
     wait_until("2 objects stored after throttling", || {
-        rig.objects().len() == 2 && stores_settled(&srv)
+        rig.objects().len() == 2 && srv.stores_settled()
     });
     assert_eq!(rig.proxy.injected(), 2);
     rig.assert_objects_are(&[&first]);
@@ -307,7 +299,7 @@ fn slow_down_is_retried_and_a_throttled_spell_costs_only_l2() {
     rig.proxy.set(Fault::SlowDown(None));
     let toks2 = ed_tokens(62, 2 * ED_CHUNK);
     let second = ed_store_chunks(&srv, 2, &toks2, 2, 8);
-    wait_until("throttled stores to fail", || stores_settled(&srv));
+    wait_until("throttled stores to fail", || srv.stores_settled());
     assert!(counter(&srv, "kvshard_l2_store_failed_objects_total") >= 2.0);
     assert_eq!(rig.objects().len(), 2);
     let (hits, _) = ed_lookup_retrieve(&srv, 2, &ed_tokens(69, 2 * ED_CHUNK), 2, "unknown");
@@ -326,7 +318,7 @@ fn slow_down_is_retried_and_a_throttled_spell_costs_only_l2() {
     rig.proxy.set(Fault::None);
     let third = ed_store_chunks(&srv, 3, &ed_tokens(63, 2 * ED_CHUNK), 2, 9);
     wait_until("stores after the throttling", || {
-        rig.objects().len() == 4 && stores_settled(&srv)
+        rig.objects().len() == 4 && srv.stores_settled()
     });
     rig.assert_objects_are(&[&first, &third]);
     drop(srv);
@@ -349,7 +341,7 @@ fn the_breaker_opens_on_a_dead_endpoint_short_circuits_and_closes_after_its_cool
         let srv = Server::start(&["--l2-adapter", &adapter]);
         let stored = ed_store_chunks(&srv, 1, &in_s3, 4, 10);
         wait_until("4 objects", || {
-            s3.objects("brk").len() == 4 && stores_settled(&srv)
+            s3.objects("brk").len() == 4 && srv.stores_settled()
         });
         stored
     };
@@ -421,7 +413,7 @@ fn seeded_usage_counts_the_bucket_and_eviction_deletes_the_oldest_first() {
         let srv = Server::start(&["--l2-adapter", &plain]);
         ed_store_chunks(&srv, 1, &ed_tokens(81, N * ED_CHUNK), N, 13);
         wait_until("6 objects", || {
-            s3.objects("seed").len() == N && stores_settled(&srv)
+            s3.objects("seed").len() == N && srv.stores_settled()
         });
     }
     // Ages opposite to the listing (name) order: the last name is the oldest.
@@ -492,7 +484,7 @@ fn chunks_off_the_l1_alignment_are_stored_whole_and_only_whole() {
         let srv = Server::start(&["--l2-adapter", &adapter]);
         let stored = ed_store_chunks_of(&srv, 1, "odd", ODD_HIDDEN, &toks, 3, 14);
         wait_until("3 objects", || {
-            s3.objects("odd").len() == 3 && stores_settled(&srv)
+            s3.objects("odd").len() == 3 && srv.stores_settled()
         });
         // The object is the chunk, not the chunk plus the slab's padding.
         for (name, len) in s3.objects("odd") {

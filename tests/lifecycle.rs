@@ -20,10 +20,6 @@ fn pool_of(srv: &Server) -> PathBuf {
     Path::new("/dev/shm").join(&srv.shm_name)
 }
 
-fn log_path(tag: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("{}.log", unique(tag)))
-}
-
 /// Stores 6 requests of 2 chunks each (no lookup first: a lookup's L2 check
 /// would find the tier failing and nothing would be written behind) and
 /// waits until L2 writes are in flight and stuck.

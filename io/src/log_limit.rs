@@ -27,22 +27,27 @@ struct Site {
     suppressed: u64,
 }
 
+/// A rate-limited site: the call site (`file:line`) and a key that splits
+/// it (`""` for the whole call site).
+type SiteKey = (&'static str, &'static str);
+
 thread_local! {
-    static SITES: RefCell<HashMap<&'static str, Site>> = RefCell::new(HashMap::new());
+    static SITES: RefCell<HashMap<SiteKey, Site>> = RefCell::new(HashMap::new());
 }
 
-/// Whether call site `site` may log a line at `now`: `Some(n)` with the number
-/// of its lines suppressed since it last logged (to report with this one),
-/// `None` to suppress this line.
+/// Whether call site `site`, for `key`, may log a line at `now`: `Some(n)`
+/// with the number of its lines suppressed since it last logged (to report
+/// with this one), `None` to suppress this line.
 pub fn admit(
     site: &'static str,
+    key: &'static str,
     target: &'static str,
     level: log::Level,
     now: Instant,
 ) -> Option<u64> {
     SITES.with(|sites| {
         let mut sites = sites.borrow_mut();
-        let s = sites.entry(site).or_insert(Site {
+        let s = sites.entry((site, key)).or_insert(Site {
             target,
             level,
             window_start: now,
@@ -69,7 +74,7 @@ pub fn admit(
 pub fn flush(now: Instant) -> usize {
     SITES.with(|sites| {
         let mut reported = 0;
-        sites.borrow_mut().retain(|site, s| {
+        sites.borrow_mut().retain(|&(site, key), s| {
             if now.duration_since(s.window_start) < WINDOW {
                 return true;
             }
@@ -77,8 +82,9 @@ pub fn flush(now: Instant) -> usize {
                 log::log!(
                     target: s.target,
                     s.level,
-                    "{} more lines from {site} were not logged in the last {} s (rate limit {BURST} per {} s)",
+                    "{} more lines from {site}{}{key} were not logged in the last {} s (rate limit {BURST} per {} s)",
                     s.suppressed,
+                    if key.is_empty() { "" } else { " " },
                     now.duration_since(s.window_start).as_secs(),
                     WINDOW.as_secs()
                 );
@@ -95,18 +101,24 @@ pub fn flush(now: Instant) -> usize {
 /// [`WINDOW`](crate::log_limit::WINDOW) on this thread; a logged line after
 /// suppressed ones says how many were suppressed.
 ///
+/// `per KEY;` first gives each `&'static str` key its own budget at the one
+/// call site (an adapter's operations, so that a storm of one cannot hide
+/// the others).
+///
 /// ```
 /// kvshard_io::log_limited!(log::Level::Warn, "bad frame from client {}", 7);
+/// let op = "store";
+/// kvshard_io::log_limited!(per op; log::Level::Warn, "{op} failed");
 /// ```
 #[macro_export]
 macro_rules! log_limited {
-    ($level:expr, $($arg:tt)+) => {{
+    (per $key:expr; $level:expr, $($arg:tt)+) => {{
         const SITE: &str = concat!(file!(), ":", line!());
         let level: $crate::log_limit::Level = $level;
         let target = module_path!();
         if $crate::log_limit::enabled(level) {
             if let Some(skipped) =
-                $crate::log_limit::admit(SITE, target, level, ::std::time::Instant::now())
+                $crate::log_limit::admit(SITE, $key, target, level, ::std::time::Instant::now())
             {
                 if skipped == 0 {
                     $crate::log_limit::log_line(target, level, format_args!($($arg)+));
@@ -120,6 +132,9 @@ macro_rules! log_limited {
             }
         }
     }};
+    ($level:expr, $($arg:tt)+) => {
+        $crate::log_limited!(per ""; $level, $($arg)+)
+    };
 }
 
 pub use log::Level;
@@ -145,19 +160,19 @@ mod tests {
         let t0 = Instant::now();
         for i in 0..BURST {
             assert_eq!(
-                admit(site, "t", Level::Warn, t0),
+                admit(site, "", "t", Level::Warn, t0),
                 Some(0),
                 "line {i} is logged"
             );
         }
         for _ in 0..1000 {
-            assert_eq!(admit(site, "t", Level::Warn, t0), None);
+            assert_eq!(admit(site, "", "t", Level::Warn, t0), None);
         }
         // Still inside the window: suppressed.
-        assert_eq!(admit(site, "t", Level::Warn, t0 + WINDOW / 2), None);
+        assert_eq!(admit(site, "", "t", Level::Warn, t0 + WINDOW / 2), None);
         // A new window: the first line carries the count.
-        assert_eq!(admit(site, "t", Level::Warn, t0 + WINDOW), Some(1001));
-        assert_eq!(admit(site, "t", Level::Warn, t0 + WINDOW), Some(0));
+        assert_eq!(admit(site, "", "t", Level::Warn, t0 + WINDOW), Some(1001));
+        assert_eq!(admit(site, "", "t", Level::Warn, t0 + WINDOW), Some(0));
     }
 
     #[test]
@@ -165,13 +180,23 @@ mod tests {
         let (a, b) = ("test:a", "test:b");
         let t0 = Instant::now();
         for _ in 0..BURST + 3 {
-            admit(a, "t", Level::Warn, t0);
+            admit(a, "", "t", Level::Warn, t0);
         }
-        assert_eq!(admit(b, "t", Level::Warn, t0), Some(0));
+        assert_eq!(admit(b, "", "t", Level::Warn, t0), Some(0));
         assert_eq!(flush(t0), 0, "windows not over yet");
         assert_eq!(flush(t0 + WINDOW), 1, "only a has suppressed lines");
         // Both were forgotten: a starts over with no count to report.
-        assert_eq!(admit(a, "t", Level::Warn, t0 + WINDOW), Some(0));
+        assert_eq!(admit(a, "", "t", Level::Warn, t0 + WINDOW), Some(0));
+    }
+
+    #[test]
+    fn keys_split_a_site_into_budgets_of_their_own() {
+        let t0 = Instant::now();
+        for _ in 0..BURST {
+            assert!(admit("test:keyed", "put", "t", Level::Warn, t0).is_some());
+        }
+        assert_eq!(admit("test:keyed", "put", "t", Level::Warn, t0), None);
+        assert_eq!(admit("test:keyed", "head", "t", Level::Warn, t0), Some(0));
     }
 
     #[test]

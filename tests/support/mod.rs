@@ -493,6 +493,11 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// A fresh path in the temp directory for one test's server log.
+pub fn log_path(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("{}.log", unique(tag)))
+}
+
 /// The server binary: `KVSHARD_BIN` when set (a test executable carried to
 /// another host with a prebuilt server beside it), else the one cargo built.
 pub fn kvshard_bin() -> std::path::PathBuf {
@@ -1331,6 +1336,23 @@ fn parse_labels(body: &str, line: &str) -> Vec<(String, String)> {
 }
 
 impl Server {
+    /// Whether the store controller has settled every L2 store it was given
+    /// (none in flight; each submitted object completed or failed), summed
+    /// over the shards.
+    pub fn stores_settled(&self) -> bool {
+        let s = self.scrape();
+        let get = |name: &str| {
+            s.iter()
+                .filter(|x| x.name == name)
+                .map(|x| x.value)
+                .sum::<f64>()
+        };
+        get("lmcache_mp_num_inflight_l2_stores") == 0.0
+            && get("lmcache_mp_l2_store_submitted_objects_chunks_total")
+                == get("lmcache_mp_l2_store_completed_objects_chunks_total")
+                    + get("kvshard_l2_store_failed_objects_total")
+    }
+
     /// `GET /metrics`, parsed (and so checked) as Prometheus text.
     pub fn scrape(&self) -> Vec<PromSample> {
         let (st, body) = self.http("GET", "/metrics", None);

@@ -95,17 +95,6 @@ impl Tally {
     }
 }
 
-/// The adapter operations whose failures are logged, each its own
-/// rate-limited log site (a storm of one cannot hide the others).
-#[derive(Debug, Clone, Copy)]
-enum FsOp {
-    Store,
-    Load,
-    Lookup,
-    Delete,
-    List,
-}
-
 pub struct FsAdapter {
     shared: Arc<Shared>,
     shard: usize,
@@ -166,48 +155,32 @@ impl FsAdapter {
         })
     }
 
-    /// Adds a job's counts to the adapter's and logs its failures, if any.
-    fn settle(&self, op: FsOp, t: Tally) {
+    /// Adds a job's counts to the adapter's and notes and logs its failures,
+    /// if any (one rate-limited budget per operation).
+    fn settle(&self, op: L2Op, t: Tally) {
         self.odirect_ios.set(self.odirect_ios.get() + t.odirect);
         self.buffered_ios.set(self.buffered_ios.get() + t.buffered);
         self.io_errors.set(self.io_errors.get() + t.errors);
-        let l2op = match op {
-            FsOp::Store => L2Op::Store,
-            FsOp::Load => L2Op::Load,
-            FsOp::Lookup => L2Op::Lookup,
-            FsOp::Delete => L2Op::Delete,
-            FsOp::List => L2Op::List,
-        };
         let Some(first) = t.first_failure else {
-            self.failures.succeeded(l2op);
+            self.failures.succeeded(op);
             return;
         };
         self.failures
-            .failed(l2op, t.failed, || first.clone(), std::time::Instant::now());
-        let (n, shard) = (t.failed, self.shard);
-        use kvshard_io::log_limit::Level::Warn;
-        match op {
-            FsOp::Store => kvshard_io::log_limited!(
-                Warn,
-                "fs adapter (shard {shard}): store: {n} objects not stored; first: {first}"
-            ),
-            FsOp::Load => kvshard_io::log_limited!(
-                Warn,
-                "fs adapter (shard {shard}): load: {n} objects not loaded; first: {first}"
-            ),
-            FsOp::Lookup => kvshard_io::log_limited!(
-                Warn,
-                "fs adapter (shard {shard}): lookup: {n} objects not checked (counted as misses); first: {first}"
-            ),
-            FsOp::Delete => kvshard_io::log_limited!(
-                Warn,
-                "fs adapter (shard {shard}): delete: {n} objects not deleted; first: {first}"
-            ),
-            FsOp::List => kvshard_io::log_limited!(
-                Warn,
-                "fs adapter (shard {shard}): list: {first}"
-            ),
-        }
+            .failed(op, t.failed, || first.clone(), std::time::Instant::now());
+        let not_done = match op {
+            L2Op::Store => "not stored",
+            L2Op::Load => "not loaded",
+            L2Op::Lookup => "not checked (counted as misses)",
+            L2Op::Delete => "not deleted",
+            L2Op::List | L2Op::Probe => "not listed",
+        };
+        kvshard_io::log_limited!(
+            per op.name(); kvshard_io::log_limit::Level::Warn,
+            "fs adapter (shard {}): {}: {} objects {not_done}; first: {first}",
+            self.shard,
+            op.name(),
+            t.failed
+        );
     }
 
     /// The key's path, or `None` (logged) for a key 0.5.6 cannot name.
@@ -896,7 +869,7 @@ impl L2Adapter for FsAdapter {
             let (r, tally) = glommio::executor()
                 .spawn_blocking(move || store_blocking(&shared, jobs))
                 .await;
-            self.settle(FsOp::Store, tally);
+            self.settle(L2Op::Store, tally);
             for (i, r) in idx.into_iter().zip(r) {
                 results[i] = r;
             }
@@ -923,7 +896,7 @@ impl L2Adapter for FsAdapter {
                     (sizes, tally)
                 })
                 .await;
-            self.settle(FsOp::Lookup, tally);
+            self.settle(L2Op::Lookup, tally);
             let mut locks = self.locks.borrow_mut();
             for (key, size) in keys.iter().zip(&sizes) {
                 if size.is_some() {
@@ -952,7 +925,7 @@ impl L2Adapter for FsAdapter {
             let (r, tally) = glommio::executor()
                 .spawn_blocking(move || load_blocking(&shared, jobs))
                 .await;
-            self.settle(FsOp::Load, tally);
+            self.settle(L2Op::Load, tally);
             for (i, r) in idx.into_iter().zip(r) {
                 results[i] = r;
             }
@@ -1015,7 +988,7 @@ impl L2Adapter for FsAdapter {
                     (freed, tally)
                 })
                 .await;
-            self.settle(FsOp::Delete, tally);
+            self.settle(L2Op::Delete, tally);
             for (i, f) in idx.into_iter().zip(freed) {
                 results[i] = f;
             }
@@ -1056,7 +1029,7 @@ impl L2Adapter for FsAdapter {
                     io_err(&self.shared.base, "cannot read directory", e)
                 });
             }
-            self.settle(FsOp::List, tally);
+            self.settle(L2Op::List, tally);
             r
         })
     }
@@ -1080,7 +1053,7 @@ impl L2Adapter for FsAdapter {
                     (found, done, tally)
                 })
                 .await;
-            self.settle(FsOp::List, tally);
+            self.settle(L2Op::List, tally);
             (found, done)
         })
     }

@@ -131,8 +131,6 @@ impl Gate {
     /// Requests in a row without an answer in time that close the tier
     /// (lmcache's `max_connection_failures`).
     pub const THRESHOLD: u32 = 3;
-    /// How often a closed tier is probed.
-    pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 
     /// Whether requests may be sent to the tier.
     pub fn is_open(&self) -> bool {

@@ -188,7 +188,10 @@ impl S3Adapter {
         Some(s)
     }
 
-    fn failed(&self, op: &str, name: &str, e: &StoreError) {
+    /// Counts a failed request of `op` on object `name`, notes it for the
+    /// adapter's health and logs it, one rate-limited budget per operation
+    /// (a storm of failing HEADs must not hide why PUTs fail).
+    fn failed(&self, op: L2Op, name: &str, e: &StoreError) {
         let c = &self.counters;
         c.errors.set(c.errors.get() + 1);
         match e.kind {
@@ -198,34 +201,27 @@ impl S3Adapter {
             StoreErrorKind::Unavailable => c.unavailable_errors.set(c.unavailable_errors.get() + 1),
             StoreErrorKind::NotFound | StoreErrorKind::Other => {}
         }
-        let l2op = match op {
-            "PUT" => L2Op::Store,
-            "GET" => L2Op::Load,
-            "HEAD" => L2Op::Lookup,
-            "DELETE" => L2Op::Delete,
-            _ => L2Op::List,
+        let verb = match op {
+            L2Op::Store => "PUT",
+            L2Op::Load => "GET",
+            L2Op::Lookup | L2Op::Probe => "HEAD",
+            L2Op::Delete => "DELETE",
+            L2Op::List => "LIST",
         };
         // An object another node evicted is a miss, not a failing tier.
         if e.kind != StoreErrorKind::NotFound {
             self.failures.failed(
-                l2op,
+                op,
                 1,
-                || format!("{op} {name}: {e}"),
+                || format!("{verb} {name}: {e}"),
                 std::time::Instant::now(),
             );
         }
-        // One rate-limited log site per operation: a storm of failing HEADs
-        // must not hide why PUTs fail. The counters stay exact.
-        let shard = self.shard;
-        use kvshard_io::log_limit::Level::Warn;
-        match op {
-            "PUT" => kvshard_io::log_limited!(Warn, "s3 adapter (shard {shard}): PUT {name}: {e}"),
-            "GET" => kvshard_io::log_limited!(Warn, "s3 adapter (shard {shard}): GET {name}: {e}"),
-            "HEAD" => {
-                kvshard_io::log_limited!(Warn, "s3 adapter (shard {shard}): HEAD {name}: {e}")
-            }
-            _ => kvshard_io::log_limited!(Warn, "s3 adapter (shard {shard}): {op} {name}: {e}"),
-        }
+        kvshard_io::log_limited!(
+            per op.name(); kvshard_io::log_limit::Level::Warn,
+            "s3 adapter (shard {}): {verb} {name}: {e}",
+            self.shard
+        );
     }
 
     async fn permit(&self) -> glommio::sync::Permit<'_> {
@@ -278,7 +274,7 @@ impl S3Adapter {
                 StoreResult::Stored(size)
             }
             Err(e) => {
-                self.failed("PUT", &name, &e);
+                self.failed(L2Op::Store, &name, &e);
                 StoreResult::Failed
             }
         }
@@ -302,7 +298,7 @@ impl S3Adapter {
                 None
             }
             Err(e) => {
-                self.failed("HEAD", &name, &e);
+                self.failed(L2Op::Lookup, &name, &e);
                 None
             }
         }
@@ -334,7 +330,7 @@ impl S3Adapter {
                     // Evicted by another node since the lookup.
                     self.sizes.borrow_mut().remove(key);
                 }
-                self.failed("GET", &name, &e);
+                self.failed(L2Op::Load, &name, &e);
                 false
             }
         }
@@ -361,7 +357,7 @@ impl S3Adapter {
                 Some(size)
             }
             Err(e) => {
-                self.failed("DELETE", &name, &e);
+                self.failed(L2Op::Delete, &name, &e);
                 None
             }
         }

@@ -243,19 +243,13 @@ impl L2Tier {
         self.book.borrow_mut().stats.gate_skipped_keys += n as u64;
     }
 
-    /// A lookup or load (`op`) of this tier answered within its lookup's
-    /// deadline.
-    pub fn answered_in_time(&self, op: L2Op) {
+    /// A lookup or load (`op`) of this tier answered, within its lookup's
+    /// deadline or after it: the count toward the gate starts over (a tier
+    /// that answers slowly is not closed for it; one that does not answer at
+    /// all is), and the operation's latest outcome is this answer.
+    pub fn answered(&self, op: L2Op) {
         self.gate.answered(op);
         self.failures.succeeded(op);
-    }
-
-    /// A lookup or load (`op`) that ran past its deadline answered after
-    /// all: the count toward the gate starts over (a tier that answers
-    /// slowly is not closed for it; one that does not answer at all is), and
-    /// the operation's latest outcome is this answer.
-    pub fn answered_late(&self, op: L2Op) {
-        self.answered_in_time(op);
     }
 
     /// A lookup or load (`op`) of this tier ran past its lookup's deadline

@@ -441,7 +441,7 @@ pub async fn lookup(
             None => tier.lookup_and_lock(&ask).await,
             Some(d) => match lookup_within(l2, t, ask.clone(), d.at).await {
                 Some(res) => {
-                    tier.answered_in_time(L2Op::Lookup);
+                    tier.answered(L2Op::Lookup);
                     res
                 }
                 None => {
@@ -499,7 +499,7 @@ async fn lookup_within(
                     .collect();
                 tier.unlock(&found);
                 // Late, but it answered: the tier is slow, not gone.
-                tier.answered_late(L2Op::Lookup);
+                tier.answered(L2Op::Lookup);
             }
             res
         })
@@ -550,7 +550,7 @@ pub(crate) async fn load_by(
     };
     match first {
         Some(done) => {
-            of_tiers(&|tier| tier.answered_in_time(L2Op::Load));
+            of_tiers(&|tier| tier.answered(L2Op::Load));
             done
         }
         None => {
@@ -559,7 +559,7 @@ pub(crate) async fn load_by(
             let done = work.await;
             if done.0.iter().any(|ok| *ok) {
                 // Late, but it loaded: the tier is slow, not gone.
-                of_tiers(&|tier| tier.answered_late(L2Op::Load));
+                of_tiers(&|tier| tier.answered(L2Op::Load));
             }
             done
         }
