@@ -1,0 +1,417 @@
+//! lmcache_driven transfers: REGISTER_KV_CACHE of CPU SHM caches, and STORE
+//! and RETRIEVE, which the shards copy between the worker's blocks and L1.
+//! CUDA registrations and transfers go on in `cuda.rs`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvshard_dataplane::layout::Layout;
+use kvshard_dataplane::messages::{ReplyTo, RetrieveItem, ShardOp, StoreOutcome};
+use kvshard_engine::keys::{self, ObjectKey};
+use kvshard_io::log_limit::Level;
+use kvshard_io::log_limited;
+use kvshard_wire::{self as wire, IpcKey};
+
+use super::engine_driven::first_chunk_of;
+use super::inflight::{involved, InflightKind};
+use super::workers::{reserved_instance_id, writer_tag};
+use super::Front;
+use crate::registry::{LmcEntry, LmcTransfer};
+
+/// A RETRIEVE's blocks and the worker's event.
+pub(super) struct Transfer {
+    pub(super) block_ids: Vec<Vec<i64>>,
+    pub(super) event: Vec<u8>,
+}
+
+impl Front {
+    /// STORE/RETRIEVE from an instance with no lmcache_driven registration:
+    /// 0.5.6's `(b"", False)`. A refused GPU worker was told why once, at
+    /// registration, so its transfers are logged at debug only.
+    pub(super) fn reply_unregistered_transfer(&mut self, to: &ReplyTo, op: &str, iid: i64) {
+        let level = if self.refused.contains(iid) {
+            Level::Debug
+        } else {
+            Level::Error
+        };
+        log_limited!(
+            level,
+            "{op}: no lmcache_driven registration for instance {iid}"
+        );
+        self.metrics.unregistered_instance += 1;
+        self.reply(to, Some(wire::encode_store_reply(b"", false)))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn register_kv_cache(
+        &mut self,
+        iid: i64,
+        kv_cache: &[wire::IpcData],
+        model_name: String,
+        world_size: i64,
+        engine_type: &str,
+        layout_hints: &kvshard_wire::msgpack::Value,
+        groups: &[wire::EngineGroupInfo],
+        now: Instant,
+    ) {
+        if !self.cfg.transfer_mode.lmcache_driven_enabled() {
+            log_limited!(Level::Error, "register_kv_cache from instance {iid}: lmcache_driven transfer is not enabled (--supported-transfer-mode {:?})", self.cfg.transfer_mode);
+            return;
+        }
+        if let Some(e) = reserved_instance_id(iid) {
+            self.metrics.bad_requests += 1;
+            self.metrics.failed_registrations += 1;
+            return log_limited!(Level::Error, "register_kv_cache refused: {e}");
+        }
+        if self.registry.touch_lmc(iid, now) {
+            log_limited!(
+                Level::Info,
+                "lmcache_driven instance {iid} already registered; refreshing liveness"
+            );
+            return;
+        }
+        if self.cuda_regs.contains_key(&iid) {
+            return log_limited!(
+                Level::Info,
+                "lmcache_driven CUDA instance {iid} is still being set up"
+            );
+        }
+        let ws = match u32::try_from(world_size)
+            .ok()
+            .filter(|w| (1..=keys::MAX_WORLD_SIZE).contains(w))
+        {
+            Some(w) => w,
+            None => {
+                return log_limited!(
+                    Level::Error,
+                    "register_kv_cache from instance {iid}: world_size {world_size} is invalid"
+                )
+            }
+        };
+        if self.refuse_cuda(iid, kv_cache, &model_name, world_size, now) {
+            return;
+        }
+        if kvshard_dataplane::cuda_refusal::cuda_descriptor(kv_cache).is_some() {
+            return self.register_cuda(iid, kv_cache, model_name, ws, layout_hints, groups, now);
+        }
+        let reg = match crate::registry::open_cpu_shm(
+            kv_cache,
+            groups,
+            layout_hints,
+            engine_type,
+            self.cfg.chunk_size,
+            self.cfg.null_block_id,
+        ) {
+            Ok(r) => Arc::new(r),
+            Err(e) => {
+                self.metrics.failed_registrations += 1;
+                return log_limited!(
+                    Level::Error,
+                    "register_kv_cache from instance {iid} failed: {e}"
+                );
+            }
+        };
+        let layout = Layout::from_registration(&reg);
+        if let Err(e) = self.layouts.register(&model_name, ws, &layout) {
+            self.metrics.failed_registrations += 1;
+            return log_limited!(Level::Error, "register_kv_cache from instance {iid}: {e}");
+        }
+        let entry = LmcEntry {
+            model_name: model_name.clone(),
+            world_size: ws,
+            reg: LmcTransfer::CpuShm(reg),
+            layout,
+            last_seen: now,
+            pinged: false,
+            kv_ranks: Vec::new(),
+        };
+        if let Err(e) = self.registry.insert_lmc(iid, entry) {
+            self.layouts.unregister(&model_name, ws);
+            return log_limited!(Level::Error, "register_kv_cache: {e}");
+        }
+        log_limited!(Level::Info, "registered lmcache_driven cpu_shm instance {iid} (model={model_name}, world_size={ws}, {} layers)", kv_cache.len());
+    }
+
+    /// Per-chunk block id lists of group 0 (`bpc` ids per chunk, each list
+    /// checked by `validate`), or why they do not fit.
+    pub(super) fn chunk_blocks(
+        bpc: usize,
+        block_ids: &[Vec<i64>],
+        num_chunks: usize,
+        validate: impl Fn(&[i64]) -> Result<(), String>,
+    ) -> Result<Vec<Vec<i64>>, String> {
+        let Some(blocks) = block_ids.first() else {
+            return Err("block_ids is empty".into());
+        };
+        if block_ids.len() > 1 {
+            return Err(format!(
+                "{} KV groups sent; kvshard supports one",
+                block_ids.len()
+            ));
+        }
+        if blocks.len() < num_chunks * bpc {
+            return Err(format!(
+                "{} block ids for {num_chunks} chunks of {bpc} blocks",
+                blocks.len()
+            ));
+        }
+        let out: Vec<Vec<i64>> = (0..num_chunks)
+            .map(|c| blocks[c * bpc..(c + 1) * bpc].to_vec())
+            .collect();
+        for b in &out {
+            validate(b)?;
+        }
+        Ok(out)
+    }
+
+    /// The chunks of a transfer request: its object keys and their block
+    /// lists, or the failure reply already sent.
+    pub(super) fn transfer_chunks(
+        &mut self,
+        to: &ReplyTo,
+        op: &str,
+        iid: i64,
+        key: &IpcKey,
+        block_ids: &[Vec<i64>],
+        reg: &LmcTransfer,
+    ) -> Option<(Vec<ObjectKey>, Vec<Vec<i64>>)> {
+        let chunks = self
+            .worker_keys(iid, key, self.clock.now())
+            .and_then(|objs| {
+                let blocks = match reg {
+                    LmcTransfer::CpuShm(r) => {
+                        Self::chunk_blocks(r.blocks_per_chunk(), block_ids, objs.len(), |b| {
+                            r.validate_block_ids(b).map_err(|e| e.to_string())
+                        })
+                    }
+                    LmcTransfer::Cuda(c) => {
+                        Self::chunk_blocks(c.blocks_per_chunk(), block_ids, objs.len(), |b| {
+                            c.validate_block_ids(b)
+                        })
+                    }
+                }?;
+                Ok((objs, blocks))
+            });
+        match chunks {
+            Ok(c) => Some(c),
+            Err(e) => {
+                log_limited!(Level::Error, "{op} from instance {iid}: {e}");
+                self.metrics.bad_requests += 1;
+                self.reply(to, Some(wire::encode_store_reply(b"", false)));
+                None
+            }
+        }
+    }
+
+    pub(super) fn store(
+        &mut self,
+        to: ReplyTo,
+        key: IpcKey,
+        iid: i64,
+        block_ids: Vec<Vec<i64>>,
+        event: Vec<u8>,
+        now: Instant,
+    ) {
+        self.metrics.submitted_stores += 1;
+        let Some((reg, layout)) = self.registry.lmc_reg(iid, now) else {
+            return self.reply_unregistered_transfer(&to, "store", iid);
+        };
+        let Some((objs, blocks)) = self.transfer_chunks(&to, "store", iid, &key, &block_ids, &reg)
+        else {
+            return;
+        };
+        // All-null chunks carry no KV (align-mode recurrent layers): never store them.
+        let null = self.cfg.null_block_id;
+        let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = objs
+            .into_iter()
+            .zip(blocks)
+            .filter(|(_, b)| !kvshard_dataplane::cpu_shm::all_null(b, null))
+            .unzip();
+        let parts = self.split(&objs);
+        if self.refused(&to, involved(&parts)) {
+            return self.reply_failure(&to);
+        }
+        let n = objs.len();
+        let size = layout.bytes;
+        let reg = match reg {
+            LmcTransfer::CpuShm(reg) => reg,
+            LmcTransfer::Cuda(_) => {
+                let kind = InflightKind::CudaStore {
+                    to,
+                    iid,
+                    keys: objs.clone(),
+                    blocks,
+                    event,
+                    slabs: vec![None; n],
+                };
+                return self.reserve_writes(kind, &objs, size, iid);
+            }
+        };
+        let kind = InflightKind::Store {
+            to,
+            outcomes: vec![StoreOutcome::AlreadyPresent; n],
+        };
+        if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::Store {
+            reg: reg.clone(),
+            items: idx.iter().map(|i| (objs[*i], blocks[*i].clone())).collect(),
+            size,
+            tag: writer_tag(iid),
+        }) {
+            self.complete(0, kind);
+        }
+    }
+
+    pub(super) fn retrieve(
+        &mut self,
+        to: ReplyTo,
+        key: IpcKey,
+        iid: i64,
+        t: Transfer,
+        skip: i64,
+        now: Instant,
+    ) {
+        self.metrics.submitted_retrieves += 1;
+        let Some((reg, _)) = self.registry.lmc_reg(iid, now) else {
+            return self.reply_unregistered_transfer(&to, "retrieve", iid);
+        };
+        let Some((objs, blocks)) =
+            self.transfer_chunks(&to, "retrieve", iid, &key, &t.block_ids, &reg)
+        else {
+            return;
+        };
+        let cs = self.cfg.chunk_size;
+        let first = first_chunk_of(&key, cs);
+        let skip = usize::try_from(skip).unwrap_or(0);
+        let parts = self.split(&objs);
+        // Before the lease book hears of the locks this request releases.
+        if self.refused(&to, involved(&parts)) {
+            return self.reply_failure(&to);
+        }
+        let n = objs.len();
+        let reg = match reg {
+            LmcTransfer::CpuShm(reg) => reg,
+            LmcTransfer::Cuda(c) => {
+                let bs = c.geometry.block_size;
+                let skips = (0..n)
+                    .map(|i| {
+                        let tokens = kvshard_dataplane::cpu_shm::chunk_skip_tokens(skip, i, cs);
+                        kvshard_dataplane::cuda_transfer::skip_blocks(tokens, bs)
+                    })
+                    .collect();
+                // The lookup's read locks are released once the copies end.
+                let take = self.hand_over_locks(&key.request_id, first, &objs, iid);
+                let kind = InflightKind::CudaRetrieve {
+                    to,
+                    iid,
+                    keys: objs.clone(),
+                    blocks,
+                    skips,
+                    event: t.event,
+                    slabs: vec![None; n],
+                };
+                if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReadLocked {
+                    keys: idx.iter().map(|i| objs[*i]).collect(),
+                    take: idx.iter().map(|i| take[*i]).collect(),
+                }) {
+                    self.complete(0, kind);
+                }
+                return;
+            }
+        };
+        // The shard releases the one lock this transfer holds on each object
+        // it finds read-locked: one of the lookup's, or one taken for it.
+        let take = self.hand_over_locks(&key.request_id, first, &objs, iid);
+        let kind = InflightKind::Retrieve {
+            to,
+            oks: vec![false; n],
+        };
+        if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::Retrieve {
+            reg: reg.clone(),
+            items: idx
+                .iter()
+                .map(|i| RetrieveItem {
+                    key: objs[*i],
+                    blocks: blocks[*i].clone(),
+                    skip: kvshard_dataplane::cpu_shm::chunk_skip_tokens(skip, *i, cs),
+                    take: take[*i],
+                })
+                .collect(),
+        }) {
+            self.complete(0, kind);
+        }
+    }
+
+    /// Answers a REGISTER_KV_CACHE. A CUDA registration is answered once its
+    /// GPU's device thread has set it up (pinning the L1 can take seconds),
+    /// as 0.5.6 answers after opening the handles: a STORE the worker sends
+    /// on the answer finds the instance registered.
+    pub(super) fn answer_registration(&mut self, to: ReplyTo, iid: i64) {
+        match self.cuda_regs.get_mut(&iid) {
+            Some(p) => p.replies.push(to),
+            None => self.reply(&to, None),
+        }
+    }
+
+    /// UNREGISTER_KV_CACHE: forgets the instance (refused, being set up on
+    /// its GPU, or registered) and releases what it held.
+    pub(super) fn unregister_kv_cache(&mut self, iid: i64) {
+        let was_refused = self.refused.remove(iid).is_some();
+        if let Some(p) = self.cuda_regs.remove(&iid) {
+            // Still being set up: its device thread undoes it after.
+            self.layouts.unregister(&p.model_name, p.world_size);
+            self.cuda_unregister(iid, p.instance.ordinal);
+            log_limited!(
+                Level::Info,
+                "unregistered lmcache_driven CUDA instance {iid} while it was being set up"
+            );
+            for waiting in &p.replies {
+                self.reply(waiting, None);
+            }
+            return;
+        }
+        match self.registry.remove_lmc(iid) {
+            Some(entry) => {
+                log_limited!(Level::Info, "unregistered lmcache_driven instance {iid}");
+                self.release_instance(crate::registry::Released::Lmc(iid, entry));
+            }
+            None if was_refused => {
+                log_limited!(Level::Info, "unregistered refused GPU instance {iid}")
+            }
+            None => log_limited!(Level::Warn, "unregister: no lmcache_driven instance {iid}"),
+        }
+    }
+
+    /// A STORE's copies into L1 came back: counted, and answered.
+    pub(super) fn store_done(&mut self, to: &ReplyTo, outcomes: &[StoreOutcome]) {
+        let count = |want: StoreOutcome| outcomes.iter().filter(|o| **o == want).count();
+        let failed = count(StoreOutcome::Failed);
+        let left_out = count(StoreOutcome::OutOfMemory);
+        self.metrics.stored_chunks += count(StoreOutcome::Stored) as u64;
+        self.metrics.finished_stores += 1;
+        // 0.5.6 answers a STORE whose chunks partly found no L1 memory as a
+        // success, leaving them out (lmcache_driven_transfer.py): the worker
+        // recomputes them later. Counted and logged here.
+        if failed == 0 && left_out > 0 {
+            self.metrics.partial_stores += 1;
+            self.metrics.store_chunks_left_out += left_out as u64;
+            log_limited!(
+                Level::Warn,
+                "store: {left_out} of {} chunks found no L1 memory and were left out; \
+                 answered as a success, as lmcache 0.5.6 does",
+                outcomes.len()
+            );
+        }
+        self.reply(to, Some(wire::encode_store_reply(b"", failed == 0)));
+    }
+
+    /// A RETRIEVE's copies out of L1 came back: counted, and answered.
+    pub(super) fn retrieve_done(&mut self, to: &ReplyTo, oks: &[bool]) {
+        let ok = oks.iter().all(|b| *b);
+        self.metrics.finished_retrieves += 1;
+        self.metrics.retrieved_chunks += oks.iter().filter(|b| **b).count() as u64;
+        if !ok {
+            self.metrics.retrieve_misses += 1;
+        }
+        self.reply(to, Some(wire::encode_store_reply(b"", ok)));
+    }
+}
