@@ -174,6 +174,8 @@ fn one_chunk(seed: u32) -> (Vec<u32>, V) {
     (toks, key)
 }
 
+// The stop-shard hook is compiled into debug builds only.
+#[cfg(debug_assertions)]
 #[test]
 fn a_stopped_shard_fails_its_requests_and_the_others_keep_serving() {
     // Without write credits: the registration sends the shards nothing, and
@@ -184,11 +186,13 @@ fn a_stopped_shard_fails_its_requests_and_the_others_keep_serving() {
 /// The same with write credits: the registration asks every shard for them,
 /// which stops shard 1 then; each later prepare_store of its chunks is
 /// refused before anything is handed out.
+#[cfg(debug_assertions)]
 #[test]
 fn a_stopped_shard_fails_its_stores_on_write_credits_too() {
     stopped_shard(true);
 }
 
+#[cfg(debug_assertions)]
 fn stopped_shard(credits: bool) {
     let dir = std::env::temp_dir().join(unique("kvshard_dead_shard"));
     std::fs::create_dir_all(&dir).unwrap();

@@ -14,6 +14,10 @@
 //! bytes against the cpu_shm path (whose objects match lmcache 0.5.6 byte
 //! for byte): a chunk stored by the GPU worker is retrieved by a CPU worker
 //! of the same model and lands in the same place.
+//!
+//! The emulation is a test hook, compiled into debug builds only (the ones
+//! `cargo test` runs), so this file tests nothing in a release build.
+#![cfg(debug_assertions)]
 
 mod support;
 use support::*;

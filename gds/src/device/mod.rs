@@ -27,6 +27,9 @@
 //! missing library or symbol is a [`DeviceError`] that says so. Each driver
 //! call also runs under `catch_unwind` as a second guard.
 
+// A test hook: compiled into the builds the test suite runs (debug), absent
+// from release binaries.
+#[cfg(debug_assertions)]
 pub mod emulated;
 /// The stride table of a FlashAttention NHD group of `nl` bf16 layers
 /// (100 blocks of 16 tokens, 8 heads of 128), for the tests of this module.

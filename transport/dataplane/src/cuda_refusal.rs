@@ -29,6 +29,7 @@ pub enum CudaHost {
 impl CudaHost {
     /// Probes the CUDA driver; never panics.
     pub fn probe() -> CudaHost {
+        #[cfg(debug_assertions)]
         if kvshard_gds::device::emulated::enabled() {
             return CudaHost::Present(kvshard_gds::device::emulated::emulated_env());
         }

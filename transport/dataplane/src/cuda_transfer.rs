@@ -21,6 +21,7 @@
 use std::sync::Arc;
 
 use kvshard_gds::cuda::{CudaDevice, CudaEnv};
+#[cfg(debug_assertions)]
 use kvshard_gds::device::emulated::{self, EmulatedDevice};
 use kvshard_gds::device::event::IpcEventHandle;
 use kvshard_gds::device::ipc::{FabricHandle, IpcMemHandle};
@@ -360,17 +361,19 @@ pub enum CudaOp {
     },
 }
 
-/// What runs the CUDA jobs: the device threads, or the CPU emulation the
-/// tests use on hosts without a GPU (`KVSHARD_CUDA_EMULATION=1`).
+/// What runs the CUDA jobs: the device threads, or (in debug builds only) the
+/// CPU emulation the tests use on hosts without a GPU.
 pub enum CudaExecutor {
     Device(DeviceThreads),
+    #[cfg(debug_assertions)]
     Emulated(EmulatedDevice),
 }
 
 impl CudaExecutor {
-    /// Starts the executor of `env` (the emulation when the environment
-    /// asks for it) over the L1 memory `mem`.
+    /// Starts the executor of `env` (in a debug build, the emulation when
+    /// the environment asks for it) over the L1 memory `mem`.
     pub fn start(env: CudaEnv, mem: &L1Memory) -> Result<CudaExecutor, String> {
+        #[cfg(debug_assertions)]
         if emulated::enabled() {
             return EmulatedDevice::start().map(CudaExecutor::Emulated);
         }
@@ -390,6 +393,7 @@ impl CudaExecutor {
     pub fn submit(&self, ordinal: usize, job: DeviceJob) -> Result<(), DeviceJob> {
         match self {
             CudaExecutor::Device(t) => t.submit(ordinal, job),
+            #[cfg(debug_assertions)]
             CudaExecutor::Emulated(e) => e.submit(ordinal, job),
         }
     }
