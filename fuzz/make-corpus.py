@@ -3,7 +3,7 @@
 
 Seeds come from the tests, so they follow the formats as the tests do:
 - wire_request: lmcache 0.5.6's golden frames
-  (transport/wire/testdata/golden_cuda_register.json), the hex frames of the
+  (wire/testdata/golden_cuda_register.json), the hex frames of the
   wire crate's tests, and a few small requests built here; each input is its
   frames after the uid, every frame as a little-endian u16 length and its bytes
   (the split fuzz/fuzz_targets/wire_request.rs reads back).
@@ -155,7 +155,7 @@ def frames_input(frames):
 
 
 def wire_seeds():
-    golden = json.loads((ROOT / "transport/wire/testdata/golden_cuda_register.json").read_text())
+    golden = json.loads((ROOT / "wire/testdata/golden_cuda_register.json").read_text())
     seeds = []
     key = None
     for name, v in golden.items():
@@ -167,7 +167,7 @@ def wire_seeds():
         elif not name.endswith("_decoded"):
             # One value (a descriptor, a reply): the op frame position holds it.
             seeds.append(frames_input([bytes.fromhex(v)]))
-    for path in (ROOT / "transport/wire/src").glob("*.rs"):
+    for path in (ROOT / "wire/src").glob("*.rs"):
         for h in re.findall(r'unhex\("([0-9a-f]*)"\)', path.read_text()):
             seeds.append(frames_input([bytes.fromhex(h)]))
     # Small requests by legacy id and by name.

@@ -11,10 +11,7 @@ use support::*;
 
 /// The golden frames for GPU workers: `[uid, op, payloads...]`, hex.
 fn golden() -> serde_json::Value {
-    serde_json::from_str(include_str!(
-        "../transport/wire/testdata/golden_cuda_register.json"
-    ))
-    .unwrap()
+    serde_json::from_str(include_str!("../wire/testdata/golden_cuda_register.json")).unwrap()
 }
 
 /// Sends golden request `name` (its op and payload frames, with a fresh uid)

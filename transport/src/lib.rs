@@ -3,8 +3,11 @@
 //!
 //! - `wire` (crate kvshard-wire): lmcache 0.5.6's msgpack and typed RPCs, with
 //!   no dependencies;
+//! - `config` and `oneshot` (crate kvshard-messages, a leaf every part
+//!   depends on): the server's configuration, and the channel the HTTP API's
+//!   answers come back on (its requests are `kvshard_messages::control`);
 //! - the data plane (kvshard-dataplane): shards, L2 controllers, transfer
-//!   paths, configuration, and the `messages` every part exchanges;
+//!   paths, and the `messages` the front and the shards exchange;
 //! - the control plane (kvshard-control): the front, registry, sessions,
 //!   metrics;
 //! - `http_api` (kvshard-http), which serves the routes and reads the bodies
@@ -13,9 +16,8 @@
 pub mod server;
 
 pub use kvshard_control::{control, front, lookup_leases, lookup_log, metrics, registry, session};
-pub use kvshard_dataplane::{
-    config, cpu_shm, cuda_refusal, cuda_transfer, layout, messages, oneshot, shard,
-};
+pub use kvshard_dataplane::{cpu_shm, cuda_refusal, cuda_transfer, layout, messages, shard};
 pub use kvshard_http as http_api;
+pub use kvshard_messages::{config, oneshot};
 pub use kvshard_wire as wire;
 pub use kvshard_wire::msgpack;

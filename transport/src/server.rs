@@ -20,11 +20,11 @@ use kvshard_io::termination;
 use kvshard_control::control::ControlHandle;
 use kvshard_control::front::{FrontLoop, FrontSetup};
 use kvshard_control::lookup_log::LookupHashLog;
-use kvshard_dataplane::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
 use kvshard_dataplane::cuda_transfer::L1Memory;
 use kvshard_dataplane::messages::ShardMsg;
 use kvshard_dataplane::shard::{run_shard, ShardBacking, ShardConfig};
 use kvshard_http::HttpInfo;
+use kvshard_messages::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
 
 /// Raises the soft open-file limit to the hard one: every HTTP connection,
 /// ZeroMQ peer, shm mapping and L2 file is a descriptor, and soft limits of
@@ -413,7 +413,7 @@ fn stop(
 /// automatic names are never used again, so nobody else would.
 fn remove_dead_pools() {
     for seg in
-        kvshard_io::shm_segment::remove_dead_segments(kvshard_dataplane::config::is_auto_shm_name)
+        kvshard_io::shm_segment::remove_dead_segments(kvshard_messages::config::is_auto_shm_name)
     {
         log::warn!(
             "removed /dev/shm/{} ({} bytes): the SHM pool of a server that is gone (killed \

@@ -7,8 +7,9 @@
 
 use kvshard_io::mailbox::NotifySender;
 
-use kvshard_dataplane::messages::{ControlRequest, ControlResponse, FrontEvent};
-use kvshard_dataplane::oneshot;
+use kvshard_dataplane::messages::FrontEvent;
+use kvshard_messages::control::{ControlRequest, ControlResponse};
+use kvshard_messages::oneshot;
 
 /// What the HTTP side holds to talk to the front.
 #[derive(Clone)]

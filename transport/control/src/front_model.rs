@@ -20,13 +20,13 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvshard_dataplane::config::ServerConfig;
 use kvshard_dataplane::messages::{
     FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, FOUND_L1, FOUND_MISS, NO_SLAB,
 };
 use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::slab::Slab;
 use kvshard_io::mailbox::{mailbox, notify_queue, MailboxReceiver};
+use kvshard_messages::config::ServerConfig;
 use kvshard_wire::msgpack::{decode_value, encode_value, Value};
 
 use crate::front::{Clock, Front, FrontSetup, ReplyPort, Undelivered};

@@ -30,8 +30,8 @@ use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvshard_dataplane::config::LookupHashLogSettings;
 use kvshard_io::json_text::{push_string, NonAscii};
+use kvshard_messages::config::LookupHashLogSettings;
 
 const FILE_PREFIX: &str = "lookup_hashes_";
 const FILE_SUFFIX: &str = ".jsonl";

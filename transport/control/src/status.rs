@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use serde_json::json;
 
-use kvshard_dataplane::config::ServerConfig;
 use kvshard_dataplane::messages::ShardReport;
+use kvshard_messages::config::ServerConfig;
 
 /// The front's state and its shards' reports at one moment.
 pub struct StatusSnapshot {

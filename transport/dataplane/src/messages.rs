@@ -1,7 +1,8 @@
-//! The messages the front, the shards, the device threads and the HTTP API
-//! exchange. This module names no other module of the server but the leaf
-//! `cpu_shm` (a lmcache_driven STORE carries its registration), so every part
-//! can depend on it without a cycle.
+//! The messages the front, the shards and the device threads exchange (the
+//! HTTP API's requests are `kvshard_messages::control`). This module names no
+//! other module of the server but the leaf `cpu_shm` (a lmcache_driven STORE
+//! carries its registration), so every part can depend on it without a
+//! cycle.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,8 +12,9 @@ use kvshard_engine::l1::{L1Stats, L1Status};
 use kvshard_engine::l2::tier::{TierStats, TierUsage};
 use kvshard_engine::slab::Slab;
 
+use kvshard_messages::control::{ControlRequest, Responder};
+
 use crate::cpu_shm::CpuShmRegistration;
-use crate::oneshot;
 
 /// Sequence number the front uses to match replies to requests; 0 = no reply wanted.
 pub type Seq = u64;
@@ -270,129 +272,6 @@ pub struct ReplyTo {
     pub uid: Vec<u8>,
     pub op: Vec<u8>,
 }
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum ControlRequest {
-    /// `GET /status`: the JSON `lmcache describe kvcache` reads.
-    Status,
-    /// `GET /metrics`: Prometheus text exposition.
-    Metrics,
-    /// `POST /metrics/reset`.
-    ResetMetrics,
-    /// `POST /cache/clear` (tier l1 only).
-    Clear {
-        force: bool,
-    },
-    /// `PUT /quota/{salt}`; the salt is already mapped from the `_default` sentinel.
-    QuotaSet {
-        cache_salt: String,
-        limit_gb: f64,
-    },
-    QuotaGet {
-        cache_salt: String,
-    },
-    QuotaDelete {
-        cache_salt: String,
-    },
-    QuotaList,
-    /// `POST /cache/checksums` (lmcache_driven registrations only).
-    Checksums {
-        instance_id: i64,
-        block_ids: Vec<i64>,
-        chunk_size_blocks: usize,
-        layerwise: bool,
-    },
-    /// `GET /config/adapters`: the L2 adapters in cascade order.
-    ConfigAdapters,
-    /// `GET /config`.
-    Config,
-}
-
-/// Builds a body from a snapshot the front took, away from the front's thread.
-pub type RenderBody = Box<dyn FnOnce() -> ControlBody + Send>;
-
-pub enum ControlBody {
-    Json(serde_json::Value),
-    Text(String),
-    /// To be rendered by the receiver ([`ControlResponse::rendered`]); never itself
-    /// a `Render`.
-    Render(RenderBody),
-}
-
-impl std::fmt::Debug for ControlBody {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ControlBody::Json(v) => f.debug_tuple("Json").field(v).finish(),
-            ControlBody::Text(t) => f.debug_tuple("Text").field(t).finish(),
-            ControlBody::Render(_) => f.write_str("Render(..)"),
-        }
-    }
-}
-
-/// Rendered bodies compare by content; a `Render` equals nothing.
-impl PartialEq for ControlBody {
-    fn eq(&self, other: &Self) -> bool {
-        match (self, other) {
-            (ControlBody::Json(a), ControlBody::Json(b)) => a == b,
-            (ControlBody::Text(a), ControlBody::Text(b)) => a == b,
-            _ => false,
-        }
-    }
-}
-
-#[derive(Debug, PartialEq)]
-pub struct ControlResponse {
-    pub status: u16,
-    pub body: ControlBody,
-}
-
-impl ControlResponse {
-    /// A 200 whose body `render` builds on the receiving side.
-    pub fn render(render: impl FnOnce() -> ControlBody + Send + 'static) -> Self {
-        ControlResponse {
-            status: 200,
-            body: ControlBody::Render(Box::new(render)),
-        }
-    }
-
-    /// The response with a [`ControlBody::Render`] body rendered, on the calling thread.
-    pub fn rendered(self) -> Self {
-        match self.body {
-            ControlBody::Render(render) => ControlResponse {
-                status: self.status,
-                body: render(),
-            },
-            body => ControlResponse {
-                status: self.status,
-                body,
-            },
-        }
-    }
-
-    pub fn json(value: serde_json::Value) -> Self {
-        ControlResponse {
-            status: 200,
-            body: ControlBody::Json(value),
-        }
-    }
-
-    /// A 400 as the quota API words its refusals (`{"error": ...}`).
-    pub fn bad_request(message: impl Into<String>) -> Self {
-        ControlResponse {
-            status: 400,
-            body: ControlBody::Json(serde_json::json!({ "error": message.into() })),
-        }
-    }
-
-    pub fn error(status: u16, message: impl Into<String>) -> Self {
-        ControlResponse {
-            status,
-            body: ControlBody::Json(serde_json::json!({ "detail": message.into() })),
-        }
-    }
-}
-
-pub type Responder = oneshot::Sender<ControlResponse>;
 
 /// What a device thread reports to the front (on its event queue).
 pub enum CudaEvent {

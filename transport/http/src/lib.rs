@@ -39,7 +39,7 @@ use kvshard_io::timeout::with_timeout;
 
 use kvshard_control::control::ControlHandle;
 use kvshard_control::metrics::{ProcessLimits, ProcessSample, PromText};
-use kvshard_dataplane::messages::{ControlBody, ControlRequest, ControlResponse};
+use kvshard_messages::control::{ControlBody, ControlRequest, ControlResponse};
 
 /// Request bodies larger than this are refused with 413. The largest legitimate body
 /// is a `/cache/checksums` block list: 1 MiB holds well over 100k block ids.

@@ -4,11 +4,10 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use kvshard_dataplane::messages::{
-    ControlBody, ControlRequest, ControlResponse, ReplyTo, Responder, ShardOp, ShardReport,
-};
+use kvshard_dataplane::messages::{ReplyTo, ShardOp, ShardReport};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
+use kvshard_messages::control::{ControlBody, ControlRequest, ControlResponse, Responder};
 use kvshard_wire as wire;
 
 use super::inflight::InflightKind;

@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvshard_dataplane::config::ServerConfig;
 use kvshard_dataplane::messages::{FrontEvent, ShardMsg};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_io::mailbox::{MailboxSender, NotifyReceiver};
+use kvshard_messages::config::ServerConfig;
 
 use super::{Front, FrontSetup};
 

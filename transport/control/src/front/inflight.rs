@@ -5,13 +5,14 @@
 
 use kvshard_dataplane::layout::Layout;
 use kvshard_dataplane::messages::{
-    ControlRequest, ReplyTo, Responder, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody,
-    ShardReport, StoreOutcome, FOUND_MISS, NO_SLAB,
+    ReplyTo, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome,
+    FOUND_MISS, NO_SLAB,
 };
 use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::slab::Slab;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
+use kvshard_messages::control::{ControlRequest, Responder};
 
 use super::lookup::PendingLoad;
 use super::Front;

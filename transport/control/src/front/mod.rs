@@ -21,13 +21,13 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvshard_dataplane::config::ServerConfig;
 use kvshard_dataplane::cuda_refusal::{CudaHost, RefusedTable};
 use kvshard_dataplane::cuda_transfer::{CudaExecutor, CudaOp, L1Memory, PendingRegistration};
 use kvshard_dataplane::messages::{FrontEvent, ReplyTo, Seq, ShardMsg, ShardReport};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_io::mailbox::{MailboxSender, NotifySender};
+use kvshard_messages::config::ServerConfig;
 use kvshard_wire::{self as wire, Op, Request, RequestError};
 
 use crate::lookup_leases::LeaseBook;

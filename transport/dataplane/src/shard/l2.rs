@@ -32,9 +32,9 @@ use kvshard_engine::l2::tier::L2Tier;
 use kvshard_engine::l2::{kv_rank_world_size, L2Adapter, ObjectBytes, StoreResult};
 use kvshard_gds::slab::AlignedBuf;
 
-use crate::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
 use crate::messages::{L2CtlStats, L2Deadline, TierReport, FOUND_L2, FOUND_MISS, NO_SLAB};
 use crate::shard::State;
+use kvshard_messages::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
 
 pub struct L2Shard {
     pub tiers: Vec<L2Tier>,

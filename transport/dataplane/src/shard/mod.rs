@@ -20,13 +20,13 @@ use kvshard_io::arena::Arena;
 use kvshard_io::mailbox::{MailboxReceiver, NotifySender};
 use kvshard_io::prefault::PrefaultHandle;
 
-use crate::config::L2Settings;
 use crate::cpu_shm::CpuShmRegistration;
 use crate::l1_slab::SlabL1;
 use crate::messages::{
     FrontEvent, L2CtlStats, RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody,
     ShardReport, StoreOutcome, FOUND_L1, FOUND_MISS, NO_SLAB,
 };
+use kvshard_messages::config::L2Settings;
 
 pub mod l2;
 use l2::L2Shard;
