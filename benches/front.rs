@@ -31,7 +31,7 @@ use kvshard_io::mailbox::{mailbox, notify_queue, MailboxReceiver};
 use kvshard_transport::config::ServerConfig;
 use kvshard_transport::front::{Clock, Front, FrontSetup, ReplyPort, Undelivered};
 use kvshard_transport::messages::{
-    FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, FOUND_MISS, NO_SLAB,
+    Found, FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, NO_SLAB,
 };
 use kvshard_transport::msgpack::Reader;
 use support::*;
@@ -148,7 +148,7 @@ impl Bench {
                 ShardOp::GrantCredits { size, count } => fresh(size, count as usize),
                 ShardOp::ReserveWrite { keys, size, .. } => fresh(size, keys.len()),
                 ShardOp::Lookup { keys, .. } => ShardReplyBody::Found {
-                    codes: vec![FOUND_MISS; keys.len()],
+                    found: vec![Found::Miss; keys.len()],
                     slabs: vec![NO_SLAB; keys.len()],
                 },
                 _ => ShardReplyBody::Done,

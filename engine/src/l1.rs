@@ -45,10 +45,49 @@ pub const MAX_READ_LOCK_COUNT: u32 = 128;
 /// Longest TTL honoured; longer ones are clamped so deadlines cannot overflow.
 const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
-/// Identity of a writer: staging objects are keyed by (key, tag). The
-/// transport uses e.g. a worker instance id or a prefetch id.
+/// Identity of a writer: staging objects are keyed by (key, tag). The server
+/// makes three kinds ([`WriterTag::worker`], [`WriterTag::load`],
+/// [`WriterTag::credit`]), which never collide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WriterTag(pub u64);
+
+impl WriterTag {
+    /// Set in the tags the server makes for itself, never in a worker's.
+    const INTERNAL: u64 = 1 << 63;
+    /// Set, beside [`Self::INTERNAL`], in the tags of writes on credits.
+    const CREDIT: u64 = 1 << 62;
+
+    /// The tag of worker instance `iid`'s writes: the id itself. `None` for a
+    /// negative id, whose tag would fall among the internal ones (lmcache's
+    /// instance ids are `uuid4 & (2^63 - 1)`: never negative).
+    pub fn worker(iid: i64) -> Option<WriterTag> {
+        u64::try_from(iid).ok().map(WriterTag)
+    }
+
+    /// The tag of the server's `n`th L2 load (its staged objects).
+    pub fn load(n: u64) -> WriterTag {
+        debug_assert!(n & (Self::INTERNAL | Self::CREDIT) == 0);
+        WriterTag(Self::INTERNAL | (n & !(Self::INTERNAL | Self::CREDIT)))
+    }
+
+    /// The tag of the `n`th prepare_store served from write credits.
+    pub fn credit(n: u64) -> WriterTag {
+        debug_assert!(n & (Self::INTERNAL | Self::CREDIT) == 0);
+        WriterTag(Self::INTERNAL | Self::CREDIT | (n & !(Self::INTERNAL | Self::CREDIT)))
+    }
+}
+
+/// `worker 7`, `load 3`, `credit 12`: what made the tag, for logs.
+impl std::fmt::Display for WriterTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0 & !(Self::INTERNAL | Self::CREDIT);
+        match (self.0 & Self::INTERNAL != 0, self.0 & Self::CREDIT != 0) {
+            (false, _) => write!(f, "worker {}", self.0),
+            (true, false) => write!(f, "load {n}"),
+            (true, true) => write!(f, "credit {n}"),
+        }
+    }
+}
 
 /// Per-key failure of an L1 operation (0.5.6 `error.py`'s `L1Error`; success
 /// is `Ok`).
@@ -1739,6 +1778,23 @@ mod tests {
             .eviction_order(Scope::All)
             .map(|k| k.chunk_hash[0])
             .collect()
+    }
+
+    #[test]
+    fn writer_tags_of_the_three_kinds_never_collide() {
+        assert_eq!(WriterTag::worker(-1), None);
+        assert_eq!(WriterTag::worker(i64::MIN), None);
+        let ids = [0, 1, 7, i64::MAX];
+        let mut tags: Vec<WriterTag> = ids.iter().map(|&i| WriterTag::worker(i).unwrap()).collect();
+        for n in [0, 1, 7, (1 << 62) - 1] {
+            tags.push(WriterTag::load(n));
+            tags.push(WriterTag::credit(n));
+        }
+        let distinct: std::collections::HashSet<_> = tags.iter().collect();
+        assert_eq!(distinct.len(), tags.len(), "{tags:?}");
+        assert_eq!(WriterTag::worker(7).unwrap().to_string(), "worker 7");
+        assert_eq!(WriterTag::load(3).to_string(), "load 3");
+        assert_eq!(WriterTag::credit(12).to_string(), "credit 12");
     }
 
     #[test]

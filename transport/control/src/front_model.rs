@@ -21,9 +21,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvshard_dataplane::messages::{
-    FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, FOUND_L1, FOUND_MISS, NO_SLAB,
+    Found, FrontEvent, ShardMsg, ShardOp, ShardReply, ShardReplyBody, NO_SLAB,
 };
 use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::l1::WriterTag;
 use kvshard_engine::slab::Slab;
 use kvshard_io::mailbox::{mailbox, notify_queue, MailboxReceiver};
 use kvshard_messages::config::ServerConfig;
@@ -86,7 +87,7 @@ struct KeyState {
     resident: Option<Slab>,
     /// Writes staged, by writer tag: several when write credits were
     /// handed out for a key someone else stages or already holds.
-    staged: Vec<(u64, Slab)>,
+    staged: Vec<(WriterTag, Slab)>,
     locks: u32,
 }
 
@@ -113,18 +114,18 @@ impl ModelShard {
                 // retrieves must ask the shards.
                 self.lookups += 1;
                 let tell = self.lookups % 3 != 0;
-                let (codes, slabs) = keys
+                let (found, slabs) = keys
                     .iter()
                     .map(|k| match self.keys.get_mut(k) {
                         Some(s) if s.resident.is_some() => {
                             s.locks += readers;
                             let at = s.resident.expect("resident").offset;
-                            (FOUND_L1, if tell { at } else { NO_SLAB })
+                            (Found::L1, if tell { at } else { NO_SLAB })
                         }
-                        _ => (FOUND_MISS, NO_SLAB),
+                        _ => (Found::Miss, NO_SLAB),
                     })
                     .unzip();
-                ShardReplyBody::Found { codes, slabs }
+                ShardReplyBody::Found { found, slabs }
             }
             ShardOp::Release { keys, count } => {
                 for k in keys {

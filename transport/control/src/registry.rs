@@ -138,7 +138,7 @@ impl Released {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingWrite {
     pub keys: Vec<ObjectKey>,
-    pub tag: u64,
+    pub tag: kvshard_engine::l1::WriterTag,
 }
 
 pub struct Registry {

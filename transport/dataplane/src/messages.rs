@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvshard_engine::keys::ObjectKey;
-use kvshard_engine::l1::{L1Stats, L1Status};
+use kvshard_engine::l1::{L1Stats, L1Status, WriterTag};
 use kvshard_engine::l2::tier::{TierStats, TierUsage};
 use kvshard_engine::slab::Slab;
 
@@ -42,15 +42,15 @@ pub enum ShardOp {
     /// `deadline` (the front answered the lookup without it) counts against
     /// its tiers, and lands in L1 all the same.
     Load {
-        keys: Vec<(ObjectKey, u8)>,
+        keys: Vec<(ObjectKey, Found)>,
         size: u64,
         readers: u32,
-        tag: u64,
+        tag: WriterTag,
         deadline: Option<L2Deadline>,
     },
     /// Release L2 lookup locks (keys with their `Found` code).
     UnlockL2 {
-        keys: Vec<(ObjectKey, u8)>,
+        keys: Vec<(ObjectKey, Found)>,
     },
     /// Release `count` read locks on each key.
     Release {
@@ -64,7 +64,7 @@ pub enum ShardOp {
     ReserveWrite {
         keys: Vec<ObjectKey>,
         size: u64,
-        tag: u64,
+        tag: WriterTag,
     },
     /// Lend the front up to `count` write credits of `size` bytes (slabs it
     /// hands to writers without asking the shard); answers
@@ -83,15 +83,15 @@ pub enum ShardOp {
     AdoptWrite {
         writes: Vec<(ObjectKey, Slab)>,
         size: u64,
-        tag: u64,
+        tag: WriterTag,
     },
     FinishWrite {
         keys: Vec<ObjectKey>,
-        tag: u64,
+        tag: WriterTag,
     },
     AbortWrite {
         keys: Vec<ObjectKey>,
-        tag: u64,
+        tag: WriterTag,
     },
     /// Slabs of keys that must already be read-locked (by a lookup), for a
     /// transfer that then holds one lock on each key answered with a slab:
@@ -106,7 +106,7 @@ pub enum ShardOp {
         reg: Arc<CpuShmRegistration>,
         items: Vec<(ObjectKey, Vec<i64>)>,
         size: u64,
-        tag: u64,
+        tag: WriterTag,
     },
     /// lmcache_driven RETRIEVE: scatter each read-locked object, then release
     /// the one lock the transfer holds on it (see [`RetrieveItem::take`]).
@@ -161,10 +161,10 @@ pub enum StoreOutcome {
 }
 
 pub enum ShardReplyBody {
-    /// Per key: a `FOUND_*` code, and for an L1 hit the offset of its slab
+    /// Per key: where it was found, and for an L1 hit the offset of its slab
     /// (which this lookup read-locked) or [`NO_SLAB`].
     Found {
-        codes: Vec<u8>,
+        found: Vec<Found>,
         slabs: Vec<u64>,
     },
     /// Per key: whether it is readable in L1 now, holding the load's read
@@ -209,13 +209,25 @@ pub struct ShardReport {
     pub l1_slab: Option<serde_json::Value>,
 }
 
-/// Where a lookup found a key: [`FOUND_MISS`], [`FOUND_L1`], or
-/// `FOUND_L2 + tier index` (locked in that tier).
-pub const FOUND_MISS: u8 = 0;
+/// Where a lookup found a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    Miss,
+    /// In L1, read-locked for the lookup.
+    L1,
+    /// In the L2 tier of this index (cascade order), locked there for the
+    /// lookup.
+    L2(u8),
+}
+
+impl Found {
+    pub fn is_l2(self) -> bool {
+        matches!(self, Found::L2(_))
+    }
+}
+
 /// A slab offset that names no slab (a key that was no L1 hit).
 pub const NO_SLAB: u64 = u64::MAX;
-pub const FOUND_L1: u8 = 1;
-pub const FOUND_L2: u8 = 2;
 
 /// Controller counters of one shard (0.5.6's `lmcache_mp_l2_*` families).
 #[derive(Debug, Clone, Copy, Default)]

@@ -8,13 +8,14 @@ use std::time::Instant;
 use kvshard_dataplane::layout::Layout;
 use kvshard_dataplane::messages::{ReplyTo, ShardMsg, ShardOp};
 use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::l1::WriterTag;
 use kvshard_engine::slab::Slab;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_wire::{self as wire, IpcKey};
 
 use super::inflight::{involved, InflightKind};
-use super::workers::{reserved_instance_id, writer_tag, CREDIT_TAG_BIT, LOAD_TAG_BIT};
+use super::workers::{reserved_instance_id, writer_tag};
 use super::Front;
 use crate::registry::{EngineEntry, PendingWrite, TransferKey};
 use crate::session;
@@ -252,7 +253,7 @@ impl Front {
         self.reply(to, Some(wire::encode_prepare_store_reply(&slots, &indices)));
         if !reserved.is_empty() {
             self.next_credit_tag += 1;
-            let tag = LOAD_TAG_BIT | CREDIT_TAG_BIT | self.next_credit_tag;
+            let tag = WriterTag::credit(self.next_credit_tag);
             // Any earlier prepare's abort goes first, then the adoption.
             let tkey = self.transfer_key(iid, key);
             self.pend_write(tkey, reserved, tag);
@@ -279,7 +280,7 @@ impl Front {
 
     /// Records `keys`, staged under `tag`, as the pending write of `tkey`; an
     /// earlier prepare of it never committed is abandoned.
-    pub(super) fn pend_write(&mut self, tkey: TransferKey, keys: Vec<ObjectKey>, tag: u64) {
+    pub(super) fn pend_write(&mut self, tkey: TransferKey, keys: Vec<ObjectKey>, tag: WriterTag) {
         let pending = PendingWrite { keys, tag };
         if let Some(old) = self.registry.pending_writes.insert(tkey, pending) {
             self.post(old.keys, |keys| ShardOp::AbortWrite { keys, tag: old.tag });

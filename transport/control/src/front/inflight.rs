@@ -5,8 +5,8 @@
 
 use kvshard_dataplane::layout::Layout;
 use kvshard_dataplane::messages::{
-    ReplyTo, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome,
-    FOUND_MISS, NO_SLAB,
+    Found, ReplyTo, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome,
+    NO_SLAB,
 };
 use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::slab::Slab;
@@ -160,11 +160,11 @@ pub(super) fn fail_items(kind: &mut InflightKind, idx: &[usize]) {
     match kind {
         InflightKind::Lookup { lookup, .. } => {
             if lookup.found.is_empty() {
-                lookup.found = vec![FOUND_MISS; lookup.keys.len()];
+                lookup.found = vec![Found::Miss; lookup.keys.len()];
                 lookup.slabs = vec![NO_SLAB; lookup.keys.len()];
             }
             for i in idx {
-                lookup.found[*i] = FOUND_MISS;
+                lookup.found[*i] = Found::Miss;
                 lookup.slabs[*i] = NO_SLAB;
             }
         }
@@ -200,13 +200,13 @@ pub(super) fn fail_items(kind: &mut InflightKind, idx: &[usize]) {
 /// Folds one shard's reply into the request it belongs to.
 pub(super) fn merge(kind: &mut InflightKind, idx: &[usize], shard: usize, body: ShardReplyBody) {
     match (kind, body) {
-        (InflightKind::Lookup { lookup, .. }, ShardReplyBody::Found { codes, slabs }) => {
+        (InflightKind::Lookup { lookup, .. }, ShardReplyBody::Found { found, slabs }) => {
             let n = lookup.keys.len();
             if lookup.found.is_empty() {
-                lookup.found = vec![FOUND_MISS; n];
+                lookup.found = vec![Found::Miss; n];
                 lookup.slabs = vec![NO_SLAB; n];
             }
-            for (i, v) in idx.iter().zip(codes) {
+            for (i, v) in idx.iter().zip(found) {
                 lookup.found[*i] = v;
             }
             for (i, s) in idx.iter().zip(slabs) {

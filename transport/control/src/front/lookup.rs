@@ -7,16 +7,14 @@
 
 use std::time::{Duration, Instant};
 
-use kvshard_dataplane::messages::{
-    L2Deadline, ReplyTo, Seq, ShardMsg, ShardOp, FOUND_L1, FOUND_L2, FOUND_MISS, NO_SLAB,
-};
+use kvshard_dataplane::messages::{Found, L2Deadline, ReplyTo, Seq, ShardMsg, ShardOp, NO_SLAB};
 use kvshard_engine::keys::{self, Name, ObjectKey};
+use kvshard_engine::l1::WriterTag;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_wire::{self as wire, IpcKey};
 
 use super::inflight::{involved, InflightKind};
-use super::workers::LOAD_TAG_BIT;
 use super::{Front, MAX_OBJECTS_PER_REQUEST};
 use crate::lookup_leases::{clamped, Grant, LeaseBook};
 use crate::lookup_log::{LookupRecord, SendOutcome, WRITER_QUEUE_RECORDS};
@@ -30,8 +28,8 @@ pub(super) struct PendingLoad {
     pub(super) job_seq: Seq,
     /// The prefix's keys, chunk-major.
     pub(super) keys: Vec<ObjectKey>,
-    /// Per key: `shard_l2::FOUND_*`.
-    pub(super) found: Vec<u8>,
+    /// Per key: where the shards found it.
+    pub(super) found: Vec<Found>,
     /// Per key: its slab's offset if an L1 hit, else `NO_SLAB`.
     pub(super) slabs: Vec<u64>,
     pub(super) num_ranks: usize,
@@ -362,7 +360,7 @@ impl Front {
         mut p: PendingLoad,
     ) -> Option<(Vec<Waiter>, i64)> {
         let nr = p.num_ranks;
-        let prefix = chunk_prefix(&p.found, nr, |f| *f != FOUND_MISS);
+        let prefix = chunk_prefix(&p.found, nr, |f| *f != Found::Miss);
         let current = self.is_current(&p.request_id, seq);
         // Locks beyond the prefix are not needed; a superseded lookup keeps none.
         let keep = if current { prefix * nr } else { 0 };
@@ -373,7 +371,7 @@ impl Front {
         p.keys.truncate(keep);
         p.found.truncate(keep);
         p.slabs.truncate(keep);
-        if p.found.iter().all(|f| *f == FOUND_L1) {
+        if p.found.iter().all(|f| *f == Found::L1) {
             grant_lease(&mut self.leases, &p, keep);
             return self.conclude_lookup(&p.request_id, prefix, nr, 0);
         }
@@ -429,17 +427,17 @@ impl Front {
             return;
         };
         let nr = p.num_ranks;
-        let prefix = chunk_prefix(&p.found, nr, |f| *f == FOUND_L1);
+        let prefix = chunk_prefix(&p.found, nr, |f| *f == Found::L1);
         let keep = prefix * nr;
         grant_lease(&mut self.leases, p, keep);
         let beyond: Vec<ObjectKey> = (keep..p.keys.len())
-            .filter(|&i| p.found[i] == FOUND_L1)
+            .filter(|&i| p.found[i] == Found::L1)
             .map(|i| p.keys[i])
             .collect();
         // Handed to the lease or released here: whatever ends the load
         // later no longer sees these locks.
-        for f in p.found.iter_mut().filter(|f| **f == FOUND_L1) {
-            *f = FOUND_MISS;
+        for f in p.found.iter_mut().filter(|f| **f == Found::L1) {
+            *f = Found::Miss;
         }
         let (rid, readers) = (p.request_id.clone(), p.readers);
         self.post(beyond, |keys| ShardOp::Release {
@@ -464,15 +462,15 @@ impl Front {
 
     /// Releases what a lookup holds on `keys`: `readers` L1 read locks on L1
     /// hits, one L2 lock on L2 hits.
-    pub(super) fn release_found(&mut self, keys: &[ObjectKey], found: &[u8], readers: u32) {
+    pub(super) fn release_found(&mut self, keys: &[ObjectKey], found: &[Found], readers: u32) {
         let mut l1 = Vec::new();
-        let mut l2: Vec<Vec<(ObjectKey, u8)>> = vec![Vec::new(); self.shards.len()];
+        let mut l2: Vec<Vec<(ObjectKey, Found)>> = vec![Vec::new(); self.shards.len()];
         let n = self.shards.len();
         for (k, f) in keys.iter().zip(found) {
             match *f {
-                FOUND_MISS => {}
-                FOUND_L1 => l1.push(*k),
-                code => l2[k.shard(n)].push((*k, code)),
+                Found::Miss => {}
+                Found::L1 => l1.push(*k),
+                f @ Found::L2(_) => l2[k.shard(n)].push((*k, f)),
             }
         }
         self.post(l1, |keys| ShardOp::Release {
@@ -499,10 +497,8 @@ impl Front {
             return self.next_load();
         }
         self.loads_inflight += 1;
-        let loading: Vec<usize> = (0..p.keys.len())
-            .filter(|&i| p.found[i] >= FOUND_L2)
-            .collect();
-        let lkeys: Vec<(ObjectKey, u8)> =
+        let loading: Vec<usize> = (0..p.keys.len()).filter(|&i| p.found[i].is_l2()).collect();
+        let lkeys: Vec<(ObjectKey, Found)> =
             loading.iter().map(|&i| (p.keys[i], p.found[i])).collect();
         let n = self.shards.len();
         let mut parts = vec![Vec::new(); n];
@@ -510,7 +506,7 @@ impl Front {
             parts[k.shard(n)].push(j);
         }
         self.next_load_tag += 1;
-        let tag = LOAD_TAG_BIT | self.next_load_tag;
+        let tag = WriterTag::load(self.next_load_tag);
         let (size, readers) = (p.size, p.readers);
         let deadline = self.l2_deadline(p.sent_at);
         let kind = InflightKind::Load {
@@ -552,7 +548,7 @@ impl Front {
         self.loads_inflight -= 1;
         let nr = p.num_ranks;
         // Per key: readable in L1 now (holding `readers` locks), and where.
-        let mut ok: Vec<bool> = p.found.iter().map(|f| *f == FOUND_L1).collect();
+        let mut ok: Vec<bool> = p.found.iter().map(|f| *f == Found::L1).collect();
         for ((&i, &l), &at) in loading.iter().zip(loaded).zip(slabs) {
             ok[i] = l;
             p.slabs[i] = if l { at } else { NO_SLAB };
@@ -582,7 +578,7 @@ impl Front {
             return None;
         }
         let l2_chunks = (0..prefix)
-            .filter(|c| p.found[c * nr..(c + 1) * nr].iter().any(|f| *f >= FOUND_L2))
+            .filter(|c| p.found[c * nr..(c + 1) * nr].iter().any(|f| f.is_l2()))
             .count();
         grant_lease(&mut self.leases, &p, keep);
         self.conclude_lookup(&p.request_id, prefix, nr, l2_chunks)

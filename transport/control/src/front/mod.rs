@@ -149,7 +149,7 @@ pub struct Front {
     /// Per shard and object size: write credits lent by the shard, handed to
     /// engine_driven writers without asking it (`--write-credits`).
     credits: Vec<HashMap<u64, CreditPool>>,
-    /// The `n` of the next credit writer tag ([`CREDIT_TAG_BIT`]).
+    /// The `n` of the next credit writer tag (`WriterTag::credit`).
     next_credit_tag: u64,
     /// `/cache/checksums` threads running.
     checksum_threads: Arc<AtomicUsize>,

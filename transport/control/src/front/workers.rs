@@ -7,39 +7,26 @@ use std::time::Instant;
 
 use kvshard_dataplane::messages::ShardOp;
 use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::l1::WriterTag;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 
 use super::Front;
 use crate::registry::{LmcTransfer, PendingWrite};
 
-/// Writer tags of L2 loads (staged objects of a prefetch): `LOAD_TAG_BIT | n`.
-/// Worker instance ids are writer tags too (`iid as u64`), so the ids whose
-/// tags would have this bit set, the negative ones, are refused at
-/// registration ([`writer_tag`] checks it at every use). vLLM's ids are
-/// `uuid4 & (2^63 - 1)`: never negative, and any value below 2^63.
-pub(super) const LOAD_TAG_BIT: u64 = 1 << 63;
-
-/// Writer tags of prepare_stores served from write credits:
-/// `LOAD_TAG_BIT | CREDIT_TAG_BIT | n`, one per prepare (the loads' `n`
-/// never reaches this bit).
-pub(super) const CREDIT_TAG_BIT: u64 = 1 << 62;
-
 /// The writer tag of worker instance `iid`'s reservations. Registration
-/// refuses the ids whose tags would fall in the L2 loads' space.
-pub(super) fn writer_tag(iid: i64) -> u64 {
-    let tag = iid as u64;
-    assert!(
-        tag & LOAD_TAG_BIT == 0,
-        "instance id {iid} is in the internal writer-tag space; registration refuses it"
-    );
-    tag
+/// refuses the ids that have none ([`reserved_instance_id`]), so every
+/// registered instance has one.
+pub(super) fn writer_tag(iid: i64) -> WriterTag {
+    WriterTag::worker(iid).unwrap_or_else(|| {
+        panic!("instance id {iid} is in the internal writer-tag space; registration refuses it")
+    })
 }
 
-/// Why an instance id cannot be registered, if it cannot: its writer tag
-/// would collide with the L2 loads' (see [`LOAD_TAG_BIT`]).
+/// Why an instance id cannot be registered, if it cannot: it has no writer
+/// tag of its own ([`WriterTag::worker`]).
 pub(super) fn reserved_instance_id(iid: i64) -> Option<String> {
-    ((iid as u64) & LOAD_TAG_BIT != 0).then(|| {
+    WriterTag::worker(iid).is_none().then(|| {
         format!(
             "instance id {iid} is negative: kvshard reserves those writer tags for its L2 loads \
              (lmcache's instance ids are never negative)"

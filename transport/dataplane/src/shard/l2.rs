@@ -32,7 +32,7 @@ use kvshard_engine::l2::tier::L2Tier;
 use kvshard_engine::l2::{kv_rank_world_size, L2Adapter, ObjectBytes, StoreResult};
 use kvshard_gds::slab::AlignedBuf;
 
-use crate::messages::{L2CtlStats, L2Deadline, TierReport, FOUND_L2, FOUND_MISS, NO_SLAB};
+use crate::messages::{Found, L2CtlStats, L2Deadline, TierReport, NO_SLAB};
 use crate::shard::State;
 use kvshard_messages::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
 
@@ -425,8 +425,8 @@ pub async fn lookup(
     keys: &[ObjectKey],
     size: u64,
     deadline: Option<L2Deadline>,
-) -> Vec<u8> {
-    let mut found = vec![FOUND_MISS; keys.len()];
+) -> Vec<Found> {
+    let mut found = vec![Found::Miss; keys.len()];
     l2.bump(|s| {
         s.prefetch_lookup_requests += 1;
         s.prefetch_lookup_objects += keys.len() as u64;
@@ -455,7 +455,7 @@ pub async fn lookup(
         let mut still = Vec::new();
         for ((&i, key), r) in pending.iter().zip(ask).zip(res) {
             match r {
-                Some(s) if s == size => found[i] = FOUND_L2 + t as u8,
+                Some(s) if s == size => found[i] = Found::L2(t as u8),
                 Some(s) => {
                     kvshard_io::log_limited!(
                         log::Level::Warn,
@@ -522,17 +522,23 @@ async fn lookup_within(
 pub(crate) async fn load_by(
     state: &State,
     l2: &L2Shard,
-    keys: Vec<(ObjectKey, u8)>,
+    keys: Vec<(ObjectKey, Found)>,
     size: u64,
     readers: u32,
-    tag: u64,
+    tag: WriterTag,
     deadline: Option<L2Deadline>,
 ) -> (Vec<bool>, Vec<u64>) {
     let Some(d) = deadline else {
         return load(state, l2, keys, size, readers, tag).await;
     };
     let tiers: Vec<u8> = {
-        let mut t: Vec<u8> = keys.iter().map(|(_, c)| c - FOUND_L2).collect();
+        let mut t: Vec<u8> = keys
+            .iter()
+            .filter_map(|(_, f)| match f {
+                Found::L2(t) => Some(*t),
+                _ => None,
+            })
+            .collect();
         t.sort_unstable();
         t.dedup();
         t
@@ -566,12 +572,12 @@ pub(crate) async fn load_by(
     }
 }
 
-/// Releases L2 lookup locks: `(key, found code)` pairs with codes >= FOUND_L2.
-pub fn unlock(l2: &L2Shard, keys: &[(ObjectKey, u8)]) {
+/// Releases L2 lookup locks: keys found in an L2 tier.
+pub fn unlock(l2: &L2Shard, keys: &[(ObjectKey, Found)]) {
     for (t, tier) in l2.tiers.iter().enumerate() {
         let mine: Vec<ObjectKey> = keys
             .iter()
-            .filter(|(_, f)| *f == FOUND_L2 + t as u8)
+            .filter(|(_, f)| *f == Found::L2(t as u8))
             .map(|(k, _)| *k)
             .collect();
         tier.unlock(&mine);
@@ -585,13 +591,12 @@ pub fn unlock(l2: &L2Shard, keys: &[(ObjectKey, u8)]) {
 pub(crate) async fn load(
     state: &State,
     l2: &L2Shard,
-    keys: Vec<(ObjectKey, u8)>,
+    keys: Vec<(ObjectKey, Found)>,
     size: u64,
     readers: u32,
-    tag: u64,
+    tag: WriterTag,
 ) -> (Vec<bool>, Vec<u64>) {
     let now = Instant::now();
-    let tag = WriterTag(tag);
     let temporary = l2.prefetch_policy == L2PrefetchPolicy::Default;
     let plain: Vec<ObjectKey> = keys.iter().map(|(k, _)| *k).collect();
     l2.bump(|s| {
@@ -636,7 +641,7 @@ pub(crate) async fn load(
             {
                 let st = state.borrow();
                 for (i, ((key, code), slab)) in keys.iter().zip(&slabs).enumerate() {
-                    if *code != FOUND_L2 + t as u8 {
+                    if *code != Found::L2(t as u8) {
                         continue;
                     }
                     match slab {

@@ -23,8 +23,8 @@ use kvshard_io::prefault::PrefaultHandle;
 use crate::cpu_shm::CpuShmRegistration;
 use crate::l1_slab::SlabL1;
 use crate::messages::{
-    FrontEvent, L2CtlStats, RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody,
-    ShardReport, StoreOutcome, FOUND_L1, FOUND_MISS, NO_SLAB,
+    Found, FrontEvent, L2CtlStats, RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply,
+    ShardReplyBody, ShardReport, StoreOutcome, NO_SLAB,
 };
 use kvshard_messages::config::L2Settings;
 
@@ -181,8 +181,8 @@ impl ShardState {
         let now = Instant::now();
         match op {
             ShardOp::Lookup { keys, readers, .. } => {
-                let (codes, slabs) = self.lookup_l1(&keys, readers, now);
-                ShardReplyBody::Found { codes, slabs }
+                let (found, slabs) = self.lookup_l1(&keys, readers, now);
+                ShardReplyBody::Found { found, slabs }
             }
             ShardOp::Load { .. } | ShardOp::UnlockL2 { .. } => {
                 unreachable!("L2 ops are dispatched by run_shard")
@@ -197,9 +197,7 @@ impl ShardState {
             }
             ShardOp::ReserveWrite { keys, size, tag } => {
                 self.maybe_grow(size * keys.len() as u64, None);
-                let res = self
-                    .l1
-                    .reserve_write(&keys, size, WriterTag(tag), false, now);
+                let res = self.l1.reserve_write(&keys, size, tag, false, now);
                 self.note_store_oom(count_oom(&res), keys.len());
                 ShardReplyBody::Slabs(res.into_iter().map(|r| r.ok()).collect())
             }
@@ -213,7 +211,7 @@ impl ShardState {
                 ShardReplyBody::Done
             }
             ShardOp::AdoptWrite { writes, size, tag } => {
-                let res = self.l1.adopt_write(&writes, size, WriterTag(tag), now);
+                let res = self.l1.adopt_write(&writes, size, tag, now);
                 let refused = res.iter().filter(|r| r.is_err()).count();
                 if refused > 0 {
                     // Only a front that lost track of its credits gets here;
@@ -227,12 +225,12 @@ impl ShardState {
                 ShardReplyBody::Done
             }
             ShardOp::FinishWrite { keys, tag } => {
-                let res = self.l1.finish_write(&keys, WriterTag(tag), now);
+                let res = self.l1.finish_write(&keys, tag, now);
                 self.note_admitted(keys, &res);
                 ShardReplyBody::Done
             }
             ShardOp::AbortWrite { keys, tag } => {
-                self.l1.abort_write(&keys, WriterTag(tag));
+                self.l1.abort_write(&keys, tag);
                 ShardReplyBody::Done
             }
             ShardOp::ReadLocked { keys, take } => ShardReplyBody::Slabs(
@@ -279,12 +277,17 @@ impl ShardState {
     }
 
     /// L1 part of a lookup: read-lock and touch the hits. Returns per key its
-    /// `FOUND_*` code and its slab's offset ([`NO_SLAB`] for a miss).
-    fn lookup_l1(&mut self, keys: &[ObjectKey], readers: u32, now: Instant) -> (Vec<u8>, Vec<u64>) {
+    /// place ([`Found`]) and its slab's offset ([`NO_SLAB`] for a miss).
+    fn lookup_l1(
+        &mut self,
+        keys: &[ObjectKey],
+        readers: u32,
+        now: Instant,
+    ) -> (Vec<Found>, Vec<u64>) {
         let res = self.l1.reserve_read(keys, readers, now);
-        let found: Vec<u8> = res
+        let found: Vec<Found> = res
             .iter()
-            .map(|r| if r.is_ok() { FOUND_L1 } else { FOUND_MISS })
+            .map(|r| if r.is_ok() { Found::L1 } else { Found::Miss })
             .collect();
         let slabs: Vec<u64> = res
             .iter()
@@ -293,7 +296,7 @@ impl ShardState {
         let hit_keys: Vec<ObjectKey> = keys
             .iter()
             .zip(&found)
-            .filter(|(_, f)| **f == FOUND_L1)
+            .filter(|(_, f)| **f == Found::L1)
             .map(|(k, _)| *k)
             .collect();
         if !hit_keys.is_empty() {
@@ -475,9 +478,8 @@ async fn store_in_memory(
     reg: &CpuShmRegistration,
     items: Vec<(ObjectKey, Vec<i64>)>,
     size: u64,
-    tag: u64,
+    tag: WriterTag,
 ) -> Vec<StoreOutcome> {
-    let tag = WriterTag(tag);
     let (mut out, staged) = state
         .borrow_mut()
         .reserve_store(items, size, tag, Instant::now());
@@ -559,9 +561,8 @@ async fn store_to_slab(
     reg: &CpuShmRegistration,
     items: Vec<(ObjectKey, Vec<i64>)>,
     size: u64,
-    tag: u64,
+    tag: WriterTag,
 ) -> Vec<StoreOutcome> {
-    let tag = WriterTag(tag);
     let (mut out, staged) = state
         .borrow_mut()
         .reserve_store(items, size, tag, Instant::now());
@@ -772,20 +773,14 @@ pub async fn run_shard(
                 deadline,
             } => {
                 let (found, slabs) = state.borrow_mut().lookup_l1(&keys, readers, Instant::now());
-                if !l2.is_enabled() || found.iter().all(|f| *f == FOUND_L1) {
-                    to.send(
-                        &replies,
-                        ShardReplyBody::Found {
-                            codes: found,
-                            slabs,
-                        },
-                    );
+                if !l2.is_enabled() || found.iter().all(|f| *f == Found::L1) {
+                    to.send(&replies, ShardReplyBody::Found { found, slabs });
                     continue;
                 }
                 let (l2, replies) = (l2.clone(), replies.clone());
                 glommio::spawn_local(async move {
                     let misses: Vec<usize> = (0..keys.len())
-                        .filter(|&i| found[i] == FOUND_MISS)
+                        .filter(|&i| found[i] == Found::Miss)
                         .collect();
                     let ask: Vec<ObjectKey> = misses.iter().map(|&i| keys[i]).collect();
                     let codes = l2::lookup(&l2, &ask, size, deadline).await;
@@ -793,13 +788,7 @@ pub async fn run_shard(
                     for (i, c) in misses.into_iter().zip(codes) {
                         found[i] = c;
                     }
-                    to.send(
-                        &replies,
-                        ShardReplyBody::Found {
-                            codes: found,
-                            slabs,
-                        },
-                    );
+                    to.send(&replies, ShardReplyBody::Found { found, slabs });
                 })
                 .detach();
             }
