@@ -312,6 +312,18 @@ pub fn encode_op(op: Op) -> Vec<u8> {
 // Message types
 // ---------------------------------------------------------------------------
 
+/// A worker instance's id as its client sends it (vLLM's are
+/// `uuid4 & (2^63 - 1)`; nothing stops another client from sending any
+/// integer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InstanceId(pub i64);
+
+impl std::fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// `IPCCacheServerKey`: the full token sequence of a request and the chunk-aligned
 /// range `[start, end)` an operation is about.
 #[derive(Debug, Clone, PartialEq)]
@@ -370,7 +382,7 @@ impl IpcKey {
 /// `RegisterEngineDrivenContextPayload` (a msgspec Struct).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineDrivenPayload {
-    pub instance_id: i64,
+    pub instance_id: InstanceId,
     pub model_name: String,
     pub world_size: i64,
     pub block_size: i64,
@@ -387,7 +399,7 @@ impl EngineDrivenPayload {
     pub fn write(&self, w: &mut Writer) {
         w.write_map_len(9);
         w.write_str("instance_id");
-        w.write_int(self.instance_id);
+        w.write_int(self.instance_id.0);
         w.write_str("model_name");
         w.write_str(&self.model_name);
         w.write_str("world_size");
@@ -590,7 +602,7 @@ pub const ENGINE_TYPES: [&str; 5] = ["vllm", "atom", "sglang", "trtllm", "mock"]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Request {
     RegisterKvCache {
-        instance_id: i64,
+        instance_id: InstanceId,
         kv_cache: Vec<IpcData>,
         model_name: String,
         world_size: i64,
@@ -601,18 +613,18 @@ pub enum Request {
         engine_group_infos: Vec<EngineGroupInfo>,
     },
     UnregisterKvCache {
-        instance_id: i64,
+        instance_id: InstanceId,
     },
     Store {
         key: IpcKey,
-        instance_id: i64,
+        instance_id: InstanceId,
         /// Per LMCache KV group.
         block_ids: Vec<Vec<i64>>,
         event_ipc_handle: Vec<u8>,
     },
     Retrieve {
         key: IpcKey,
-        instance_id: i64,
+        instance_id: InstanceId,
         block_ids: Vec<Vec<i64>>,
         event_ipc_handle: Vec<u8>,
         skip_first_n_tokens: i64,
@@ -638,15 +650,15 @@ pub enum Request {
     },
     RegisterEngineDriven(EngineDrivenPayload),
     UnregisterEngineDriven {
-        instance_id: i64,
+        instance_id: InstanceId,
     },
     PrepareStore {
         key: IpcKey,
-        instance_id: i64,
+        instance_id: InstanceId,
     },
     CommitStore {
         key: IpcKey,
-        instance_id: i64,
+        instance_id: InstanceId,
         /// Bytes of the `data` frame's payload: 0 in SHM mode; a pickle of the
         /// chunks in the pickle fallback, which kvshard refuses (so the bytes
         /// themselves are never copied out of the frame).
@@ -654,21 +666,21 @@ pub enum Request {
     },
     PrepareRetrieve {
         key: IpcKey,
-        instance_id: i64,
+        instance_id: InstanceId,
     },
     CommitRetrieve {
         key: IpcKey,
-        instance_id: i64,
+        instance_id: InstanceId,
     },
     Clear {
         force: bool,
     },
     GetChunkSize,
     Ping {
-        instance_id: Option<i64>,
+        instance_id: Option<InstanceId>,
     },
     ReportBlockAllocation {
-        instance_id: i64,
+        instance_id: InstanceId,
         model_name: String,
         records: Vec<BlockAllocationRecord>,
     },
@@ -856,7 +868,7 @@ fn decode_with(
     };
     let req = match op {
         Op::RegisterKvCache => {
-            let instance_id = p.take(read_int)?;
+            let instance_id = InstanceId(p.take(read_int)?);
             let kv_cache = p.take(read_ipc_list)?;
             let model_name = p.take(read_string)?;
             let world_size = p.take(read_int)?;
@@ -874,11 +886,11 @@ fn decode_with(
             }
         }
         Op::UnregisterKvCache => Request::UnregisterKvCache {
-            instance_id: p.take(read_int)?,
+            instance_id: InstanceId(p.take(read_int)?),
         },
         Op::Store => {
             let key = p.key()?;
-            let instance_id = p.take(read_int)?;
+            let instance_id = InstanceId(p.take(read_int)?);
             let block_ids = p.take(read_block_ids)?;
             let event_ipc_handle = p.take(read_bytes)?;
             Request::Store {
@@ -890,7 +902,7 @@ fn decode_with(
         }
         Op::Retrieve => {
             let key = p.key()?;
-            let instance_id = p.take(read_int)?;
+            let instance_id = InstanceId(p.take(read_int)?);
             let block_ids = p.take(read_block_ids)?;
             let event_ipc_handle = p.take(read_bytes)?;
             let skip_first_n_tokens = p.take(read_int)?;
@@ -933,18 +945,18 @@ fn decode_with(
             Request::RegisterEngineDriven(p.take(read_engine_driven)?)
         }
         Op::UnregisterKvCacheEngineDrivenContext => Request::UnregisterEngineDriven {
-            instance_id: p.take(read_int)?,
+            instance_id: InstanceId(p.take(read_int)?),
         },
         Op::PrepareStore => {
             let key = p.key()?;
             Request::PrepareStore {
                 key,
-                instance_id: p.take(read_int)?,
+                instance_id: InstanceId(p.take(read_int)?),
             }
         }
         Op::CommitStore => {
             let key = p.key()?;
-            let instance_id = p.take(read_int)?;
+            let instance_id = InstanceId(p.take(read_int)?);
             Request::CommitStore {
                 key,
                 instance_id,
@@ -955,14 +967,14 @@ fn decode_with(
             let key = p.key()?;
             Request::PrepareRetrieve {
                 key,
-                instance_id: p.take(read_int)?,
+                instance_id: InstanceId(p.take(read_int)?),
             }
         }
         Op::CommitRetrieve => {
             let key = p.key()?;
             Request::CommitRetrieve {
                 key,
-                instance_id: p.take(read_int)?,
+                instance_id: InstanceId(p.take(read_int)?),
             }
         }
         Op::Clear => Request::Clear {
@@ -970,10 +982,10 @@ fn decode_with(
         },
         Op::GetChunkSize => Request::GetChunkSize,
         Op::Ping => Request::Ping {
-            instance_id: p.take(|r| read_opt(r, read_int))?,
+            instance_id: p.take(|r| read_opt(r, read_int))?.map(InstanceId),
         },
         Op::ReportBlockAllocation => {
-            let instance_id = p.take(read_int)?;
+            let instance_id = InstanceId(p.take(read_int)?);
             let model_name = p.take(read_string)?;
             let records = p.take(|r| read_list(r, read_block_allocation_record))?;
             Request::ReportBlockAllocation {
@@ -1209,7 +1221,7 @@ fn read_engine_driven(r: &mut Reader<'_>) -> Result<EngineDrivenPayload, DecodeE
     let mut num_physical_slots = None;
     let offset = read_object(r, false, |name, r| {
         match name {
-            "instance_id" => instance_id = Some(r.read_int()?),
+            "instance_id" => instance_id = Some(InstanceId(r.read_int()?)),
             "model_name" => model_name = Some(read_string(r)?),
             "world_size" => world_size = Some(r.read_int()?),
             "block_size" => block_size = Some(r.read_int()?),
@@ -2014,7 +2026,7 @@ mod tests {
         assert_eq!(
             p,
             EngineDrivenPayload {
-                instance_id: 1000,
+                instance_id: InstanceId(1000),
                 model_name: "test-model".into(),
                 world_size: 1,
                 block_size: 16,
@@ -2078,7 +2090,7 @@ mod tests {
                     world_size,
                     engine_type.as_str()
                 ),
-                (123456789, "Qwen/Qwen3-8B", 1, "vllm"),
+                (InstanceId(123456789), "Qwen/Qwen3-8B", 1, "vllm"),
                 "{name}"
             );
             assert_eq!(engine_group_infos.len(), 1);
@@ -2141,7 +2153,7 @@ mod tests {
         };
         assert_eq!((key.start, key.end, key.token_ids.len()), (0, 512, 512));
         assert_eq!(key.worker_id, Some(0));
-        assert_eq!(instance_id, 123456789);
+        assert_eq!(instance_id, InstanceId(123456789));
         assert_eq!(block_ids, vec![blocks.clone()]);
         assert_eq!(event_ipc_handle, event);
         let (op, frames) = golden_frames(&g, "retrieve");
@@ -2583,13 +2595,13 @@ mod tests {
         assert_eq!(
             decode(Op::Ping, std::slice::from_ref(&big)),
             Ok(Request::Ping {
-                instance_id: Some(i64::MAX)
+                instance_id: Some(InstanceId(i64::MAX))
             })
         );
         assert_eq!(
             decode(Op::UnregisterKvCache, &[big]),
             Ok(Request::UnregisterKvCache {
-                instance_id: i64::MAX
+                instance_id: InstanceId(i64::MAX)
             })
         );
         let (_, root) = field_err(decode(Op::Ping, &[unhex("cf8000000000000000")]).unwrap_err());
@@ -2631,7 +2643,7 @@ mod tests {
         else {
             panic!()
         };
-        assert_eq!((instance_id, skip_first_n_tokens), (1000, 16));
+        assert_eq!((instance_id, skip_first_n_tokens), (InstanceId(1000), 16));
         assert_eq!(b, vec![vec![1, 2, 0], vec![7]]);
         assert_eq!(event_ipc_handle, b"stub_ipc_handle");
         let (path, _) = field_err(
@@ -2736,7 +2748,7 @@ mod tests {
         assert_eq!(
             req,
             Request::ReportBlockAllocation {
-                instance_id: 7,
+                instance_id: InstanceId(7),
                 model_name: "m".into(),
                 records: vec![BlockAllocationRecord {
                     req_id: "r1".into(),
@@ -2852,7 +2864,7 @@ mod tests {
                 world_size,
                 engine_type.as_str()
             ),
-            (1000, "test-model", 1, "vllm")
+            (InstanceId(1000), "test-model", 1, "vllm")
         );
         assert_eq!(layout_hints.get("kv_layout"), Some(&s("NHD")));
         assert_eq!(

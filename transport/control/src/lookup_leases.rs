@@ -28,6 +28,7 @@
 //! answers that worker's `prepare_retrieve` from the lease without asking the
 //! shards ([`LeaseBook::readable`]).
 
+use kvshard_wire::InstanceId;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
@@ -55,7 +56,7 @@ struct Lease {
     /// Per object: the offset of its slab, or `NO_SLAB` if no shard said.
     slabs: Vec<u64>,
     /// Instances that released locks of this lease (they are done with it).
-    consumers: Vec<i64>,
+    consumers: Vec<InstanceId>,
     /// When the shard's locks may start expiring: forget the lease then.
     expires: Instant,
     /// Its key in `LeaseBook::by_expiry`, with `expires`.
@@ -259,7 +260,7 @@ impl LeaseBook {
         rid: &str,
         keys: impl IntoIterator<Item = (usize, &'k ObjectKey)>,
         count: u32,
-        by: Option<i64>,
+        by: Option<InstanceId>,
     ) -> Vec<(ObjectKey, u32)> {
         let Some(lease) = self.leases.get_mut(rid) else {
             return Vec::new();
@@ -298,7 +299,7 @@ impl LeaseBook {
         &mut self,
         model: &str,
         world_size: u32,
-        readers: impl Fn(u32, &[i64]) -> u32,
+        readers: impl Fn(u32, &[InstanceId]) -> u32,
     ) -> Vec<(ObjectKey, u32)> {
         let mut out = Vec::new();
         let mut emptied = Vec::new();
@@ -402,7 +403,7 @@ mod tests {
         // TP 2: one lock per object, rank 0 read by worker 10, rank 1 by worker 11.
         grant(&mut b, "r", &[0, 1], 3, 1, t);
         // Worker 10 retrieves its rank.
-        b.released("r", chunks(0, 1, &keys(3, &[0])), 1, Some(10));
+        b.released("r", chunks(0, 1, &keys(3, &[0])), 1, Some(InstanceId(10)));
         // Worker 11 dies: nobody else may read rank 1; rank 0 is done.
         let out = b.orphaned("m", 2, |_, _| 0);
         assert_eq!(out, (0..3).map(|c| (key(c, 1), 1)).collect::<Vec<_>>());
@@ -415,16 +416,16 @@ mod tests {
         let mut b = book();
         // MLA over TP 3: every worker reads rank 0, three locks per object.
         grant(&mut b, "r", &[0], 2, 3, t);
-        b.released("r", chunks(0, 1, &keys(2, &[0])), 1, Some(1));
+        b.released("r", chunks(0, 1, &keys(2, &[0])), 1, Some(InstanceId(1)));
         // Worker 2 died; worker 3 is alive and has not read yet; worker 1 is done.
         let out = b.orphaned("m", 1, |rank, consumers| {
             assert_eq!(rank, 0);
-            assert_eq!(consumers, &[1]);
+            assert_eq!(consumers, &[InstanceId(1)]);
             1
         });
         assert_eq!(out, vec![(key(0, 0), 1), (key(1, 0), 1)]);
         // Worker 3 reads later: its lock is still there and the lease empties.
-        b.released("r", chunks(0, 1, &keys(2, &[0])), 1, Some(3));
+        b.released("r", chunks(0, 1, &keys(2, &[0])), 1, Some(InstanceId(3)));
         assert!(b.is_empty());
     }
 
@@ -444,9 +445,9 @@ mod tests {
         let mut b = book();
         grant(&mut b, "r", &[0], 2, 1, t);
         // Same request, other tokens: not what the lookup locked.
-        b.released("r", [(0, &key(9, 0))], 1, Some(1));
+        b.released("r", [(0, &key(9, 0))], 1, Some(InstanceId(1)));
         // Past the held prefix.
-        b.released("r", [(2, &key(2, 0))], 1, Some(1));
+        b.released("r", [(2, &key(2, 0))], 1, Some(InstanceId(1)));
         // Instance 1 read none of the lease's objects: it still counts as a reader.
         let out = b.orphaned("m", 1, |_, done| {
             assert!(done.is_empty(), "{done:?}");
@@ -546,7 +547,7 @@ mod tests {
         );
         assert!(b.readable("r", 0, &rank(0, 0, 1), t + 49 * s).is_some());
         // Worker 7 passes its lock on rank 0 to its transfer: none is left.
-        b.released("r", chunks(0, 1, &rank(0, 0, 3)), 1, Some(7));
+        b.released("r", chunks(0, 1, &rank(0, 0, 3)), 1, Some(InstanceId(7)));
         assert_eq!(b.readable("r", 0, &rank(0, 0, 1), t), None, "released");
         assert_eq!(b.readable("r", 0, &rank(1, 0, 2), t), Some(vec![11, 21]));
         // A second lookup that loaded chunk 0 rank 1 keeps its known place.
@@ -557,7 +558,7 @@ mod tests {
         assert_eq!(b.readable("r", 0, &rank(0, 0, 1), t), Some(vec![10]));
         // Chunk 0 rank 0 was released by every reader before a lookup that
         // loaded it again: the old place is not taken for it.
-        b.released("r", chunks(0, 1, &rank(0, 0, 3)), 1, Some(7));
+        b.released("r", chunks(0, 1, &rank(0, 0, 3)), 1, Some(InstanceId(7)));
         let mut third = slabs;
         third[0] = NO_SLAB;
         lookup(&mut b, &third);

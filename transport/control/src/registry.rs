@@ -2,6 +2,7 @@
 //! mappings), their liveness, pending SHM reservations, and the object layout
 //! registered per (model, world_size).
 
+use kvshard_wire::InstanceId;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -61,14 +62,14 @@ impl Layouts {
 /// it (request_id, request_configs and num_kv_readers excluded).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TransferKey {
-    pub instance_id: i64,
+    pub instance_id: InstanceId,
     digest: [u8; 32],
 }
 
 impl TransferKey {
     /// `tokens` is the [`token_digest`](crate::session::token_digest) of
     /// `key.token_ids`, which the caller may have at hand.
-    pub fn new(instance_id: i64, key: &IpcKey, tokens: &[u8; 32]) -> Self {
+    pub fn new(instance_id: InstanceId, key: &IpcKey, tokens: &[u8; 32]) -> Self {
         let mut h = blake3::Hasher::new();
         h.update(&(key.model_name.len() as u64).to_le_bytes());
         h.update(key.model_name.as_bytes());
@@ -120,12 +121,12 @@ pub struct LmcEntry {
 
 /// A registration taken out of the registry (unregistered or reaped).
 pub enum Released {
-    Engine(i64, EngineEntry),
-    Lmc(i64, LmcEntry),
+    Engine(InstanceId, EngineEntry),
+    Lmc(InstanceId, LmcEntry),
 }
 
 impl Released {
-    pub fn identity(&self) -> (i64, String, u32) {
+    pub fn identity(&self) -> (InstanceId, String, u32) {
         match self {
             Released::Engine(i, e) => (*i, e.model_name.clone(), e.world_size),
             Released::Lmc(i, e) => (*i, e.model_name.clone(), e.world_size),
@@ -142,8 +143,8 @@ pub struct PendingWrite {
 }
 
 pub struct Registry {
-    engine: HashMap<i64, EngineEntry>,
-    lmc: HashMap<i64, LmcEntry>,
+    engine: HashMap<InstanceId, EngineEntry>,
+    lmc: HashMap<InstanceId, LmcEntry>,
     pub pending_writes: HashMap<TransferKey, PendingWrite>,
     /// Read-locked objects of each prepare_retrieve not committed yet, oldest
     /// first. One instance may retrieve the same token range for two requests
@@ -178,33 +179,33 @@ impl Registry {
         Ok(())
     }
 
-    pub fn insert_engine(&mut self, iid: i64, e: EngineEntry) -> Result<(), String> {
+    pub fn insert_engine(&mut self, iid: InstanceId, e: EngineEntry) -> Result<(), String> {
         self.room()?;
         self.engine.insert(iid, e);
         Ok(())
     }
 
-    pub fn insert_lmc(&mut self, iid: i64, e: LmcEntry) -> Result<(), String> {
+    pub fn insert_lmc(&mut self, iid: InstanceId, e: LmcEntry) -> Result<(), String> {
         self.room()?;
         self.lmc.insert(iid, e);
         Ok(())
     }
 
-    pub fn remove_engine(&mut self, iid: i64) -> Option<EngineEntry> {
+    pub fn remove_engine(&mut self, iid: InstanceId) -> Option<EngineEntry> {
         self.engine.remove(&iid)
     }
 
-    pub fn remove_lmc(&mut self, iid: i64) -> Option<LmcEntry> {
+    pub fn remove_lmc(&mut self, iid: InstanceId) -> Option<LmcEntry> {
         self.lmc.remove(&iid)
     }
 
     /// Whether `iid` holds a registration in either transfer mode.
-    pub fn is_registered(&self, iid: i64) -> bool {
+    pub fn is_registered(&self, iid: InstanceId) -> bool {
         self.engine.contains_key(&iid) || self.lmc.contains_key(&iid)
     }
 
     /// PING: refreshes liveness and marks the instance as ping-proven.
-    pub fn ping(&mut self, iid: i64, now: Instant) {
+    pub fn ping(&mut self, iid: InstanceId, now: Instant) {
         if let Some(e) = self.engine.get_mut(&iid) {
             e.last_seen = now;
             e.pinged = true;
@@ -216,7 +217,7 @@ impl Registry {
     }
 
     /// Traffic refreshes liveness without the ping latch (0.5.6 behaviour).
-    pub fn touch_traffic(&mut self, iid: i64, now: Instant) {
+    pub fn touch_traffic(&mut self, iid: InstanceId, now: Instant) {
         if let Some(e) = self.engine.get_mut(&iid) {
             e.last_seen = now;
         }
@@ -228,7 +229,7 @@ impl Registry {
     /// A repeated engine_driven registration of a known instance only refreshes
     /// its liveness (0.5.6). An lmcache_driven registration of the same id is
     /// another context: the two coexist, as in 0.5.6's two transfer modules.
-    pub fn touch_engine(&mut self, iid: i64, now: Instant) -> bool {
+    pub fn touch_engine(&mut self, iid: InstanceId, now: Instant) -> bool {
         self.engine
             .get_mut(&iid)
             .map(|e| e.last_seen = now)
@@ -236,12 +237,12 @@ impl Registry {
     }
 
     /// [`touch_engine`](Self::touch_engine) for lmcache_driven registrations.
-    pub fn touch_lmc(&mut self, iid: i64, now: Instant) -> bool {
+    pub fn touch_lmc(&mut self, iid: InstanceId, now: Instant) -> bool {
         self.lmc.get_mut(&iid).map(|e| e.last_seen = now).is_some()
     }
 
     /// Notes that instance `iid` reads and writes objects of kv rank `rank`.
-    pub fn note_rank(&mut self, iid: i64, rank: u32) {
+    pub fn note_rank(&mut self, iid: InstanceId, rank: u32) {
         let note = |ranks: &mut Vec<u32>| {
             if !ranks.contains(&rank) {
                 ranks.push(rank);
@@ -258,11 +259,11 @@ impl Registry {
     /// Live instances (either mode, each once) of `model`/`world_size` that may
     /// read objects of kv rank `rank`: those seen with that rank, and those
     /// whose rank is not known yet.
-    pub fn readers_of(&self, model: &str, world_size: u32, rank: u32) -> Vec<i64> {
+    pub fn readers_of(&self, model: &str, world_size: u32, rank: u32) -> Vec<InstanceId> {
         let may = |m: &str, ws: u32, ranks: &[u32]| {
             m == model && ws == world_size && (ranks.is_empty() || ranks.contains(&rank))
         };
-        let mut ids: Vec<i64> = self
+        let mut ids: Vec<InstanceId> = self
             .engine
             .iter()
             .filter(|(_, e)| may(&e.model_name, e.world_size, &e.kv_ranks))
@@ -287,13 +288,13 @@ impl Registry {
         sizes
     }
 
-    pub fn engine_layout(&mut self, iid: i64, now: Instant) -> Option<Layout> {
+    pub fn engine_layout(&mut self, iid: InstanceId, now: Instant) -> Option<Layout> {
         let e = self.engine.get_mut(&iid)?;
         e.last_seen = now;
         Some(e.layout.clone())
     }
 
-    pub fn lmc_reg(&mut self, iid: i64, now: Instant) -> Option<(LmcTransfer, Layout)> {
+    pub fn lmc_reg(&mut self, iid: InstanceId, now: Instant) -> Option<(LmcTransfer, Layout)> {
         let e = self.lmc.get_mut(&iid)?;
         e.last_seen = now;
         Some((e.reg.clone(), e.layout.clone()))
@@ -306,17 +307,17 @@ impl Registry {
         now: Instant,
         timeout: Duration,
         grace: Duration,
-    ) -> Vec<(i64, Released)> {
+    ) -> Vec<(InstanceId, Released)> {
         let stale = |last: Instant, pinged: bool| {
             now.duration_since(last) > if pinged { timeout } else { grace }
         };
-        let e_ids: Vec<i64> = self
+        let e_ids: Vec<InstanceId> = self
             .engine
             .iter()
             .filter(|(_, e)| stale(e.last_seen, e.pinged))
             .map(|(i, _)| *i)
             .collect();
-        let l_ids: Vec<i64> = self
+        let l_ids: Vec<InstanceId> = self
             .lmc
             .iter()
             .filter(|(_, e)| stale(e.last_seen, e.pinged))
@@ -364,7 +365,7 @@ impl Registry {
     }
 
     /// Takes every pending reservation of `iid` (writes, reads).
-    pub fn take_pending(&mut self, iid: i64) -> (Vec<PendingWrite>, Vec<Vec<ObjectKey>>) {
+    pub fn take_pending(&mut self, iid: InstanceId) -> (Vec<PendingWrite>, Vec<Vec<ObjectKey>>) {
         let of_iid = |k: &TransferKey| k.instance_id == iid;
         let wkeys: Vec<TransferKey> = self
             .pending_writes
@@ -390,7 +391,7 @@ impl Registry {
         (writes, reads)
     }
 
-    pub fn liveness(&self) -> Vec<(i64, &'static str, Instant, bool)> {
+    pub fn liveness(&self) -> Vec<(InstanceId, &'static str, Instant, bool)> {
         let mut v: Vec<_> = self
             .engine
             .iter()
@@ -404,14 +405,14 @@ impl Registry {
         v
     }
 
-    pub fn engine_ids(&self) -> Vec<i64> {
-        let mut v: Vec<i64> = self.engine.keys().copied().collect();
+    pub fn engine_ids(&self) -> Vec<InstanceId> {
+        let mut v: Vec<InstanceId> = self.engine.keys().copied().collect();
         v.sort_unstable();
         v
     }
 
-    pub fn lmc_ids(&self) -> Vec<i64> {
-        let mut v: Vec<i64> = self.lmc.keys().copied().collect();
+    pub fn lmc_ids(&self) -> Vec<InstanceId> {
+        let mut v: Vec<InstanceId> = self.lmc.keys().copied().collect();
         v.sort_unstable();
         v
     }

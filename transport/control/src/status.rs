@@ -2,6 +2,7 @@
 //! [`StatusSnapshot`] and rendered to JSON by whoever receives it (the HTTP API's
 //! thread), so that building the document costs the front nothing.
 
+use kvshard_wire::InstanceId;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -29,12 +30,12 @@ pub struct StatusSnapshot {
     pub active_prefetch_jobs: usize,
     pub inflight_loads: usize,
     pub queued_loads: usize,
-    pub lmc_ids: Vec<i64>,
+    pub lmc_ids: Vec<InstanceId>,
     pub lmc_meta: serde_json::Value,
-    pub engine_ids: Vec<i64>,
+    pub engine_ids: Vec<InstanceId>,
     pub engine_meta: serde_json::Value,
     /// Per registered worker: id, transfer mode, last seen, whether it pinged.
-    pub liveness: Vec<(i64, &'static str, Instant, bool)>,
+    pub liveness: Vec<(InstanceId, &'static str, Instant, bool)>,
     pub refused_gpu_instances: serde_json::Value,
     /// Per shard: its thread has ended.
     pub dead: Vec<bool>,
@@ -173,9 +174,9 @@ impl StatusSnapshot {
             },
             // kvshard records no KV events (subscribe_kv_events is refused).
             "kv_events": {"enabled": false},
-            "registered_gpu_ids": self.lmc_ids,
+            "registered_gpu_ids": self.lmc_ids.iter().map(|i| i.0).collect::<Vec<i64>>(),
             "cache_context_meta": self.lmc_meta,
-            "registered_non_cuda_instance_ids": self.engine_ids,
+            "registered_non_cuda_instance_ids": self.engine_ids.iter().map(|i| i.0).collect::<Vec<i64>>(),
             "non_cuda_context_meta": self.engine_meta,
             // kvshard only from here: whether every shard serves from L1
             // (what /healthcheck answers), the server, its uptime, each

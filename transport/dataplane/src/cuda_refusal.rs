@@ -10,6 +10,7 @@
 //! is missing and the way a GPU worker can use kvshard instead: engine_driven
 //! transfers over the shared L1 pool.
 
+use kvshard_wire::InstanceId;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -227,7 +228,7 @@ pub struct RefusedEntry {
 /// Refused instances, bounded; silent ones are forgotten like reaped workers.
 #[derive(Debug)]
 pub struct RefusedTable {
-    map: HashMap<i64, RefusedEntry>,
+    map: HashMap<InstanceId, RefusedEntry>,
     max: usize,
 }
 
@@ -241,7 +242,7 @@ impl RefusedTable {
 
     /// Records a refusal; false when `iid` was already refused (only its
     /// liveness is refreshed). A full table forgets its stalest entry.
-    pub fn insert(&mut self, iid: i64, e: RefusedEntry) -> bool {
+    pub fn insert(&mut self, iid: InstanceId, e: RefusedEntry) -> bool {
         if let Some(old) = self.map.get_mut(&iid) {
             old.last_seen = e.last_seen;
             return false;
@@ -260,12 +261,12 @@ impl RefusedTable {
         true
     }
 
-    pub fn contains(&self, iid: i64) -> bool {
+    pub fn contains(&self, iid: InstanceId) -> bool {
         self.map.contains_key(&iid)
     }
 
     /// Refreshes a refused instance's liveness; true if it is refused.
-    pub fn touch(&mut self, iid: i64, now: Instant) -> bool {
+    pub fn touch(&mut self, iid: InstanceId, now: Instant) -> bool {
         match self.map.get_mut(&iid) {
             Some(e) => {
                 e.last_seen = now;
@@ -275,7 +276,7 @@ impl RefusedTable {
         }
     }
 
-    pub fn remove(&mut self, iid: i64) -> Option<RefusedEntry> {
+    pub fn remove(&mut self, iid: InstanceId) -> Option<RefusedEntry> {
         self.map.remove(&iid)
     }
 
@@ -297,13 +298,13 @@ impl RefusedTable {
 
     /// `/status`'s view, ordered by instance id.
     pub fn to_json(&self, now: Instant) -> serde_json::Value {
-        let mut ids: Vec<&i64> = self.map.keys().collect();
+        let mut ids: Vec<&InstanceId> = self.map.keys().collect();
         ids.sort_unstable();
         ids.into_iter()
             .map(|i| {
                 let e = &self.map[i];
                 serde_json::json!({
-                    "instance_id": i,
+                    "instance_id": i.0,
                     "model_name": e.model_name,
                     "world_size": e.world_size,
                     "descriptor": e.descriptor,
@@ -484,23 +485,23 @@ mod tests {
             last_seen: at,
         };
         let mut t = RefusedTable::new(2);
-        assert!(t.insert(1, entry(t0)));
-        assert!(!t.insert(1, entry(t0 + Duration::from_secs(1))));
-        assert!(t.insert(2, entry(t0 + Duration::from_secs(2))));
+        assert!(t.insert(InstanceId(1), entry(t0)));
+        assert!(!t.insert(InstanceId(1), entry(t0 + Duration::from_secs(1))));
+        assert!(t.insert(InstanceId(2), entry(t0 + Duration::from_secs(2))));
         // Full: the stalest (1, seen at +1 s) goes.
-        assert!(t.insert(3, entry(t0 + Duration::from_secs(3))));
-        assert!(!t.contains(1) && t.contains(2) && t.contains(3));
-        assert!(t.touch(2, t0 + Duration::from_secs(10)));
-        assert!(!t.touch(7, t0));
+        assert!(t.insert(InstanceId(3), entry(t0 + Duration::from_secs(3))));
+        assert!(!t.contains(InstanceId(1)) && t.contains(InstanceId(2)) && t.contains(InstanceId(3)));
+        assert!(t.touch(InstanceId(2), t0 + Duration::from_secs(10)));
+        assert!(!t.touch(InstanceId(7), t0));
         assert_eq!(
             t.reap(t0 + Duration::from_secs(12), Duration::from_secs(5)),
             1
         );
-        assert!(t.contains(2) && !t.contains(3));
+        assert!(t.contains(InstanceId(2)) && !t.contains(InstanceId(3)));
         let j = t.to_json(t0 + Duration::from_secs(12));
         assert_eq!(j[0]["instance_id"], 2);
         assert_eq!(j[0]["descriptor"], "cuda");
-        assert_eq!(t.remove(2).unwrap().model_name, "m");
+        assert_eq!(t.remove(InstanceId(2)).unwrap().model_name, "m");
         assert!(t.is_empty());
     }
 }

@@ -18,6 +18,7 @@
 //!
 //! Nothing here touches CUDA: the device threads own every driver call.
 
+use kvshard_wire::InstanceId;
 use std::sync::Arc;
 
 use kvshard_gds::cuda::{CudaDevice, CudaEnv};
@@ -349,13 +350,13 @@ pub struct PendingRegistration {
 pub enum CudaOp {
     Store {
         to: crate::messages::ReplyTo,
-        iid: i64,
+        iid: InstanceId,
         /// The reserved objects, to finish (or abort) once the copies ended.
         keys: Vec<kvshard_engine::keys::ObjectKey>,
     },
     Retrieve {
         to: crate::messages::ReplyTo,
-        iid: i64,
+        iid: InstanceId,
         /// Every object the transfer holds one read lock on, to release.
         locked: Vec<kvshard_engine::keys::ObjectKey>,
     },
@@ -479,7 +480,7 @@ impl CudaInstance {
 pub fn run_checksums(
     exec: &CudaExecutor,
     ordinal: usize,
-    iid: i64,
+    iid: InstanceId,
     plan: ChecksumPlan,
 ) -> Result<ChecksumReport, String> {
     let layers = plan.chunks.first().map_or(0, Vec::len);
@@ -487,7 +488,7 @@ pub fn run_checksums(
     for reads in plan.chunks {
         let (tx, rx) = mpsc::channel();
         let job = DeviceJob::ReadBack {
-            iid,
+            iid: iid.0,
             reads,
             done: Box::new(move |r| {
                 let _ = tx.send(r);

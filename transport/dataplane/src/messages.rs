@@ -4,6 +4,7 @@
 //! carries its registration), so every part can depend on it without a
 //! cycle.
 
+use kvshard_wire::InstanceId;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -289,7 +290,7 @@ pub struct ReplyTo {
 pub enum CudaEvent {
     /// A registration was set up on its GPU, or why not.
     Registered {
-        iid: i64,
+        iid: InstanceId,
         result: Result<(), String>,
     },
     /// A transfer's copies completed (with the exported event), or why not.

@@ -256,7 +256,7 @@ where
             match parse_checksums(&body) {
                 Ok(c) => {
                     let r = ControlRequest::Checksums {
-                        instance_id: c.instance_id,
+                        instance_id: kvshard_messages::InstanceId(c.instance_id),
                         block_ids: c.block_ids,
                         chunk_size_blocks: c.chunk_size_blocks,
                         layerwise: c.layerwise,
@@ -583,7 +583,7 @@ mod tests {
                 chunk_size_blocks,
                 layerwise,
             } => j(json!({
-                "instance_id": instance_id, "block_ids": block_ids,
+                "instance_id": instance_id.0, "block_ids": block_ids,
                 "chunk_size": chunk_size_blocks, "layerwise": layerwise,
             })),
         })

@@ -4,6 +4,7 @@
 //! snapshot to render).
 
 use crate::oneshot;
+use kvshard_wire::InstanceId;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum ControlRequest {
@@ -31,7 +32,7 @@ pub enum ControlRequest {
     QuotaList,
     /// `POST /cache/checksums` (lmcache_driven registrations only).
     Checksums {
-        instance_id: i64,
+        instance_id: InstanceId,
         block_ids: Vec<i64>,
         chunk_size_blocks: usize,
         layerwise: bool,

@@ -8,3 +8,6 @@
 pub mod config;
 pub mod control;
 pub mod oneshot;
+
+/// The id a worker instance is known by, as the wire decodes it.
+pub use kvshard_wire::InstanceId;

@@ -2,6 +2,7 @@
 //! set-up on the GPU's device thread, and STORE and RETRIEVE as copies the
 //! device thread runs between the worker's GPU blocks and L1.
 
+use kvshard_wire::InstanceId;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,7 +36,7 @@ impl Front {
     /// instance so its PINGs report it unhealthy; a repeat only refreshes it.
     pub(super) fn refuse_cuda(
         &mut self,
-        iid: i64,
+        iid: InstanceId,
         kv_cache: &[wire::IpcData],
         model_name: &str,
         world_size: i64,
@@ -68,7 +69,7 @@ impl Front {
     /// Records GPU instance `iid` as refused (its PINGs then answer False).
     pub(super) fn refuse_with(
         &mut self,
-        iid: i64,
+        iid: InstanceId,
         refusal: Refusal,
         model_name: &str,
         world_size: i64,
@@ -99,7 +100,7 @@ impl Front {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn register_cuda(
         &mut self,
-        iid: i64,
+        iid: InstanceId,
         kv_cache: &[wire::IpcData],
         model_name: String,
         ws: u32,
@@ -145,7 +146,7 @@ impl Front {
         };
         let tx = self.setup.events.clone();
         let job = DeviceJob::Register {
-            iid,
+            iid: iid.0,
             spec,
             done: Box::new(move |result| {
                 tx.send(FrontEvent::Cuda(CudaEvent::Registered { iid, result }));
@@ -225,7 +226,7 @@ impl Front {
     /// Registers (or refuses) a CUDA instance whose set-up on its GPU ended.
     pub(super) fn finish_cuda_registration(
         &mut self,
-        iid: i64,
+        iid: InstanceId,
         p: PendingRegistration,
         result: Result<(), String>,
         now: Instant,
@@ -262,10 +263,10 @@ impl Front {
     }
 
     /// Drops instance `iid` on its device thread (after its queued work).
-    pub(super) fn cuda_unregister(&mut self, iid: i64, ordinal: usize) {
+    pub(super) fn cuda_unregister(&mut self, iid: InstanceId, ordinal: usize) {
         if let Some(threads) = &self.cuda_threads {
             if threads
-                .submit(ordinal, DeviceJob::Unregister { iid })
+                .submit(ordinal, DeviceJob::Unregister { iid: iid.0 })
                 .is_err()
             {
                 log_limited!(
@@ -280,7 +281,7 @@ impl Front {
     pub(super) fn submit_cuda_transfer(
         &mut self,
         ordinal: usize,
-        iid: i64,
+        iid: InstanceId,
         dir: CopyDir,
         event: Vec<u8>,
         chunks: Vec<ChunkCopy>,
@@ -302,7 +303,7 @@ impl Front {
         let seq = self.alloc_seq();
         let tx = self.setup.events.clone();
         let job = DeviceJob::Transfer {
-            iid,
+            iid: iid.0,
             dir,
             worker_event: (!event.is_empty()).then_some(event),
             chunks,
@@ -376,7 +377,7 @@ impl Front {
     pub(super) fn cuda_store_reserved(
         &mut self,
         to: ReplyTo,
-        iid: i64,
+        iid: InstanceId,
         keys: Vec<ObjectKey>,
         blocks: Vec<Vec<i64>>,
         event: Vec<u8>,
@@ -428,7 +429,7 @@ impl Front {
     pub(super) fn cuda_retrieve_locked(
         &mut self,
         to: ReplyTo,
-        iid: i64,
+        iid: InstanceId,
         found: CudaFound,
         blocks: Vec<Vec<i64>>,
         skips: Vec<usize>,
@@ -476,7 +477,7 @@ impl Front {
     }
 
     /// The GPU of a registered CUDA instance.
-    pub(super) fn cuda_ordinal(&mut self, iid: i64) -> Option<usize> {
+    pub(super) fn cuda_ordinal(&mut self, iid: InstanceId) -> Option<usize> {
         match self.registry.lmc_reg(iid, self.clock.now()) {
             Some((LmcTransfer::Cuda(c), _)) => Some(c.ordinal),
             _ => None,

@@ -3,6 +3,7 @@
 //! prepare_retrieve (from a lookup's lease or fresh read locks) and
 //! commit_retrieve. The worker copies through the shared L1 pool itself.
 
+use kvshard_wire::InstanceId;
 use std::time::Instant;
 
 use kvshard_dataplane::layout::Layout;
@@ -130,7 +131,7 @@ impl Front {
     /// its departure releases only lookup locks it could have read).
     pub(super) fn worker_keys(
         &mut self,
-        iid: i64,
+        iid: InstanceId,
         key: &IpcKey,
         now: Instant,
     ) -> Result<Vec<ObjectKey>, String> {
@@ -149,7 +150,7 @@ impl Front {
     /// The [`TransferKey`] of `key` from instance `iid`. Its token digest is
     /// the session's when the session of `key`'s request holds these tokens
     /// (a prepare's hashing left them there; its commit reuses the digest).
-    pub(super) fn transfer_key(&mut self, iid: i64, key: &IpcKey) -> TransferKey {
+    pub(super) fn transfer_key(&mut self, iid: InstanceId, key: &IpcKey) -> TransferKey {
         let tokens = match self.sessions.get_mut(&key.request_id) {
             Some(s) if s.tokens() == key.token_ids.as_slice() => s.token_digest(),
             _ => session::token_digest(&key.token_ids),
@@ -157,7 +158,13 @@ impl Front {
         TransferKey::new(iid, key, &tokens)
     }
 
-    pub(super) fn prepare_store(&mut self, to: ReplyTo, key: IpcKey, iid: i64, now: Instant) {
+    pub(super) fn prepare_store(
+        &mut self,
+        to: ReplyTo,
+        key: IpcKey,
+        iid: InstanceId,
+        now: Instant,
+    ) {
         self.metrics.submitted_stores += 1;
         let Some(layout) = self.registry.engine_layout(iid, now) else {
             log_limited!(Level::Error, "prepare_store: engine_driven context not registered (or reaped) for instance {iid}");
@@ -202,7 +209,7 @@ impl Front {
         &mut self,
         to: &ReplyTo,
         key: &IpcKey,
-        iid: i64,
+        iid: InstanceId,
         objs: &[ObjectKey],
         layout: &Layout,
     ) -> bool {
@@ -399,7 +406,7 @@ impl Front {
         kind: InflightKind,
         keys: &[ObjectKey],
         size: u64,
-        iid: i64,
+        iid: InstanceId,
     ) {
         let parts = self.split(keys);
         if let InflightKind::PrepareStore { to, .. } | InflightKind::CudaStore { to, .. } = &kind {
@@ -420,7 +427,7 @@ impl Front {
     pub(super) fn commit_store(
         &mut self,
         key: &IpcKey,
-        iid: i64,
+        iid: InstanceId,
         inline_bytes: usize,
         now: Instant,
     ) -> bool {
@@ -454,7 +461,13 @@ impl Front {
         true
     }
 
-    pub(super) fn prepare_retrieve(&mut self, to: ReplyTo, key: IpcKey, iid: i64, now: Instant) {
+    pub(super) fn prepare_retrieve(
+        &mut self,
+        to: ReplyTo,
+        key: IpcKey,
+        iid: InstanceId,
+        now: Instant,
+    ) {
         self.metrics.submitted_retrieves += 1;
         let Some(layout) = self.registry.engine_layout(iid, now) else {
             log_limited!(Level::Error, "prepare_retrieve: engine_driven context not registered (or reaped) for instance {iid}");
@@ -522,7 +535,7 @@ impl Front {
         rid: &str,
         first_chunk: usize,
         keys: &[ObjectKey],
-        iid: i64,
+        iid: InstanceId,
     ) -> Vec<bool> {
         let chunks = keys.iter().enumerate().map(|(i, k)| (first_chunk + i, k));
         let held = self.leases.released(rid, chunks, 1, Some(iid));
@@ -550,7 +563,7 @@ impl Front {
         }
     }
 
-    pub(super) fn commit_retrieve(&mut self, key: &IpcKey, iid: i64, now: Instant) -> bool {
+    pub(super) fn commit_retrieve(&mut self, key: &IpcKey, iid: InstanceId, now: Instant) -> bool {
         self.registry.touch_traffic(iid, now);
         let tkey = self.transfer_key(iid, key);
         match self.registry.pop_pending_read(&tkey) {
@@ -574,7 +587,7 @@ impl Front {
 
     /// UNREGISTER_ENGINE_DRIVEN: forgets the instance and releases what it
     /// held.
-    pub(super) fn unregister_engine_driven(&mut self, iid: i64) {
+    pub(super) fn unregister_engine_driven(&mut self, iid: InstanceId) {
         match self.registry.remove_engine(iid) {
             Some(entry) => {
                 log_limited!(Level::Info, "unregistered engine_driven instance {iid}");

@@ -13,6 +13,7 @@ use kvshard_engine::slab::Slab;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_messages::control::{ControlRequest, Responder};
+use kvshard_wire::InstanceId;
 
 use super::lookup::PendingLoad;
 use super::Front;
@@ -111,7 +112,7 @@ pub(super) enum InflightKind {
     /// A GPU worker's STORE, reserving its objects.
     CudaStore {
         to: ReplyTo,
-        iid: i64,
+        iid: InstanceId,
         keys: Vec<ObjectKey>,
         blocks: Vec<Vec<i64>>,
         event: Vec<u8>,
@@ -120,7 +121,7 @@ pub(super) enum InflightKind {
     /// A GPU worker's RETRIEVE, finding its read-locked objects.
     CudaRetrieve {
         to: ReplyTo,
-        iid: i64,
+        iid: InstanceId,
         keys: Vec<ObjectKey>,
         blocks: Vec<Vec<i64>>,
         /// Blocks each chunk leaves untouched (skip_first_n_tokens).

@@ -2,6 +2,7 @@
 //! and RETRIEVE, which the shards copy between the worker's blocks and L1.
 //! CUDA registrations and transfers go on in `cuda.rs`.
 
+use kvshard_wire::InstanceId;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -28,7 +29,7 @@ impl Front {
     /// STORE/RETRIEVE from an instance with no lmcache_driven registration:
     /// 0.5.6's `(b"", False)`. A refused GPU worker was told why once, at
     /// registration, so its transfers are logged at debug only.
-    pub(super) fn reply_unregistered_transfer(&mut self, to: &ReplyTo, op: &str, iid: i64) {
+    pub(super) fn reply_unregistered_transfer(&mut self, to: &ReplyTo, op: &str, iid: InstanceId) {
         let level = if self.refused.contains(iid) {
             Level::Debug
         } else {
@@ -45,7 +46,7 @@ impl Front {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn register_kv_cache(
         &mut self,
-        iid: i64,
+        iid: InstanceId,
         kv_cache: &[wire::IpcData],
         model_name: String,
         world_size: i64,
@@ -170,7 +171,7 @@ impl Front {
         &mut self,
         to: &ReplyTo,
         op: &str,
-        iid: i64,
+        iid: InstanceId,
         key: &IpcKey,
         block_ids: &[Vec<i64>],
         reg: &LmcTransfer,
@@ -207,7 +208,7 @@ impl Front {
         &mut self,
         to: ReplyTo,
         key: IpcKey,
-        iid: i64,
+        iid: InstanceId,
         block_ids: Vec<Vec<i64>>,
         event: Vec<u8>,
         now: Instant,
@@ -265,7 +266,7 @@ impl Front {
         &mut self,
         to: ReplyTo,
         key: IpcKey,
-        iid: i64,
+        iid: InstanceId,
         t: Transfer,
         skip: i64,
         now: Instant,
@@ -345,7 +346,7 @@ impl Front {
     /// GPU's device thread has set it up (pinning the L1 can take seconds),
     /// as 0.5.6 answers after opening the handles: a STORE the worker sends
     /// on the answer finds the instance registered.
-    pub(super) fn answer_registration(&mut self, to: ReplyTo, iid: i64) {
+    pub(super) fn answer_registration(&mut self, to: ReplyTo, iid: InstanceId) {
         match self.cuda_regs.get_mut(&iid) {
             Some(p) => p.replies.push(to),
             None => self.reply(&to, None),
@@ -354,7 +355,7 @@ impl Front {
 
     /// UNREGISTER_KV_CACHE: forgets the instance (refused, being set up on
     /// its GPU, or registered) and releases what it held.
-    pub(super) fn unregister_kv_cache(&mut self, iid: i64) {
+    pub(super) fn unregister_kv_cache(&mut self, iid: InstanceId) {
         let was_refused = self.refused.remove(iid).is_some();
         if let Some(p) = self.cuda_regs.remove(&iid) {
             // Still being set up: its device thread undoes it after.

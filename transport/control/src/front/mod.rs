@@ -16,6 +16,7 @@ mod lookup;
 mod shard_link;
 mod workers;
 
+use kvshard_wire::InstanceId;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -107,12 +108,12 @@ pub struct Front {
     refused: RefusedTable,
     /// Instances whose PING found them unregistered and was answered `false`;
     /// their next PING is answered `true` (see [`Front::ping`]).
-    unknown_pinged: HashSet<i64>,
+    unknown_pinged: HashSet<InstanceId>,
     cuda_host: Option<CudaHost>,
     /// The CUDA device threads, started with the first CUDA registration.
     cuda_threads: Option<Arc<CudaExecutor>>,
     /// CUDA registrations being set up on their device threads.
-    cuda_regs: HashMap<i64, PendingRegistration>,
+    cuda_regs: HashMap<InstanceId, PendingRegistration>,
     /// CUDA transfers whose copies are running, by sequence number.
     cuda_ops: HashMap<Seq, CudaOp>,
     layouts: Layouts,

@@ -2,6 +2,7 @@
 //! the re-registration edge), and the release of what a departed or reaped
 //! instance held.
 
+use kvshard_wire::InstanceId;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -17,16 +18,16 @@ use crate::registry::{LmcTransfer, PendingWrite};
 /// The writer tag of worker instance `iid`'s reservations. Registration
 /// refuses the ids that have none ([`reserved_instance_id`]), so every
 /// registered instance has one.
-pub(super) fn writer_tag(iid: i64) -> WriterTag {
-    WriterTag::worker(iid).unwrap_or_else(|| {
+pub(super) fn writer_tag(iid: InstanceId) -> WriterTag {
+    WriterTag::worker(iid.0).unwrap_or_else(|| {
         panic!("instance id {iid} is in the internal writer-tag space; registration refuses it")
     })
 }
 
 /// Why an instance id cannot be registered, if it cannot: it has no writer
 /// tag of its own ([`WriterTag::worker`]).
-pub(super) fn reserved_instance_id(iid: i64) -> Option<String> {
-    WriterTag::worker(iid).is_none().then(|| {
+pub(super) fn reserved_instance_id(iid: InstanceId) -> Option<String> {
+    WriterTag::worker(iid.0).is_none().then(|| {
         format!(
             "instance id {iid} is negative: kvshard reserves those writer tags for its L2 loads \
              (lmcache's instance ids are never negative)"
@@ -43,7 +44,7 @@ impl Front {
     ///   ran before this one) hears `false` once, then `true`: 0.5.6's adapter
     ///   re-registers its KV caches only on an unhealthy-to-healthy edge of its
     ///   heartbeat, and would otherwise store into a server that cannot serve it.
-    pub(super) fn ping(&mut self, iid: i64, now: Instant) -> bool {
+    pub(super) fn ping(&mut self, iid: InstanceId, now: Instant) -> bool {
         self.registry.ping(iid, now);
         if self.refused.touch(iid, now) {
             return self.registry.is_registered(iid);
@@ -96,7 +97,7 @@ impl Front {
 
     /// Releases the read locks of `model`/`ws` lookups beyond what the live
     /// instances may still read (instance `gone` just left).
-    pub(super) fn release_orphaned_locks(&mut self, model: &str, ws: u32, gone: i64) {
+    pub(super) fn release_orphaned_locks(&mut self, model: &str, ws: u32, gone: InstanceId) {
         // A lease past its TTL may hold locks the shard has already expired.
         self.leases.expire(self.clock.now());
         let registry = &self.registry;
