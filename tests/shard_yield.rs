@@ -88,6 +88,7 @@ fn start_shard(
         spin,
         shutdown_drain: Duration::from_secs(10),
         prefault: None,
+        clock: std::sync::Arc::new(kvshard_io::clock::SystemClock),
     };
     let backing = ShardBacking::Memory(arena);
     prefill(&tx);

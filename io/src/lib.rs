@@ -2,6 +2,7 @@
 //! mailboxes and the glue that runs hyper on glommio.
 
 pub mod arena;
+pub mod clock;
 pub mod executor;
 pub mod http;
 pub mod json_text;

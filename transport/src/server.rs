@@ -12,16 +12,17 @@ use kvshard_engine::l1::{L1Config, L1Shard};
 use kvshard_engine::slab::SlabAllocator;
 use kvshard_gds::slab::{GdsSlab, SlabOptions};
 use kvshard_io::arena::{Arena, ArenaConfig, HugePages};
+use kvshard_io::clock::SystemClock;
 use kvshard_io::executor::{spawn_shard, ShardHandle};
-use kvshard_io::mailbox::{mailbox, notify_queue, MailboxSender};
-use kvshard_io::prefault::Prefaulter;
+use kvshard_io::mailbox::{mailbox, notify_queue, MailboxSender, NotifySender};
+use kvshard_io::prefault::{PrefaultHandle, Prefaulter};
 use kvshard_io::termination;
 
 use kvshard_control::control::ControlHandle;
 use kvshard_control::front::{FrontLoop, FrontSetup};
 use kvshard_control::lookup_log::LookupHashLog;
 use kvshard_dataplane::cuda_transfer::L1Memory;
-use kvshard_dataplane::messages::ShardMsg;
+use kvshard_dataplane::messages::{FrontEvent, ShardMsg};
 use kvshard_dataplane::shard::{run_shard, ShardBacking, ShardConfig};
 use kvshard_http::HttpInfo;
 use kvshard_messages::config::{EvictionPolicyName, GdsL1Settings, ServerConfig};
@@ -84,32 +85,13 @@ fn policy_of(cfg: &ServerConfig) -> EvictionPolicy {
 /// the operator.
 pub fn run(cfg: ServerConfig) -> Result<(), String> {
     let cfg = Arc::new(cfg);
-    termination::catch_signals();
-    raise_open_file_limit();
-    remove_dead_pools();
-    let n = cfg.cores.len().max(1);
-    let align = cfg.l1.align_bytes;
-    let slices_of = |size: u64| -> Result<Vec<(u64, u64, u64)>, String> {
-        let slices = shard_slices(
-            size,
-            cfg.l1.init_size_bytes.min(size),
-            cfg.l1.use_lazy,
-            align,
-            n,
-        );
-        if slices[0].1 == 0 {
-            return Err(format!(
-                "--l1-size-gb gives {size} bytes, too small for {n} shards of at least --l1-align-bytes {align}"
-            ));
-        }
-        Ok(slices)
-    };
+    prepare_process();
     // Checked before the arena is made, and again on what was mapped (a
     // device-DAX arena is rounded down to the device alignment).
-    let slices = slices_of(cfg.l1.size_bytes)?;
+    let slices = l1_slices(&cfg, cfg.l1.size_bytes)?;
     // Before any memory is taken: a log directory that cannot be written
     // refuses the start, as an unwritable L2 path does.
-    let mut lookup_log = cfg
+    let lookup_log = cfg
         .lookup_hash_log
         .as_ref()
         .map(LookupHashLog::open)
@@ -117,71 +99,177 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         .map_err(|e| format!("--lookup-hash-log-dir: {e}"))?;
     check_memory_room(&cfg)?;
     let (events_tx, events_rx) = notify_queue();
-    let (mut store, slices, lock_memory, setup, prefault) = match &cfg.l1.gds {
-        Some(gds) => {
-            let slabs = create_slabs(gds, &slices)?;
-            let setup = FrontSetup {
-                shm_pool: None,
-                huge_pages: HugePages::Off,
-                huge_page_bytes: None,
-                arena: slabs_status(gds, &slabs),
-                l1_memory: None,
-                events: events_tx.clone(),
-                lookup_log: lookup_log.take(),
-            };
-            // Offsets are file offsets: every shard's allocator starts at 0.
-            let slices = slices
-                .iter()
-                .map(|&(_, max, init)| (0, max, init))
-                .collect::<Vec<_>>();
-            (L1Store::Slabs(slabs), slices, false, setup, None)
-        }
-        None => {
-            // Device memory is not swapped and a shared file mapping is written back,
-            // not swapped: locking either would only pin page cache or fail.
-            let lock_memory =
-                cfg.l1.devdax_path.is_none() && kvshard_io::arena::can_lock(cfg.l1.size_bytes);
-            if !lock_memory && cfg.l1.devdax_path.is_none() {
-                log::warn!(
-                    "RLIMIT_MEMLOCK ({:?} bytes) is below the L1 size ({} bytes): L1 memory will not be mlock'ed and may be \
-                     swapped. Raise it with `ulimit -l unlimited` or LimitMEMLOCK=infinity in the systemd unit",
-                    kvshard_io::arena::memlock_limit(),
-                    cfg.l1.size_bytes
-                );
-            }
-            let arena = Arc::new(create_arena(&cfg)?);
-            log::info!("L1 arena: {}, {n} shards", arena.describe());
-            let slices = slices_of(arena.len())?;
-            let huge_page_bytes = arena.huge_page_bytes();
-            log_huge_pages(&arena, huge_page_bytes);
-            let setup = FrontSetup {
-                shm_pool: arena.shm_name().map(|s| (s.to_owned(), arena.len())),
-                huge_pages: arena.huge_pages(),
-                huge_page_bytes,
-                arena: arena_status(&arena),
-                l1_memory: Some(L1Memory {
-                    base: arena.base() as usize,
-                    len: arena.len() as usize,
-                    keep: arena.clone(),
-                }),
-                events: events_tx.clone(),
-                lookup_log: lookup_log.take(),
-            };
-            // A lazy L1 in memory is faulted (and locked) in the background,
-            // ahead of use: the start waits for none of it.
-            let prefault = if cfg.l1.use_lazy && cfg.l1.devdax_path.is_none() {
-                let parts: Vec<(u64, u64)> =
-                    slices.iter().map(|&(off, max, _)| (off, max)).collect();
-                let (p, handles) = Prefaulter::start(arena.clone(), &parts, lock_memory)
-                    .map_err(|e| format!("cannot start the L1 faulting thread: {e}"))?;
-                Some((p, handles))
-            } else {
-                None
-            };
-            (L1Store::Memory(arena), slices, lock_memory, setup, prefault)
+    let mut l1 = build_l1(&cfg, slices, lookup_log, &events_tx)?;
+    let socket = bind_router(&cfg)?;
+    check_l2_paths(&cfg)?;
+    let (senders, handles) = start_shards(&cfg, &mut l1, &events_tx)?;
+    // Serve only once every shard is up; on any failure from here on, stop
+    // the shards before returning so that the last reference to the arena
+    // goes with them and its shm segment is unlinked.
+    let started = shards_ready(&l1.ready, cfg.cores.len().max(1))
+        .and_then(|()| start_http(&cfg, ControlHandle::new(events_tx.clone())));
+    let http = match started {
+        Ok(http) => http,
+        Err(e) => {
+            stop_shards(senders, handles);
+            return Err(e);
         }
     };
+    // Kept to give the SHM pool's name up at the stop, before the shards end.
+    let pool = match &l1.store {
+        L1Store::Memory(arena) if arena.shm_name().is_some() => Some(arena.clone()),
+        _ => None,
+    };
+    let L1Built {
+        store,
+        setup,
+        prefaulter,
+        ..
+    } = l1;
+    drop(store);
+    drop(events_tx);
+    let front = FrontLoop::new(cfg.clone(), setup, socket, senders, events_rx);
+    let front = serve(&cfg, front);
+    // The faulting thread ends after its current step: nothing more is faulted.
+    drop(prefaulter);
+    stop(front, http, pool, handles, cfg.shutdown_drain);
+    Ok(())
+}
 
+/// What the process needs before anything starts: the signal handlers, the
+/// open-file limit, and no SHM pools of servers that died.
+fn prepare_process() {
+    termination::catch_signals();
+    raise_open_file_limit();
+    remove_dead_pools();
+}
+
+/// The shards' slices of an L1 of `size` bytes, or why it is too small.
+fn l1_slices(cfg: &ServerConfig, size: u64) -> Result<Vec<(u64, u64, u64)>, String> {
+    let n = cfg.cores.len().max(1);
+    let align = cfg.l1.align_bytes;
+    let slices = shard_slices(
+        size,
+        cfg.l1.init_size_bytes.min(size),
+        cfg.l1.use_lazy,
+        align,
+        n,
+    );
+    if slices[0].1 == 0 {
+        return Err(format!(
+            "--l1-size-gb gives {size} bytes, too small for {n} shards of at least --l1-align-bytes {align}"
+        ));
+    }
+    Ok(slices)
+}
+
+/// The L1 as built, before the shards take their parts of it.
+struct L1Built {
+    store: L1Store,
+    /// Per shard: (offset, max capacity, initial capacity).
+    slices: Vec<(u64, u64, u64)>,
+    lock_memory: bool,
+    setup: FrontSetup,
+    /// The faulting thread of a lazy L1 in memory, and each shard's handle
+    /// on it.
+    prefaulter: Option<Prefaulter>,
+    prefault_handles: Vec<Option<PrefaultHandle>>,
+    /// Where the shards say they are ready (see [`shards_ready`]).
+    ready: Receiver<Result<(), String>>,
+    ready_tx: Option<std::sync::mpsc::Sender<Result<(), String>>>,
+}
+
+/// Makes the L1: GDS slab files, or the arena in memory (with its faulting
+/// thread when lazy); and what the front is told about it.
+fn build_l1(
+    cfg: &Arc<ServerConfig>,
+    slices: Vec<(u64, u64, u64)>,
+    mut lookup_log: Option<LookupHashLog>,
+    events_tx: &NotifySender<FrontEvent>,
+) -> Result<L1Built, String> {
+    let n = slices.len();
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    if let Some(gds) = &cfg.l1.gds {
+        let slabs = create_slabs(gds, &slices)?;
+        let setup = FrontSetup {
+            shm_pool: None,
+            huge_pages: HugePages::Off,
+            huge_page_bytes: None,
+            arena: slabs_status(gds, &slabs),
+            l1_memory: None,
+            events: events_tx.clone(),
+            lookup_log: lookup_log.take(),
+        };
+        // Offsets are file offsets: every shard's allocator starts at 0.
+        let slices = slices
+            .iter()
+            .map(|&(_, max, init)| (0, max, init))
+            .collect::<Vec<_>>();
+        return Ok(L1Built {
+            store: L1Store::Slabs(slabs),
+            slices,
+            lock_memory: false,
+            setup,
+            prefaulter: None,
+            prefault_handles: (0..n).map(|_| None).collect(),
+            ready,
+            ready_tx: Some(ready_tx),
+        });
+    }
+    // Device memory is not swapped and a shared file mapping is written back,
+    // not swapped: locking either would only pin page cache or fail.
+    let lock_memory =
+        cfg.l1.devdax_path.is_none() && kvshard_io::arena::can_lock(cfg.l1.size_bytes);
+    if !lock_memory && cfg.l1.devdax_path.is_none() {
+        log::warn!(
+            "RLIMIT_MEMLOCK ({:?} bytes) is below the L1 size ({} bytes): L1 memory will not be mlock'ed and may be \
+             swapped. Raise it with `ulimit -l unlimited` or LimitMEMLOCK=infinity in the systemd unit",
+            kvshard_io::arena::memlock_limit(),
+            cfg.l1.size_bytes
+        );
+    }
+    let arena = Arc::new(create_arena(cfg)?);
+    log::info!("L1 arena: {}, {n} shards", arena.describe());
+    let slices = l1_slices(cfg, arena.len())?;
+    let huge_page_bytes = arena.huge_page_bytes();
+    log_huge_pages(&arena, huge_page_bytes);
+    let setup = FrontSetup {
+        shm_pool: arena.shm_name().map(|s| (s.to_owned(), arena.len())),
+        huge_pages: arena.huge_pages(),
+        huge_page_bytes,
+        arena: arena_status(&arena),
+        l1_memory: Some(L1Memory {
+            base: arena.base() as usize,
+            len: arena.len() as usize,
+            keep: arena.clone(),
+        }),
+        events: events_tx.clone(),
+        lookup_log: lookup_log.take(),
+    };
+    // A lazy L1 in memory is faulted (and locked) in the background, ahead
+    // of use: the start waits for none of it.
+    let (prefaulter, prefault_handles) = if cfg.l1.use_lazy && cfg.l1.devdax_path.is_none() {
+        let parts: Vec<(u64, u64)> = slices.iter().map(|&(off, max, _)| (off, max)).collect();
+        let (p, handles) = Prefaulter::start(arena.clone(), &parts, lock_memory)
+            .map_err(|e| format!("cannot start the L1 faulting thread: {e}"))?;
+        (Some(p), handles.into_iter().map(Some).collect())
+    } else {
+        (None, (0..n).map(|_| None).collect())
+    };
+    Ok(L1Built {
+        store: L1Store::Memory(arena),
+        slices,
+        lock_memory,
+        setup,
+        prefaulter,
+        prefault_handles,
+        ready,
+        ready_tx: Some(ready_tx),
+    })
+}
+
+/// The ROUTER socket, bound where `--host`/`--port` say.
+fn bind_router(cfg: &ServerConfig) -> Result<zmq::Socket, String> {
     let ctx = zmq::Context::new();
     let socket = ctx
         .socket(zmq::ROUTER)
@@ -204,20 +292,28 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         .bind(&url)
         .map_err(|e| format!("cannot bind the ZeroMQ server on {url}: {e}"))?;
     log::info!("ZeroMQ ROUTER listening on {url}");
+    Ok(socket)
+}
 
-    check_l2_paths(&cfg)?;
+/// Starts one shard executor per core, each on its part of the L1; they say
+/// on `l1.ready` when they are ready. On a failure the ones started are
+/// stopped.
+#[allow(clippy::type_complexity)]
+fn start_shards(
+    cfg: &Arc<ServerConfig>,
+    l1: &mut L1Built,
+    events_tx: &NotifySender<FrontEvent>,
+) -> Result<(Vec<MailboxSender<ShardMsg>>, Vec<ShardHandle>), String> {
+    let n = l1.slices.len();
+    let align = cfg.l1.align_bytes;
     let mut senders = Vec::with_capacity(n);
     let mut handles: Vec<ShardHandle> = Vec::with_capacity(n);
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-    let (prefaulter, mut prefault_handles) = match prefault {
-        Some((p, h)) => (Some(p), h.into_iter().map(Some).collect()),
-        None => (None, vec![None; n]),
-    };
-    for (i, (offset, max, init)) in slices.iter().copied().enumerate() {
+    let ready_tx = l1.ready_tx.take().expect("shards are started once");
+    for (i, (offset, max, init)) in l1.slices.iter().copied().enumerate() {
         let (tx, rx) = mailbox(cfg.shard_queue_depth);
         senders.push(tx);
         let core = cfg.cores.get(i).copied();
-        let backing = match &mut store {
+        let backing = match &mut l1.store {
             L1Store::Memory(arena) => ShardBacking::Memory(arena.clone()),
             L1Store::Slabs(slabs) => ShardBacking::Slab(slabs.remove(0)),
         };
@@ -227,16 +323,17 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             read_ttl: cfg.l1.read_ttl,
             ..L1Config::default()
         };
-        let policy = policy_of(&cfg);
+        let policy = policy_of(cfg);
         let scfg = ShardConfig {
             id: i,
             max_capacity_bytes: max,
             slice_offset: offset,
-            lock_memory,
+            lock_memory: l1.lock_memory,
             eviction_interval: Duration::from_secs(1),
             spin: cfg.spin,
             shutdown_drain: cfg.shutdown_drain,
-            prefault: prefault_handles[i].take(),
+            prefault: l1.prefault_handles[i].take(),
+            clock: Arc::new(SystemClock),
         };
         let l2 = (cfg.l2.clone(), n);
         let ready = ready_tx.clone();
@@ -253,37 +350,21 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
             }
         }
     }
-    drop(ready_tx);
+    Ok((senders, handles))
+}
 
-    // Serve only once every shard is up; on any failure from here on, stop
-    // the shards before returning so that the last reference to the arena
-    // goes with them and its shm segment is unlinked.
-    let started = shards_ready(&ready_rx, n)
-        .and_then(|()| start_http(&cfg, ControlHandle::new(events_tx.clone())));
-    let http = match started {
-        Ok(http) => http,
-        Err(e) => {
-            stop_shards(senders, handles);
-            return Err(e);
-        }
-    };
-
-    // Kept to give the SHM pool's name up at the stop, before the shards end.
-    let pool = match &store {
-        L1Store::Memory(arena) if arena.shm_name().is_some() => Some(arena.clone()),
-        _ => None,
-    };
-    drop(store);
-    drop(events_tx);
+/// Runs the front on this thread (pinned to `--front-core` when given) until
+/// the stop, and hands it back for [`stop`].
+fn serve(cfg: &ServerConfig, mut front: FrontLoop) -> FrontLoop {
     log::info!(
-        "kvshard serving: {n} shards on cores {:?}, L1 {} bytes, chunk size {}, transfer mode {:?}",
+        "kvshard serving: {} shards on cores {:?}, L1 {} bytes, chunk size {}, transfer mode {:?}",
+        cfg.cores.len().max(1),
         cfg.cores,
         cfg.l1.size_bytes,
         cfg.chunk_size,
         cfg.transfer_mode
     );
-    let mut front = FrontLoop::new(cfg.clone(), setup, socket, senders, events_rx);
-    // Pinned last: every thread started above keeps its own placement.
+    // Pinned last: every thread started before keeps its own placement.
     match cfg.front_core {
         Some(core) => match kvshard_io::executor::pin_current_thread(core) {
             Ok(()) => log::info!("front pinned to core {core}"),
@@ -294,10 +375,7 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
         }
     }
     front.run(termination::flag());
-    // The faulting thread ends after its current step: nothing more is faulted.
-    drop(prefaulter);
-    stop(front, http, pool, handles, cfg.shutdown_drain);
-    Ok(())
+    front
 }
 
 /// Refuses an L1 this host cannot hold: the memory it takes at once (the

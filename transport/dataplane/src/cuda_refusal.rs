@@ -490,7 +490,9 @@ mod tests {
         assert!(t.insert(InstanceId(2), entry(t0 + Duration::from_secs(2))));
         // Full: the stalest (1, seen at +1 s) goes.
         assert!(t.insert(InstanceId(3), entry(t0 + Duration::from_secs(3))));
-        assert!(!t.contains(InstanceId(1)) && t.contains(InstanceId(2)) && t.contains(InstanceId(3)));
+        assert!(
+            !t.contains(InstanceId(1)) && t.contains(InstanceId(2)) && t.contains(InstanceId(3))
+        );
         assert!(t.touch(InstanceId(2), t0 + Duration::from_secs(10)));
         assert!(!t.touch(InstanceId(7), t0));
         assert_eq!(

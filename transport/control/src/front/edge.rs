@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvshard_dataplane::messages::{FrontEvent, ShardMsg};
+pub use kvshard_io::clock::{Clock, SystemClock};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_io::mailbox::{MailboxSender, NotifyReceiver};
@@ -31,20 +32,6 @@ pub enum Undelivered {
     QueueFull,
     /// The peer is gone, or another socket error.
     Other(String),
-}
-
-/// The front's time source: the system's monotonic clock in the server, a
-/// hand-moved one in tests.
-pub trait Clock {
-    fn now(&self) -> Instant;
-}
-
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now(&self) -> Instant {
-        Instant::now()
-    }
 }
 
 /// The ROUTER socket as the front's [`ReplyPort`].

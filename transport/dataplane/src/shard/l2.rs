@@ -31,6 +31,7 @@ use kvshard_engine::l2::mock::MockAdapter;
 use kvshard_engine::l2::tier::L2Tier;
 use kvshard_engine::l2::{kv_rank_world_size, L2Adapter, ObjectBytes, StoreResult};
 use kvshard_gds::slab::AlignedBuf;
+use kvshard_io::clock::SharedClock;
 
 use crate::messages::{Found, L2CtlStats, L2Deadline, TierReport, NO_SLAB};
 use crate::shard::State;
@@ -53,6 +54,8 @@ pub struct L2Shard {
     /// Full-chunk object sizes the adapters were told, by model name and
     /// world size.
     layouts: RefCell<HashMap<Name, HashMap<u32, u64>>>,
+    /// Where the controller reads the time (the shard's clock).
+    clock: SharedClock,
 }
 
 /// Tier names: `<type>#<flag position>`, e.g. `fs#1`.
@@ -81,8 +84,18 @@ fn build_adapter(
 }
 
 impl L2Shard {
+    /// The time on the shard's clock.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
     /// Builds this shard's adapter instances. Must run on the shard's executor.
-    pub fn new(settings: &L2Settings, shard: usize, num_shards: usize) -> Result<Self, String> {
+    pub fn new(
+        settings: &L2Settings,
+        shard: usize,
+        num_shards: usize,
+        clock: SharedClock,
+    ) -> Result<Self, String> {
         let mut tiers = Vec::with_capacity(settings.adapters.len());
         for (i, spec) in settings.adapters.iter().enumerate() {
             let name = tier_name(spec, i);
@@ -94,6 +107,7 @@ impl L2Shard {
         let queue =
             glommio::executor().create_task_queue(Shares::Static(100), Latency::NotImportant, "l2");
         Ok(L2Shard {
+            clock,
             tiers,
             store_policy: settings.store_policy,
             prefetch_policy: settings.prefetch_policy,
@@ -237,7 +251,7 @@ pub(crate) fn submit_store(state: &State, l2: &Rc<L2Shard>, keys: Vec<ObjectKey>
     if !l2.is_enabled() || keys.is_empty() {
         return;
     }
-    let now = Instant::now();
+    let now = l2.now();
     let locked: Vec<(ObjectKey, u64)> = {
         let mut st = state.borrow_mut();
         let res = st.l1.reserve_read(&keys, 1, now);
@@ -280,7 +294,7 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
     if l2.budget.acquire(units).await.is_err() {
         // Closed at shutdown: give the locks back.
         let keys: Vec<ObjectKey> = locked.into_iter().map(|(k, _)| k).collect();
-        state.borrow_mut().l1.finish_read(&keys, 1, Instant::now());
+        state.borrow_mut().l1.finish_read(&keys, 1, l2.now());
         return;
     }
     l2.bump(|s| {
@@ -289,7 +303,7 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
     });
     // The read lock taken at submission must still be live: an object whose
     // lock expired while waiting may have been evicted and its memory reused.
-    let now = Instant::now();
+    let now = l2.now();
     let mut items = Vec::with_capacity(locked.len());
     let mut expired = Vec::new();
     let slab_l1 = state.borrow().slab_l1();
@@ -379,11 +393,11 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
     let renew = async {
         loop {
             glommio::timer::sleep(renew_every).await;
-            state.borrow_mut().l1.renew_read(&keys, Instant::now());
+            state.borrow_mut().l1.renew_read(&keys, l2.now());
         }
     };
     futures_lite::future::or(stores, renew).await;
-    let now = Instant::now();
+    let now = l2.now();
     {
         let mut st = state.borrow_mut();
         st.l1.finish_read(&keys, 1, now);
@@ -504,7 +518,7 @@ async fn lookup_within(
             res
         })
     };
-    let left = at.saturating_duration_since(Instant::now());
+    let left = at.saturating_duration_since(l2.now());
     // The task goes on when this gives up on it: it is only borrowed here.
     let answered = kvshard_io::timeout::with_timeout(left, &mut task).await;
     if answered.is_none() {
@@ -544,7 +558,7 @@ pub(crate) async fn load_by(
         t
     };
     let mut work = std::pin::pin!(load(state, l2, keys, size, readers, tag));
-    let left = d.at.saturating_duration_since(Instant::now());
+    let left = d.at.saturating_duration_since(l2.now());
     // Only borrowed: the load is driven to its end below either way.
     let first = kvshard_io::timeout::with_timeout(left, &mut work).await;
     let of_tiers = |f: &dyn Fn(&L2Tier)| {
@@ -596,7 +610,7 @@ pub(crate) async fn load(
     readers: u32,
     tag: WriterTag,
 ) -> (Vec<bool>, Vec<u64>) {
-    let now = Instant::now();
+    let now = l2.now();
     let temporary = l2.prefetch_policy == L2PrefetchPolicy::Default;
     let plain: Vec<ObjectKey> = keys.iter().map(|(k, _)| *k).collect();
     l2.bump(|s| {
@@ -686,10 +700,7 @@ pub(crate) async fn load(
             // Only into stages that are still ours: a lapsed one may hold
             // another writer's object by now.
             let wkeys: Vec<ObjectKey> = idx.iter().map(|&i| plain[i]).collect();
-            let live = state
-                .borrow_mut()
-                .l1
-                .renew_write(&wkeys, tag, Instant::now());
+            let live = state.borrow_mut().l1.renew_write(&wkeys, tag, l2.now());
             let mut lapsed = 0;
             let (mut idx_live, mut writes_live) = (Vec::new(), Vec::new());
             for ((i, w), live) in idx.into_iter().zip(writes).zip(live) {
@@ -729,14 +740,11 @@ pub(crate) async fn load(
     let renew = async {
         loop {
             glommio::timer::sleep(renew_every).await;
-            state
-                .borrow_mut()
-                .l1
-                .renew_write(&staged, tag, Instant::now());
+            state.borrow_mut().l1.renew_write(&staged, tag, l2.now());
         }
     };
     futures_lite::future::or(work, renew).await;
-    let now = Instant::now();
+    let now = l2.now();
     let mut st = state.borrow_mut();
     let (mut done, mut failed) = (Vec::new(), Vec::new());
     for (i, key) in plain.iter().enumerate() {
@@ -810,7 +818,7 @@ pub(crate) fn drop_stored_from_l1(state: &State, l2: &L2Shard) {
     if keys.is_empty() {
         return;
     }
-    let res = state.borrow_mut().l1.delete(&keys, false, Instant::now());
+    let res = state.borrow_mut().l1.delete(&keys, false, l2.now());
     let mut later = l2.skip_l1_later.borrow_mut();
     let mut n = 0;
     for (k, r) in keys.into_iter().zip(res) {
@@ -865,9 +873,9 @@ pub fn tick(l2: &Rc<L2Shard>) {
 /// At shutdown: waits (up to `limit`) for stores in flight to finish, then
 /// says what it abandons.
 pub async fn drain(l2: &L2Shard, shard: usize, limit: Duration) {
-    let until = Instant::now() + limit;
+    let until = l2.now() + limit;
     while l2.pending_stores.get() > 0 {
-        if Instant::now() >= until {
+        if l2.now() >= until {
             let s = l2.stats.get();
             log::warn!(
                 "shard {shard}: {} L2 store batches ({} bytes being written, the rest waiting \

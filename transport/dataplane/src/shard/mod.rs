@@ -17,13 +17,14 @@ use kvshard_engine::l1::{Admission, L1Error, L1Shard, WriterTag};
 use kvshard_engine::slab::Slab;
 use kvshard_gds::slab::{AlignedBuf, GdsSlab};
 use kvshard_io::arena::Arena;
+use kvshard_io::clock::SharedClock;
 use kvshard_io::mailbox::{MailboxReceiver, NotifySender};
 use kvshard_io::prefault::PrefaultHandle;
 
 use crate::cpu_shm::CpuShmRegistration;
 use crate::l1_slab::SlabL1;
 use crate::messages::{
-    Found, FrontEvent, L2CtlStats, RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply,
+    Found, FrontEvent, L2CtlStats, L2Deadline, RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply,
     ShardReplyBody, ShardReport, StoreOutcome, NO_SLAB,
 };
 use kvshard_messages::config::L2Settings;
@@ -48,6 +49,8 @@ pub struct ShardConfig {
     /// ahead of use, which also says when memory runs short. `None`: the
     /// slice is faulted (and locked) whole at start, or is not memory.
     pub prefault: Option<PrefaultHandle>,
+    /// Where the shard reads the time.
+    pub clock: SharedClock,
 }
 
 /// What holds a shard's L1 objects, as the server hands it to the shard.
@@ -76,6 +79,11 @@ pub(crate) struct ShardState {
 }
 
 impl ShardState {
+    /// The time on the shard's clock.
+    pub(crate) fn now(&self) -> Instant {
+        self.cfg.clock.now()
+    }
+
     /// The memory of an object of a memory-backed L1. Callers move the
     /// bytes of a slab-backed L1 through [`ShardState::slab_l1`] instead.
     pub(crate) fn ptr(&self, slab: &Slab) -> *mut u8 {
@@ -143,7 +151,7 @@ impl ShardState {
         }
         self.store_oom_chunks += oom;
         let (used, cap) = self.l1.usage();
-        let st = self.l1.status(Instant::now());
+        let st = self.l1.status(self.now());
         kvshard_io::log_limited!(
             log::Level::Warn,
             "shard {}: {oom} of {asked} chunks of a store found no L1 memory and are left out \
@@ -178,7 +186,7 @@ impl ShardState {
     }
 
     fn handle(&mut self, op: ShardOp) -> ShardReplyBody {
-        let now = Instant::now();
+        let now = self.now();
         match op {
             ShardOp::Lookup { keys, readers, .. } => {
                 let (found, slabs) = self.lookup_l1(&keys, readers, now);
@@ -395,7 +403,7 @@ impl ShardState {
     }
 
     fn tick(&mut self) {
-        let now = Instant::now();
+        let now = self.now();
         self.l1.expire(now);
         let mark = self.l1.policy().config().trigger_watermark;
         self.maybe_grow(0, Some(mark));
@@ -480,16 +488,16 @@ async fn store_in_memory(
     size: u64,
     tag: WriterTag,
 ) -> Vec<StoreOutcome> {
-    let (mut out, staged) = state
-        .borrow_mut()
-        .reserve_store(items, size, tag, Instant::now());
+    let now = now_of(state);
+    let (mut out, staged) = state.borrow_mut().reserve_store(items, size, tag, now);
     let (mut written, mut failed) = (Vec::new(), Vec::new());
     for st in staged {
         glommio::yield_if_needed().await;
         let mut shard = state.borrow_mut();
+        let now = shard.now();
         let live = shard
             .l1
-            .renew_write(std::slice::from_ref(&st.key), tag, Instant::now());
+            .renew_write(std::slice::from_ref(&st.key), tag, now);
         if live != [true] {
             out[st.index] = StoreOutcome::Failed;
             failed.push(st.key);
@@ -507,9 +515,8 @@ async fn store_in_memory(
             failed.push(st.key);
         }
     }
-    state
-        .borrow_mut()
-        .end_store(written, failed, tag, Instant::now());
+    let now = now_of(state);
+    state.borrow_mut().end_store(written, failed, tag, now);
     out
 }
 
@@ -533,7 +540,8 @@ async fn retrieve_in_memory(
     {
         glommio::yield_if_needed().await;
         let mut shard = state.borrow_mut();
-        match shard.lock_for_transfer(&key, take, Instant::now()) {
+        let now = shard.now();
+        match shard.lock_for_transfer(&key, take, now) {
             Some(slab) => {
                 // SAFETY: the object is read-locked, so it is neither freed
                 // nor rewritten while this synchronous copy runs.
@@ -548,7 +556,8 @@ async fn retrieve_in_memory(
     }
     // The one read lock this transfer holds per retrieved key.
     if !done.is_empty() {
-        state.borrow_mut().l1.finish_read(&done, 1, Instant::now());
+        let now = now_of(state);
+        state.borrow_mut().l1.finish_read(&done, 1, now);
     }
     out
 }
@@ -563,9 +572,8 @@ async fn store_to_slab(
     size: u64,
     tag: WriterTag,
 ) -> Vec<StoreOutcome> {
-    let (mut out, staged) = state
-        .borrow_mut()
-        .reserve_store(items, size, tag, Instant::now());
+    let now = now_of(state);
+    let (mut out, staged) = state.borrow_mut().reserve_store(items, size, tag, now);
     let (mut written, mut failed, mut writes) = (Vec::new(), Vec::new(), Vec::new());
     for st in staged {
         let mut buf = AlignedBuf::zeroed(st.slab.len as usize);
@@ -591,9 +599,8 @@ async fn store_to_slab(
         }
     }
     let written = written.into_iter().map(|(_, k)| k).collect();
-    state
-        .borrow_mut()
-        .end_store(written, failed, tag, Instant::now());
+    let now = now_of(state);
+    state.borrow_mut().end_store(written, failed, tag, now);
     out
 }
 
@@ -609,7 +616,7 @@ async fn retrieve_from_slab(
     let mut locked = Vec::with_capacity(items.len());
     {
         let mut st = state.borrow_mut();
-        let now = Instant::now();
+        let now = st.now();
         for (i, it) in items.into_iter().enumerate() {
             if let Some(slab) = st.lock_for_transfer(&it.key, it.take, now) {
                 locked.push((i, it.key, it.blocks, it.skip, slab));
@@ -636,11 +643,17 @@ async fn retrieve_from_slab(
         ),
     }
     let keys: Vec<ObjectKey> = locked.into_iter().map(|(_, k, ..)| k).collect();
-    state.borrow_mut().l1.finish_read(&keys, 1, Instant::now());
+    let now = now_of(state);
+    state.borrow_mut().l1.finish_read(&keys, 1, now);
     out
 }
 
 pub(crate) type State = Rc<RefCell<ShardState>>;
+
+/// The time on the shard's clock (the state borrowed for a moment only).
+pub(crate) fn now_of(state: &State) -> Instant {
+    state.borrow().now()
+}
 
 /// Where a shard's answer to one message goes; the notify queue is only
 /// cloned for the messages answered from a spawned task.
@@ -679,22 +692,58 @@ pub async fn run_shard(
     ready: ShardReady,
 ) {
     let id = cfg.id;
-    let interval = cfg.eviction_interval;
-    let drain_limit = cfg.shutdown_drain;
+    let (interval, drain_limit) = (cfg.eviction_interval, cfg.shutdown_drain);
     rx.set_spin(cfg.spin);
-    let l2 = match L2Shard::new(&l2.0, id, l2.1) {
-        Ok(built) => {
-            let built = Rc::new(built);
-            built.seed_usage(&l2.0, id, l2.1);
-            built
-        }
+    let l2 = match build_l2(&l2.0, id, l2.1, cfg.clock.clone()) {
+        Ok(l2) => l2,
         Err(e) => {
             // The server stops every shard and returns this; a server that is
             // gone already has nobody left to tell.
-            let _ = ready.send(Err(format!("shard {id} cannot start: {e}")));
+            let _ = ready.send(Err(e));
             return;
         }
     };
+    let state = start_state(cfg, backing, l1);
+    let ticker = start_ticker(&state, &l2, interval);
+    // Object copies (lmcache_driven STORE and RETRIEVE, megabytes each) run
+    // as tasks of their own queue, beside the message loop, so lookups and
+    // small messages are not queued behind them.
+    let copies = glommio::executor().create_task_queue(
+        Shares::Static(1000),
+        Latency::NotImportant,
+        "copies",
+    );
+    let shard = Shard {
+        id,
+        state,
+        l2,
+        replies,
+        copies,
+    };
+    let _ = ready.send(Ok(()));
+    drop(ready);
+    shard.serve(&mut rx).await;
+    drop(ticker.cancel());
+    l2::drain(&shard.l2, id, drain_limit).await;
+    log::debug!("shard {id} stopped");
+}
+
+/// The shard's L2 tiers, with their usage counted from what they hold.
+fn build_l2(
+    settings: &L2Settings,
+    id: usize,
+    shards: usize,
+    clock: SharedClock,
+) -> Result<Rc<L2Shard>, String> {
+    let built = L2Shard::new(settings, id, shards, clock)
+        .map_err(|e| format!("shard {id} cannot start: {e}"))?;
+    let built = Rc::new(built);
+    built.seed_usage(settings, id, shards);
+    Ok(built)
+}
+
+/// The shard's state over its L1, its slice locked where the start asks.
+fn start_state(cfg: ShardConfig, backing: ShardBacking, l1: L1Shard) -> State {
     let backing = match backing {
         ShardBacking::Memory(arena) => Backing::Memory(arena),
         ShardBacking::Slab(slab) => Backing::Slab(Rc::new(SlabL1::new(slab))),
@@ -707,91 +756,69 @@ pub async fn run_shard(
         store_oom_chunks: 0,
     }));
     state.borrow().lock_at_start();
+    state
+}
 
-    let ticker = {
-        let state = state.clone();
-        let l2 = l2.clone();
-        glommio::spawn_local(async move {
-            loop {
-                glommio::timer::sleep(interval).await;
-                state.borrow_mut().tick();
-                l2::drop_stored_from_l1(&state, &l2);
-                l2::tick(&l2);
-            }
-        })
-    };
+/// The task that expires, evicts and hands L2 its work every `interval`.
+fn start_ticker(state: &State, l2: &Rc<L2Shard>, interval: Duration) -> glommio::Task<()> {
+    let (state, l2) = (state.clone(), l2.clone());
+    glommio::spawn_local(async move {
+        loop {
+            glommio::timer::sleep(interval).await;
+            state.borrow_mut().tick();
+            l2::drop_stored_from_l1(&state, &l2);
+            l2::tick(&l2);
+        }
+    })
+}
 
-    // Object copies (lmcache_driven STORE and RETRIEVE, megabytes each) run
-    // as tasks of their own queue, beside this message loop, so lookups and
-    // small messages are not queued behind them.
-    let copies = glommio::executor().create_task_queue(
-        Shares::Static(1000),
-        Latency::NotImportant,
-        "copies",
-    );
-    let replies_main = replies.clone();
+/// One shard's message loop and what each message needs.
+struct Shard {
+    id: usize,
+    state: State,
+    l2: Rc<L2Shard>,
+    replies: NotifySender<FrontEvent>,
+    copies: glommio::TaskQueueHandle,
+}
 
-    let mut parker = rx.parker();
-    if let Err(e) = &parker {
-        log::warn!("shard {id}: no persistent wake stream ({e}); parking per message");
+impl Shard {
+    /// Serves the mailbox until it closes.
+    async fn serve(&self, rx: &mut MailboxReceiver<ShardMsg>) {
+        let mut parker = rx.parker();
+        if let Err(e) = &parker {
+            log::warn!(
+                "shard {}: no persistent wake stream ({e}); parking per message",
+                self.id
+            );
+        }
+        loop {
+            // Taking the next message never waits while some are queued: give
+            // the ticker and the L2 tasks their turn once this task queue's
+            // time slice is used up, or a saturating client starves expiry
+            // and eviction.
+            glommio::yield_if_needed().await;
+            let next = match parker.as_mut() {
+                Ok(p) => rx.recv_with(p).await,
+                Err(_) => rx.recv().await,
+            };
+            let Some(msg) = next else { break };
+            self.handle(msg);
+        }
     }
-    let _ = ready.send(Ok(()));
-    drop(ready);
-    loop {
-        // Taking the next message never waits while some are queued: give
-        // the ticker and the L2 tasks their turn once this task queue's time
-        // slice is used up, or a saturating client starves expiry and
-        // eviction.
-        glommio::yield_if_needed().await;
-        let next = match parker.as_mut() {
-            Ok(p) => rx.recv_with(p).await,
-            Err(_) => rx.recv().await,
-        };
-        let Some(msg) = next else { break };
+
+    fn handle(&self, msg: ShardMsg) {
         let to = ReplyAddr {
             seq: msg.seq,
-            shard: id,
+            shard: self.id,
         };
-        // The size a request names is its registered layout's full chunk.
-        match &msg.op {
-            ShardOp::Lookup { keys, size, .. } | ShardOp::ReserveWrite { keys, size, .. } => {
-                l2.note_layout(keys, *size)
-            }
-            ShardOp::AdoptWrite { writes, size, .. } => {
-                l2.note_layout(writes.iter().map(|(k, _)| k), *size)
-            }
-            ShardOp::Store { items, size, .. } => {
-                l2.note_layout(items.iter().map(|(k, _)| k), *size)
-            }
-            _ => {}
-        }
+        note_layout(&self.l2, &msg.op);
         match msg.op {
             ShardOp::Lookup {
                 keys,
                 readers,
                 size,
                 deadline,
-            } => {
-                let (found, slabs) = state.borrow_mut().lookup_l1(&keys, readers, Instant::now());
-                if !l2.is_enabled() || found.iter().all(|f| *f == Found::L1) {
-                    to.send(&replies, ShardReplyBody::Found { found, slabs });
-                    continue;
-                }
-                let (l2, replies) = (l2.clone(), replies.clone());
-                glommio::spawn_local(async move {
-                    let misses: Vec<usize> = (0..keys.len())
-                        .filter(|&i| found[i] == Found::Miss)
-                        .collect();
-                    let ask: Vec<ObjectKey> = misses.iter().map(|&i| keys[i]).collect();
-                    let codes = l2::lookup(&l2, &ask, size, deadline).await;
-                    let mut found = found;
-                    for (i, c) in misses.into_iter().zip(codes) {
-                        found[i] = c;
-                    }
-                    to.send(&replies, ShardReplyBody::Found { found, slabs });
-                })
-                .detach();
-            }
+            } => self.lookup(to, keys, readers, size, deadline),
             ShardOp::Load {
                 keys,
                 size,
@@ -799,7 +826,8 @@ pub async fn run_shard(
                 tag,
                 deadline,
             } => {
-                let (state, l2, replies) = (state.clone(), l2.clone(), replies.clone());
+                let (state, l2, replies) =
+                    (self.state.clone(), self.l2.clone(), self.replies.clone());
                 glommio::spawn_local(async move {
                     let (ok, slabs) =
                         l2::load_by(&state, &l2, keys, size, readers, tag, deadline).await;
@@ -808,86 +836,147 @@ pub async fn run_shard(
                 .detach();
             }
             ShardOp::UnlockL2 { keys } => {
-                l2::unlock(&l2, &keys);
-                to.send(&replies, ShardReplyBody::Done);
+                l2::unlock(&self.l2, &keys);
+                to.send(&self.replies, ShardReplyBody::Done);
             }
             ShardOp::Store {
                 reg,
                 items,
                 size,
                 tag,
-            } => {
-                let n = items.len();
-                let (state, l2, replies) = (state.clone(), l2.clone(), replies.clone());
-                let spawned = glommio::spawn_local_into(
-                    async move {
-                        let slab = state.borrow().slab_l1();
-                        let out = match slab {
-                            Some(slab) => {
-                                store_to_slab(&state, &slab, &reg, items, size, tag).await
-                            }
-                            None => store_in_memory(&state, &reg, items, size, tag).await,
-                        };
-                        let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
-                        l2::submit_store(&state, &l2, admitted);
-                        to.send(&replies, ShardReplyBody::Stored(out));
-                    },
-                    copies,
-                );
-                if let Err(e) = spawned.map(|t| t.detach()) {
-                    log::error!("shard {id}: cannot start a store's copy task: {e}");
-                    to.send(
-                        &replies_main,
-                        ShardReplyBody::Stored(vec![StoreOutcome::Failed; n]),
-                    );
-                }
+            } => self.store(to, reg, items, size, tag),
+            ShardOp::Retrieve { reg, items } => self.retrieve(to, reg, items),
+            op => self.other(to, op),
+        }
+    }
+
+    /// A lookup: L1 first, then (for the misses, on a task of their own)
+    /// the L2 tiers.
+    fn lookup(
+        &self,
+        to: ReplyAddr,
+        keys: Vec<ObjectKey>,
+        readers: u32,
+        size: u64,
+        deadline: Option<L2Deadline>,
+    ) {
+        let now = now_of(&self.state);
+        let (found, slabs) = self.state.borrow_mut().lookup_l1(&keys, readers, now);
+        if !self.l2.is_enabled() || found.iter().all(|f| *f == Found::L1) {
+            return to.send(&self.replies, ShardReplyBody::Found { found, slabs });
+        }
+        let (l2, replies) = (self.l2.clone(), self.replies.clone());
+        glommio::spawn_local(async move {
+            let misses: Vec<usize> = (0..keys.len())
+                .filter(|&i| found[i] == Found::Miss)
+                .collect();
+            let ask: Vec<ObjectKey> = misses.iter().map(|&i| keys[i]).collect();
+            let in_l2 = l2::lookup(&l2, &ask, size, deadline).await;
+            let mut found = found;
+            for (i, f) in misses.into_iter().zip(in_l2) {
+                found[i] = f;
             }
-            ShardOp::Retrieve { reg, items } => {
-                let n = items.len();
-                let (state, replies) = (state.clone(), replies.clone());
-                let spawned = glommio::spawn_local_into(
-                    async move {
-                        let slab = state.borrow().slab_l1();
-                        let out = match slab {
-                            Some(slab) => retrieve_from_slab(&state, &slab, &reg, items).await,
-                            None => retrieve_in_memory(&state, &reg, items).await,
-                        };
-                        to.send(&replies, ShardReplyBody::Retrieved(out));
-                    },
-                    copies,
-                );
-                if let Err(e) = spawned.map(|t| t.detach()) {
-                    // The lookup's read locks expire by TTL.
-                    log::error!("shard {id}: cannot start a retrieve's copy task: {e}");
-                    to.send(&replies_main, ShardReplyBody::Retrieved(vec![false; n]));
-                }
-            }
-            op => {
-                match &op {
-                    ShardOp::SetQuota {
-                        cache_salt,
-                        limit_bytes,
-                    } => l2.set_quota(cache_salt, *limit_bytes),
-                    ShardOp::RemoveQuota { cache_salt } => l2.remove_quota(cache_salt),
-                    ShardOp::ResetStats => l2.reset_stats(),
-                    _ => {}
-                }
-                let body = {
-                    let mut st = state.borrow_mut();
-                    let mut body = st.handle(op);
-                    if let ShardReplyBody::Status(r) = &mut body {
-                        r.l2 = l2.reports();
-                        r.l2_ctl = l2.stats();
-                    }
-                    body
+            to.send(&replies, ShardReplyBody::Found { found, slabs });
+        })
+        .detach();
+    }
+
+    /// An lmcache_driven STORE, copied on the copies queue.
+    fn store(
+        &self,
+        to: ReplyAddr,
+        reg: Arc<CpuShmRegistration>,
+        items: Vec<(ObjectKey, Vec<i64>)>,
+        size: u64,
+        tag: WriterTag,
+    ) {
+        let n = items.len();
+        let (state, l2, replies) = (self.state.clone(), self.l2.clone(), self.replies.clone());
+        let spawned = glommio::spawn_local_into(
+            async move {
+                let slab = state.borrow().slab_l1();
+                let out = match slab {
+                    Some(slab) => store_to_slab(&state, &slab, &reg, items, size, tag).await,
+                    None => store_in_memory(&state, &reg, items, size, tag).await,
                 };
                 let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
                 l2::submit_store(&state, &l2, admitted);
-                to.send(&replies, body);
-            }
+                to.send(&replies, ShardReplyBody::Stored(out));
+            },
+            self.copies,
+        );
+        if let Err(e) = spawned.map(|t| t.detach()) {
+            log::error!("shard {}: cannot start a store's copy task: {e}", self.id);
+            to.send(
+                &self.replies,
+                ShardReplyBody::Stored(vec![StoreOutcome::Failed; n]),
+            );
         }
     }
-    drop(ticker.cancel());
-    l2::drain(&l2, id, drain_limit).await;
-    log::debug!("shard {id} stopped");
+
+    /// An lmcache_driven RETRIEVE, copied on the copies queue.
+    fn retrieve(&self, to: ReplyAddr, reg: Arc<CpuShmRegistration>, items: Vec<RetrieveItem>) {
+        let n = items.len();
+        let (state, replies) = (self.state.clone(), self.replies.clone());
+        let spawned = glommio::spawn_local_into(
+            async move {
+                let slab = state.borrow().slab_l1();
+                let out = match slab {
+                    Some(slab) => retrieve_from_slab(&state, &slab, &reg, items).await,
+                    None => retrieve_in_memory(&state, &reg, items).await,
+                };
+                to.send(&replies, ShardReplyBody::Retrieved(out));
+            },
+            self.copies,
+        );
+        if let Err(e) = spawned.map(|t| t.detach()) {
+            // The lookup's read locks expire by TTL.
+            log::error!(
+                "shard {}: cannot start a retrieve's copy task: {e}",
+                self.id
+            );
+            to.send(&self.replies, ShardReplyBody::Retrieved(vec![false; n]));
+        }
+    }
+
+    /// Every other message, answered at once from the shard's state (the
+    /// quota and statistics ones reach the L2 controller too).
+    fn other(&self, to: ReplyAddr, op: ShardOp) {
+        match &op {
+            ShardOp::SetQuota {
+                cache_salt,
+                limit_bytes,
+            } => self.l2.set_quota(cache_salt, *limit_bytes),
+            ShardOp::RemoveQuota { cache_salt } => self.l2.remove_quota(cache_salt),
+            ShardOp::ResetStats => self.l2.reset_stats(),
+            _ => {}
+        }
+        let body = {
+            let mut st = self.state.borrow_mut();
+            let mut body = st.handle(op);
+            if let ShardReplyBody::Status(r) = &mut body {
+                r.l2 = self.l2.reports();
+                r.l2_ctl = self.l2.stats();
+            }
+            body
+        };
+        let admitted = std::mem::take(&mut self.state.borrow_mut().to_l2);
+        l2::submit_store(&self.state, &self.l2, admitted);
+        to.send(&self.replies, body);
+    }
+}
+
+/// Tells L2 the size a message's keys have: a request names its registered
+/// layout's full chunk.
+fn note_layout(l2: &L2Shard, op: &ShardOp) {
+    match op {
+        ShardOp::Lookup { keys, size, .. } | ShardOp::ReserveWrite { keys, size, .. } => {
+            l2.note_layout(keys, *size)
+        }
+        ShardOp::AdoptWrite { writes, size, .. } => {
+            l2.note_layout(writes.iter().map(|(k, _)| k), *size)
+        }
+        ShardOp::Store { items, size, .. } => l2.note_layout(items.iter().map(|(k, _)| k), *size),
+        _ => {}
+    }
 }
