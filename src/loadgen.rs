@@ -27,22 +27,23 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use kvshard_io::termination;
 use kvshard_transport::msgpack::{decode_value, Value, Writer};
+use kvshard_transport::wire::Op;
 
-const OP_REGISTER_KV_CACHE: i64 = 1;
-const OP_UNREGISTER_KV_CACHE: i64 = 2;
-const OP_STORE: i64 = 6;
-const OP_RETRIEVE: i64 = 7;
-const OP_LOOKUP: i64 = 8;
-const OP_QUERY_PREFETCH_STATUS: i64 = 9;
-const OP_END_SESSION: i64 = 13;
-const OP_REGISTER_ENGINE: i64 = 14;
-const OP_UNREGISTER_ENGINE: i64 = 15;
-const OP_PREPARE_STORE: i64 = 16;
-const OP_COMMIT_STORE: i64 = 17;
-const OP_PREPARE_RETRIEVE: i64 = 18;
-const OP_COMMIT_RETRIEVE: i64 = 19;
-const OP_GET_CHUNK_SIZE: i64 = 21;
-const OP_PING: i64 = 22;
+const OP_REGISTER_KV_CACHE: i64 = Op::RegisterKvCache.id();
+const OP_UNREGISTER_KV_CACHE: i64 = Op::UnregisterKvCache.id();
+const OP_STORE: i64 = Op::Store.id();
+const OP_RETRIEVE: i64 = Op::Retrieve.id();
+const OP_LOOKUP: i64 = Op::Lookup.id();
+const OP_QUERY_PREFETCH_STATUS: i64 = Op::QueryPrefetchStatus.id();
+const OP_END_SESSION: i64 = Op::EndSession.id();
+const OP_REGISTER_ENGINE: i64 = Op::RegisterKvCacheEngineDrivenContext.id();
+const OP_UNREGISTER_ENGINE: i64 = Op::UnregisterKvCacheEngineDrivenContext.id();
+const OP_PREPARE_STORE: i64 = Op::PrepareStore.id();
+const OP_COMMIT_STORE: i64 = Op::CommitStore.id();
+const OP_PREPARE_RETRIEVE: i64 = Op::PrepareRetrieve.id();
+const OP_COMMIT_RETRIEVE: i64 = Op::CommitRetrieve.id();
+const OP_GET_CHUNK_SIZE: i64 = Op::GetChunkSize.id();
+const OP_PING: i64 = Op::Ping.id();
 
 /// `kvshard loadgen` flags.
 #[derive(Debug, Clone, clap::Args)]

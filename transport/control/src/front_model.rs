@@ -29,21 +29,22 @@ use kvshard_engine::slab::Slab;
 use kvshard_io::mailbox::{mailbox, notify_queue, MailboxReceiver};
 use kvshard_messages::config::ServerConfig;
 use kvshard_wire::msgpack::{decode_value, encode_value, Value};
+use kvshard_wire::Op;
 
 use crate::front::{Clock, Front, FrontSetup, ReplyPort, Undelivered};
 
 const CHUNK: usize = 256;
 const IID: i64 = 1;
-const OP_LOOKUP: i64 = 8;
-const OP_QUERY_PREFETCH_STATUS: i64 = 9;
-const OP_FREE_LOOKUP_LOCKS: i64 = 12;
-const OP_END_SESSION: i64 = 13;
-const OP_REGISTER_ENGINE: i64 = 14;
-const OP_PREPARE_STORE: i64 = 16;
-const OP_COMMIT_STORE: i64 = 17;
-const OP_PREPARE_RETRIEVE: i64 = 18;
-const OP_COMMIT_RETRIEVE: i64 = 19;
-const OP_NOOP: i64 = 24;
+const OP_LOOKUP: i64 = Op::Lookup.id();
+const OP_QUERY_PREFETCH_STATUS: i64 = Op::QueryPrefetchStatus.id();
+const OP_FREE_LOOKUP_LOCKS: i64 = Op::FreeLookupLocks.id();
+const OP_END_SESSION: i64 = Op::EndSession.id();
+const OP_REGISTER_ENGINE: i64 = Op::RegisterKvCacheEngineDrivenContext.id();
+const OP_PREPARE_STORE: i64 = Op::PrepareStore.id();
+const OP_COMMIT_STORE: i64 = Op::CommitStore.id();
+const OP_PREPARE_RETRIEVE: i64 = Op::PrepareRetrieve.id();
+const OP_COMMIT_RETRIEVE: i64 = Op::CommitRetrieve.id();
+const OP_NOOP: i64 = Op::Noop.id();
 
 /// xorshift64*: reproducible per seed.
 struct Rng(u64);
