@@ -28,13 +28,13 @@
 //! answers that worker's `prepare_retrieve` from the lease without asking the
 //! shards ([`LeaseBook::readable`]).
 
-use kvshard_wire::InstanceId;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use kvshard_dataplane::messages::NO_SLAB;
 use kvshard_engine::keys::{ChunkHash, Name, ObjectKey};
 use kvshard_engine::l1::MAX_READ_LOCK_COUNT;
+use kvshard_wire::InstanceId;
 
 /// Locks one call takes or releases per key, as the shard clamps it.
 pub(crate) fn clamped(count: u32) -> u32 {

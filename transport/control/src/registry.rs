@@ -2,18 +2,86 @@
 //! mappings), their liveness, pending SHM reservations, and the object layout
 //! registered per (model, world_size).
 
-use kvshard_wire::InstanceId;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::ObjectKey;
 
-use kvshard_dataplane::cpu_shm::{CpuShmRegistration, ShmTensorSpec};
+use kvshard_dataplane::cpu_shm::{CpuShmRegistration, ShmTensorSpec, TransferError};
 use kvshard_dataplane::cuda_transfer::CudaInstance;
 use kvshard_dataplane::layout::Layout;
 use kvshard_wire::msgpack::Value;
-use kvshard_wire::{self as wire, IpcData, IpcKey};
+use kvshard_wire::{self as wire, InstanceId, IpcData, IpcKey};
+
+/// Why a registration was refused.
+#[derive(Debug)]
+pub enum RegistryError {
+    /// The table holds `--max-registrations` instances.
+    Full {
+        max: usize,
+    },
+    /// The (model, world size) is registered already with another object
+    /// layout: objects are keyed without it, so one worker would read
+    /// another's bytes as its own shape.
+    LayoutConflict {
+        model: String,
+        world_size: u32,
+        registered: Layout,
+        asked: Layout,
+    },
+    EmptyKvCache,
+    /// A layer of a cpu_shm registration is a CUDA tensor.
+    CudaLayer {
+        layer: usize,
+    },
+    UnsupportedDescriptor {
+        layer: usize,
+        tag: String,
+    },
+    /// The worker's SHM tensors cannot be opened or laid out.
+    CpuShm(TransferError),
+}
+
+impl std::fmt::Display for RegistryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RegistryError::Full { max } => {
+                write!(f, "registration table full ({max} instances, --max-registrations)")
+            }
+            RegistryError::LayoutConflict {
+                model,
+                world_size,
+                registered: l,
+                asked,
+            } => write!(
+                f,
+                "model {model} world_size {world_size} is already registered with object layout \
+                 {:?} {} ({} bytes); this registration has {:?} {} ({} bytes)",
+                l.shape, l.dtype, l.bytes, asked.shape, asked.dtype, asked.bytes
+            ),
+            RegistryError::EmptyKvCache => f.write_str("kv_cache is empty"),
+            RegistryError::CudaLayer { layer } => write!(
+                f,
+                "layer {layer} is a CUDA IPC tensor: CUDA transfer is unavailable in this kvshard \
+                 build; run the worker with mp_transfer_mode=engine_driven or a cpu_shm registration"
+            ),
+            RegistryError::UnsupportedDescriptor { layer, tag } => {
+                write!(f, "layer {layer} has unsupported device descriptor type {tag:?}")
+            }
+            RegistryError::CpuShm(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for RegistryError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RegistryError::CpuShm(e) => Some(e),
+            _ => None,
+        }
+    }
+}
 
 /// Layout per (model, world_size), reference-counted by registrations.
 #[derive(Default)]
@@ -29,17 +97,18 @@ impl Layouts {
     /// Objects are keyed without their layout, so two layouts for one
     /// (model, world_size) would let one worker read another's bytes as its own
     /// shape: refuse the second.
-    pub fn register(&mut self, model: &str, ws: u32, layout: &Layout) -> Result<(), String> {
+    pub fn register(&mut self, model: &str, ws: u32, layout: &Layout) -> Result<(), RegistryError> {
         match self.map.get_mut(&(model.to_owned(), ws)) {
             Some((l, refs)) if l.bytes == layout.bytes => {
                 *refs += 1;
                 Ok(())
             }
-            Some((l, _)) => Err(format!(
-                "model {model} world_size {ws} is already registered with object layout {:?} {} ({} bytes); \
-                 this registration has {:?} {} ({} bytes)",
-                l.shape, l.dtype, l.bytes, layout.shape, layout.dtype, layout.bytes
-            )),
+            Some((l, _)) => Err(RegistryError::LayoutConflict {
+                model: model.to_owned(),
+                world_size: ws,
+                registered: l.clone(),
+                asked: layout.clone(),
+            }),
             None => {
                 self.map.insert((model.to_owned(), ws), (layout.clone(), 1));
                 Ok(())
@@ -169,23 +238,20 @@ impl Registry {
         }
     }
 
-    fn room(&self) -> Result<(), String> {
+    fn room(&self) -> Result<(), RegistryError> {
         if self.engine.len() + self.lmc.len() >= self.max {
-            return Err(format!(
-                "registration table full ({} instances, --max-registrations)",
-                self.max
-            ));
+            return Err(RegistryError::Full { max: self.max });
         }
         Ok(())
     }
 
-    pub fn insert_engine(&mut self, iid: InstanceId, e: EngineEntry) -> Result<(), String> {
+    pub fn insert_engine(&mut self, iid: InstanceId, e: EngineEntry) -> Result<(), RegistryError> {
         self.room()?;
         self.engine.insert(iid, e);
         Ok(())
     }
 
-    pub fn insert_lmc(&mut self, iid: InstanceId, e: LmcEntry) -> Result<(), String> {
+    pub fn insert_lmc(&mut self, iid: InstanceId, e: LmcEntry) -> Result<(), RegistryError> {
         self.room()?;
         self.lmc.insert(iid, e);
         Ok(())
@@ -521,9 +587,9 @@ pub fn open_cpu_shm(
     engine_type: &str,
     chunk_size: usize,
     null_block_id: i64,
-) -> Result<CpuShmRegistration, String> {
+) -> Result<CpuShmRegistration, RegistryError> {
     if kv_cache.is_empty() {
-        return Err("kv_cache is empty".into());
+        return Err(RegistryError::EmptyKvCache);
     }
     let mut tensors = Vec::with_capacity(kv_cache.len());
     for (i, d) in kv_cache.iter().enumerate() {
@@ -537,12 +603,14 @@ pub fn open_cpu_shm(
                 storage_offset: c.metadata.storage_offset,
             }),
             IpcData::Cuda(_) | IpcData::CudaRaw(_) | IpcData::CudaVmm(_) => {
-                return Err(format!(
-                    "layer {i} is a CUDA IPC tensor: CUDA transfer is unavailable in this kvshard build; \
-                     run the worker with mp_transfer_mode=engine_driven or a cpu_shm registration"
-                ))
+                return Err(RegistryError::CudaLayer { layer: i })
             }
-            IpcData::Unsupported { tag } => return Err(format!("layer {i} has unsupported device descriptor type {tag:?}")),
+            IpcData::Unsupported { tag } => {
+                return Err(RegistryError::UnsupportedDescriptor {
+                    layer: i,
+                    tag: tag.clone(),
+                })
+            }
         }
     }
     let groups = kvshard_dataplane::cuda_transfer::group_specs(groups);
@@ -560,5 +628,5 @@ pub fn open_cpu_shm(
         hint.as_deref(),
         null_block_id,
     )
-    .map_err(|e| e.to_string())
+    .map_err(RegistryError::CpuShm)
 }

@@ -2,7 +2,6 @@
 //! [`StatusSnapshot`] and rendered to JSON by whoever receives it (the HTTP API's
 //! thread), so that building the document costs the front nothing.
 
-use kvshard_wire::InstanceId;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -10,6 +9,7 @@ use serde_json::json;
 
 use kvshard_dataplane::messages::ShardReport;
 use kvshard_messages::config::ServerConfig;
+use kvshard_wire::InstanceId;
 
 /// The front's state and its shards' reports at one moment.
 pub struct StatusSnapshot {

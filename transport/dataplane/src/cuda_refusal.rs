@@ -10,11 +10,10 @@
 //! is missing and the way a GPU worker can use kvshard instead: engine_driven
 //! transfers over the shared L1 pool.
 
-use kvshard_wire::InstanceId;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvshard_wire::{CudaIpc, IpcData, VmmKind};
+use kvshard_wire::{CudaIpc, InstanceId, IpcData, VmmKind};
 
 /// What kvshard found out about CUDA on this host (probed once, on the first
 /// CUDA registration).

@@ -18,7 +18,6 @@
 //!
 //! Nothing here touches CUDA: the device threads own every driver call.
 
-use kvshard_wire::InstanceId;
 use std::sync::Arc;
 
 use kvshard_gds::cuda::{CudaDevice, CudaEnv};
@@ -38,7 +37,7 @@ use crate::cpu_shm::{
 use crate::cuda_refusal::{parse_torch_handle, TorchHandle};
 use crate::layout::Layout;
 use kvshard_wire::msgpack::Value;
-use kvshard_wire::{EngineGroupInfo, IpcData, TensorMetadata, VmmKind};
+use kvshard_wire::{EngineGroupInfo, InstanceId, IpcData, TensorMetadata, VmmKind};
 use std::sync::mpsc;
 use std::time::Duration;
 

@@ -4,7 +4,6 @@
 //! carries its registration), so every part can depend on it without a
 //! cycle.
 
-use kvshard_wire::InstanceId;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,6 +13,7 @@ use kvshard_engine::l2::tier::{TierStats, TierUsage};
 use kvshard_engine::slab::Slab;
 
 use kvshard_messages::control::{ControlRequest, Responder};
+use kvshard_wire::InstanceId;
 
 use crate::cpu_shm::CpuShmRegistration;
 

@@ -4,6 +4,7 @@
 //! snapshot to render).
 
 use crate::oneshot;
+
 use kvshard_wire::InstanceId;
 
 #[derive(Debug, Clone, PartialEq)]

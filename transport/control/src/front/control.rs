@@ -4,6 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use kvshard_dataplane::cpu_shm::ChecksumRefusal;
 use kvshard_dataplane::messages::{ReplyTo, ShardOp, ShardReport};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
@@ -137,9 +138,10 @@ impl Front {
                 // Hashing a whole KV cache takes a while: keep it off the
                 // request path, on at most MAX_CHECKSUM_THREADS threads.
                 let work: Box<
-                    dyn FnOnce()
-                            -> Result<kvshard_dataplane::cpu_shm::ChecksumReport, (u16, String)>
-                        + Send,
+                    dyn FnOnce() -> Result<
+                            kvshard_dataplane::cpu_shm::ChecksumReport,
+                            ChecksumRefusal,
+                        > + Send,
                 > = match self.registry.lmc_reg(instance_id, self.clock.now()) {
                     None => {
                         return responder.send(ControlResponse::error(
@@ -180,17 +182,17 @@ impl Front {
                                 instance_id,
                                 plan,
                             )
-                            .map_err(|e| (500, e))
+                            .map_err(|detail| ChecksumRefusal {
+                                status: 500,
+                                detail,
+                            })
                         })
                     }
                     Some((LmcTransfer::CpuShm(reg), _)) => {
                         if let Err(r) = reg.checksum_check(&block_ids, chunk_size_blocks) {
                             return responder.send(ControlResponse::error(r.status, r.detail));
                         }
-                        Box::new(move || {
-                            reg.checksums(&block_ids, chunk_size_blocks, layerwise)
-                                .map_err(|r| (r.status, r.detail))
-                        })
+                        Box::new(move || reg.checksums(&block_ids, chunk_size_blocks, layerwise))
                     }
                 };
                 if self.checksum_threads.load(Ordering::SeqCst) >= MAX_CHECKSUM_THREADS {
@@ -217,7 +219,7 @@ impl Front {
                             Ok(report) => ControlResponse::json(
                                 serde_json::to_value(&report).unwrap_or(serde_json::Value::Null),
                             ),
-                            Err((status, e)) => ControlResponse::error(status, e),
+                            Err(r) => ControlResponse::error(r.status, r.detail),
                         });
                     });
                 if let Err(e) = spawned {

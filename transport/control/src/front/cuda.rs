@@ -2,7 +2,6 @@
 //! set-up on the GPU's device thread, and STORE and RETRIEVE as copies the
 //! device thread runs between the worker's GPU blocks and L1.
 
-use kvshard_wire::InstanceId;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,6 +14,7 @@ use kvshard_gds::device::worker::{ChunkCopy, CopyDir, DeviceJob};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_wire as wire;
+use kvshard_wire::InstanceId;
 
 use super::workers::writer_tag;
 use super::Front;
@@ -130,7 +130,7 @@ impl Front {
             Err(e) => return self.refuse_with(iid, refuse(e), &model_name, ws as i64, now),
         };
         if let Err(e) = self.layouts.register(&model_name, ws, &instance.layout()) {
-            return self.refuse_with(iid, refuse(e), &model_name, ws as i64, now);
+            return self.refuse_with(iid, refuse(e.to_string()), &model_name, ws as i64, now);
         }
         if self.cuda_threads.is_none() {
             match CudaExecutor::start(env, &mem) {

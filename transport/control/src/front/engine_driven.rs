@@ -3,7 +3,6 @@
 //! prepare_retrieve (from a lookup's lease or fresh read locks) and
 //! commit_retrieve. The worker copies through the shared L1 pool itself.
 
-use kvshard_wire::InstanceId;
 use std::time::Instant;
 
 use kvshard_dataplane::layout::Layout;
@@ -13,9 +12,10 @@ use kvshard_engine::l1::WriterTag;
 use kvshard_engine::slab::Slab;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
-use kvshard_wire::{self as wire, IpcKey};
+use kvshard_wire::{self as wire, InstanceId, IpcKey};
 
 use super::inflight::{involved, InflightKind};
+use super::lookup::KeyError;
 use super::workers::{reserved_instance_id, writer_tag};
 use super::Front;
 use crate::registry::{EngineEntry, PendingWrite, TransferKey};
@@ -134,9 +134,9 @@ impl Front {
         iid: InstanceId,
         key: &IpcKey,
         now: Instant,
-    ) -> Result<Vec<ObjectKey>, String> {
+    ) -> Result<Vec<ObjectKey>, KeyError> {
         if key.worker_id.is_none() {
-            return Err("key has no worker_id".into());
+            return Err(KeyError::NoWorker);
         }
         let ranks = Self::ranks_of(key)?;
         if let Some(rank) = ranks.single() {

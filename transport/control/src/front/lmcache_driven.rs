@@ -2,7 +2,6 @@
 //! and RETRIEVE, which the shards copy between the worker's blocks and L1.
 //! CUDA registrations and transfers go on in `cuda.rs`.
 
-use kvshard_wire::InstanceId;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -11,10 +10,11 @@ use kvshard_dataplane::messages::{ReplyTo, RetrieveItem, ShardOp, StoreOutcome};
 use kvshard_engine::keys::{self, ObjectKey};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
-use kvshard_wire::{self as wire, IpcKey};
+use kvshard_wire::{self as wire, InstanceId, IpcKey};
 
 use super::engine_driven::first_chunk_of;
 use super::inflight::{involved, InflightKind};
+use super::lookup::KeyError;
 use super::workers::{reserved_instance_id, writer_tag};
 use super::Front;
 use crate::registry::{LmcEntry, LmcTransfer};
@@ -140,27 +140,25 @@ impl Front {
         block_ids: &[Vec<i64>],
         num_chunks: usize,
         validate: impl Fn(&[i64]) -> Result<(), String>,
-    ) -> Result<Vec<Vec<i64>>, String> {
+    ) -> Result<Vec<Vec<i64>>, ChunksError> {
         let Some(blocks) = block_ids.first() else {
-            return Err("block_ids is empty".into());
+            return Err(ChunksError::NoBlocks);
         };
         if block_ids.len() > 1 {
-            return Err(format!(
-                "{} KV groups sent; kvshard supports one",
-                block_ids.len()
-            ));
+            return Err(ChunksError::Groups(block_ids.len()));
         }
         if blocks.len() < num_chunks * bpc {
-            return Err(format!(
-                "{} block ids for {num_chunks} chunks of {bpc} blocks",
-                blocks.len()
-            ));
+            return Err(ChunksError::TooFewBlocks {
+                have: blocks.len(),
+                chunks: num_chunks,
+                per_chunk: bpc,
+            });
         }
         let out: Vec<Vec<i64>> = (0..num_chunks)
             .map(|c| blocks[c * bpc..(c + 1) * bpc].to_vec())
             .collect();
         for b in &out {
-            validate(b)?;
+            validate(b).map_err(ChunksError::BadBlocks)?;
         }
         Ok(out)
     }
@@ -178,6 +176,7 @@ impl Front {
     ) -> Option<(Vec<ObjectKey>, Vec<Vec<i64>>)> {
         let chunks = self
             .worker_keys(iid, key, self.clock.now())
+            .map_err(ChunksError::Key)
             .and_then(|objs| {
                 let blocks = match reg {
                     LmcTransfer::CpuShm(r) => {
@@ -414,5 +413,49 @@ impl Front {
             self.metrics.retrieve_misses += 1;
         }
         self.reply(to, Some(wire::encode_store_reply(b"", ok)));
+    }
+}
+
+/// Why a STORE or RETRIEVE names no chunks kvshard can copy.
+#[derive(Debug)]
+pub(super) enum ChunksError {
+    Key(KeyError),
+    NoBlocks,
+    /// Several KV groups' block lists were sent.
+    Groups(usize),
+    TooFewBlocks {
+        have: usize,
+        chunks: usize,
+        per_chunk: usize,
+    },
+    /// The registration refused a chunk's block ids (why, in its words).
+    BadBlocks(String),
+}
+
+impl std::fmt::Display for ChunksError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ChunksError::Key(e) => e.fmt(f),
+            ChunksError::NoBlocks => f.write_str("block_ids is empty"),
+            ChunksError::Groups(n) => write!(f, "{n} KV groups sent; kvshard supports one"),
+            ChunksError::TooFewBlocks {
+                have,
+                chunks,
+                per_chunk,
+            } => write!(
+                f,
+                "{have} block ids for {chunks} chunks of {per_chunk} blocks"
+            ),
+            ChunksError::BadBlocks(e) => f.write_str(e),
+        }
+    }
+}
+
+impl std::error::Error for ChunksError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ChunksError::Key(e) => Some(e),
+            _ => None,
+        }
     }
 }

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use kvshard_dataplane::messages::{Found, L2Deadline, ReplyTo, Seq, ShardMsg, ShardOp, NO_SLAB};
-use kvshard_engine::keys::{self, Name, ObjectKey};
+use kvshard_engine::keys::{self, HashError, Name, NameError, ObjectKey};
 use kvshard_engine::l1::WriterTag;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
@@ -149,28 +149,22 @@ impl Front {
     }
 
     /// Interned (model_name, cache_salt) of a request, once per request.
-    pub(super) fn key_names(model: &str, salt: &str) -> Result<(Name, Name), String> {
-        let model = Name::intern(model).map_err(|e| format!("model_name: {e}"))?;
-        let salt = Name::intern(salt).map_err(|e| format!("cache_salt: {e}"))?;
-        Ok((model, salt))
+    pub(super) fn key_names(model: &str, salt: &str) -> Result<(Name, Name), KeyError> {
+        let name = |field, s| Name::intern(s).map_err(|source| KeyError::Name { field, source });
+        Ok((name("model_name", model)?, name("cache_salt", salt)?))
     }
 
     /// kv_ranks a key addresses: one worker's, or every worker's for a scheduler key.
-    pub(super) fn ranks_of(key: &IpcKey) -> Result<Ranks, String> {
+    pub(super) fn ranks_of(key: &IpcKey) -> Result<Ranks, KeyError> {
         let ws = u32::try_from(key.world_size)
             .ok()
             .filter(|w| (1..=keys::MAX_WORLD_SIZE).contains(w))
-            .ok_or_else(|| {
-                format!(
-                    "world_size {} outside 1..={}",
-                    key.world_size,
-                    keys::MAX_WORLD_SIZE
-                )
-            })?;
+            .ok_or(KeyError::WorldSize(key.world_size))?;
         match key.worker_id {
-            Some(w) if w < 0 || w as u64 >= ws as u64 => {
-                Err(format!("worker_id {w} outside world_size {ws}"))
-            }
+            Some(w) if w < 0 || w as u64 >= ws as u64 => Err(KeyError::WorkerId {
+                worker: w,
+                world_size: ws,
+            }),
             w => Ok(Ranks::of(ws, w.map(|w| w as u32))),
         }
     }
@@ -184,27 +178,29 @@ impl Front {
         from_zero: bool,
         num_ranks: usize,
         now: Instant,
-    ) -> Result<Vec<keys::ChunkHash>, String> {
+    ) -> Result<Vec<keys::ChunkHash>, KeyError> {
         let cs = self.cfg.chunk_size;
         let start = if from_zero {
             0
         } else {
-            usize::try_from(key.start).map_err(|_| format!("negative start {}", key.start))?
+            usize::try_from(key.start).map_err(|_| KeyError::NegativeStart(key.start))?
         };
-        let end = usize::try_from(key.end).map_err(|_| format!("negative end {}", key.end))?;
+        let end = usize::try_from(key.end).map_err(|_| KeyError::NegativeEnd(key.end))?;
         let objects = (end.saturating_sub(start) / cs).saturating_mul(num_ranks);
         if objects > MAX_OBJECTS_PER_REQUEST {
-            return Err(format!(
-                "[{start}, {end}) x {num_ranks} kv ranks addresses {objects} objects, more than the \
-                 {MAX_OBJECTS_PER_REQUEST} one request may"
-            ));
+            return Err(KeyError::TooManyObjects {
+                start,
+                end,
+                ranks: num_ranks,
+                objects,
+            });
         }
         let s = self
             .sessions
             .with_tokens(&key.request_id, &key.token_ids, now);
         s.hashes(cs, start, end)
             .map(|h| h.to_vec())
-            .map_err(|e| e.to_string())
+            .map_err(KeyError::Tokens)
     }
 
     pub(super) fn lookup(&mut self, to: ReplyTo, key: IpcKey, now: Instant) {
@@ -796,4 +792,69 @@ fn grant_lease(leases: &mut LeaseBook, p: &PendingLoad, keep: usize) {
         readers: p.readers,
         sent_at: p.sent_at,
     });
+}
+
+/// Why a request's key addresses no object.
+#[derive(Debug)]
+pub(super) enum KeyError {
+    WorldSize(i64),
+    WorkerId {
+        worker: i64,
+        world_size: u32,
+    },
+    NegativeStart(i64),
+    NegativeEnd(i64),
+    /// More than [`MAX_OBJECTS_PER_REQUEST`] objects (chunks times kv ranks).
+    TooManyObjects {
+        start: usize,
+        end: usize,
+        ranks: usize,
+        objects: usize,
+    },
+    Name {
+        field: &'static str,
+        source: NameError,
+    },
+    /// The range does not fit the request's tokens.
+    Tokens(HashError),
+    /// A worker's transfer key without the worker it is for.
+    NoWorker,
+}
+
+impl std::fmt::Display for KeyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyError::WorldSize(ws) => {
+                write!(f, "world_size {ws} outside 1..={}", keys::MAX_WORLD_SIZE)
+            }
+            KeyError::WorkerId { worker, world_size } => {
+                write!(f, "worker_id {worker} outside world_size {world_size}")
+            }
+            KeyError::NegativeStart(s) => write!(f, "negative start {s}"),
+            KeyError::NegativeEnd(e) => write!(f, "negative end {e}"),
+            KeyError::TooManyObjects {
+                start,
+                end,
+                ranks,
+                objects,
+            } => write!(
+                f,
+                "[{start}, {end}) x {ranks} kv ranks addresses {objects} objects, more than the \
+                 {MAX_OBJECTS_PER_REQUEST} one request may"
+            ),
+            KeyError::Name { field, source } => write!(f, "{field}: {source}"),
+            KeyError::Tokens(e) => e.fmt(f),
+            KeyError::NoWorker => f.write_str("key has no worker_id"),
+        }
+    }
+}
+
+impl std::error::Error for KeyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            KeyError::Name { source, .. } => Some(source),
+            KeyError::Tokens(e) => Some(e),
+            _ => None,
+        }
+    }
 }

@@ -16,7 +16,6 @@ mod lookup;
 mod shard_link;
 mod workers;
 
-use kvshard_wire::InstanceId;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -29,7 +28,7 @@ use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_io::mailbox::{MailboxSender, NotifySender};
 use kvshard_messages::config::ServerConfig;
-use kvshard_wire::{self as wire, Op, Request, RequestError};
+use kvshard_wire::{self as wire, InstanceId, Op, Request, RequestError};
 
 use crate::lookup_leases::LeaseBook;
 use crate::lookup_log::{LookupHashLog, LookupLogWriter, WRITER_QUEUE_RECORDS};

@@ -2,7 +2,6 @@
 //! the re-registration edge), and the release of what a departed or reaped
 //! instance held.
 
-use kvshard_wire::InstanceId;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -11,6 +10,7 @@ use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::l1::WriterTag;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
+use kvshard_wire::InstanceId;
 
 use super::Front;
 use crate::registry::{LmcTransfer, PendingWrite};
