@@ -6,7 +6,8 @@
 //! registration into the device thread's [`InstanceSpec`]: the same layout
 //! detection as the cpu_shm path ([`DeviceGeometry`]), the copy kernel's
 //! stride table, and where each layer's first element sits in the memory the
-//! worker shares. The front then drives the transfers (see `front.rs`):
+//! worker shares. The front then drives the transfers (see the control
+//! crate's `front/cuda.rs`):
 //!
 //! - STORE: reserve the chunks' L1 objects on their shards, hand the device
 //!   thread the objects' host addresses and the worker's blocks, and once it
