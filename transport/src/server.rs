@@ -102,11 +102,15 @@ pub fn run(cfg: ServerConfig) -> Result<(), String> {
     let mut l1 = build_l1(&cfg, slices, lookup_log, &events_tx)?;
     let socket = bind_router(&cfg)?;
     check_l2_paths(&cfg)?;
-    let (senders, handles) = start_shards(&cfg, &mut l1, &events_tx)?;
+    let Shards {
+        senders,
+        handles,
+        ready,
+    } = start_shards(&cfg, &mut l1, &events_tx)?;
     // Serve only once every shard is up; on any failure from here on, stop
     // the shards before returning so that the last reference to the arena
     // goes with them and its shm segment is unlinked.
-    let started = shards_ready(&l1.ready, cfg.cores.len().max(1))
+    let started = shards_ready(&ready, handles.len())
         .and_then(|()| start_http(&cfg, ControlHandle::new(events_tx.clone())));
     let http = match started {
         Ok(http) => http,
@@ -174,9 +178,6 @@ struct L1Built {
     /// on it.
     prefaulter: Option<Prefaulter>,
     prefault_handles: Vec<Option<PrefaultHandle>>,
-    /// Where the shards say they are ready (see [`shards_ready`]).
-    ready: Receiver<Result<(), String>>,
-    ready_tx: Option<std::sync::mpsc::Sender<Result<(), String>>>,
 }
 
 /// Makes the L1: GDS slab files, or the arena in memory (with its faulting
@@ -188,7 +189,6 @@ fn build_l1(
     events_tx: &NotifySender<FrontEvent>,
 ) -> Result<L1Built, String> {
     let n = slices.len();
-    let (ready_tx, ready) = std::sync::mpsc::channel();
     if let Some(gds) = &cfg.l1.gds {
         let slabs = create_slabs(gds, &slices)?;
         let setup = FrontSetup {
@@ -212,8 +212,6 @@ fn build_l1(
             setup,
             prefaulter: None,
             prefault_handles: (0..n).map(|_| None).collect(),
-            ready,
-            ready_tx: Some(ready_tx),
         });
     }
     // Device memory is not swapped and a shared file mapping is written back,
@@ -263,8 +261,6 @@ fn build_l1(
         setup,
         prefaulter,
         prefault_handles,
-        ready,
-        ready_tx: Some(ready_tx),
     })
 }
 
@@ -295,20 +291,26 @@ fn bind_router(cfg: &ServerConfig) -> Result<zmq::Socket, String> {
     Ok(socket)
 }
 
-/// Starts one shard executor per core, each on its part of the L1; they say
-/// on `l1.ready` when they are ready. On a failure the ones started are
-/// stopped.
-#[allow(clippy::type_complexity)]
+/// The shards started: their mailboxes, their threads, and where each says
+/// it is ready to serve (see [`shards_ready`]).
+struct Shards {
+    senders: Vec<MailboxSender<ShardMsg>>,
+    handles: Vec<ShardHandle>,
+    ready: Receiver<Result<(), String>>,
+}
+
+/// Starts one shard executor per core, each on its part of the L1. On a
+/// failure the ones started are stopped.
 fn start_shards(
     cfg: &Arc<ServerConfig>,
     l1: &mut L1Built,
     events_tx: &NotifySender<FrontEvent>,
-) -> Result<(Vec<MailboxSender<ShardMsg>>, Vec<ShardHandle>), String> {
+) -> Result<Shards, String> {
     let n = l1.slices.len();
     let align = cfg.l1.align_bytes;
     let mut senders = Vec::with_capacity(n);
     let mut handles: Vec<ShardHandle> = Vec::with_capacity(n);
-    let ready_tx = l1.ready_tx.take().expect("shards are started once");
+    let (ready_tx, ready) = std::sync::mpsc::channel();
     for (i, (offset, max, init)) in l1.slices.iter().copied().enumerate() {
         let (tx, rx) = mailbox(cfg.shard_queue_depth);
         senders.push(tx);
@@ -350,7 +352,11 @@ fn start_shards(
             }
         }
     }
-    Ok((senders, handles))
+    Ok(Shards {
+        senders,
+        handles,
+        ready,
+    })
 }
 
 /// Runs the front on this thread (pinned to `--front-core` when given) until
