@@ -36,7 +36,8 @@ use bench_dir::BenchDir;
 use hdrhistogram::Histogram;
 use io_uring::IoUring;
 use kvshard_gds::slab::{AlignedBuf, FsType, GdsSlab, SlabOptions, RING_DEPTH};
-use kvshard_transport::cpu_shm::{CpuShmRegistration, ShmTensorSpec};
+use kvshard_layout::ShmTensorSpec;
+use kvshard_transport::cpu_shm::CpuShmRegistration;
 use pattern::fill;
 use raw_direct::{raw_direct, RawOp};
 

@@ -41,8 +41,8 @@ use kvshard_gds::device::worker::{
 };
 use kvshard_gds::device::Device;
 use kvshard_gds::kernel::{CopyDirection, KernelLaunch, KernelObjects};
-use kvshard_gds::layout::{EngineKvFormat, PageBufferShape, StrideTable, MAX_OBJECTS};
 use kvshard_gds::nvrtc::Nvrtc;
+use kvshard_layout::stride::{EngineKvFormat, PageBufferShape, StrideTable, MAX_OBJECTS};
 
 #[path = "../tests/common/diag.rs"]
 mod diag;

@@ -6,7 +6,7 @@
 //! `static_assert`s on the CUDA side. Building the parameters goes through
 //! [`StrideTable::check_call`], the same validation the CPU executor uses.
 
-use crate::layout::{CopyError, StrideTable, MAX_OBJECTS};
+use kvshard_layout::stride::{CopyError, StrideTable, MAX_OBJECTS};
 
 /// CUDA C source of the block-copy kernel.
 pub const KV_BLOCK_COPY_SRC: &str = include_str!("kv_block_copy.cu");
@@ -193,7 +193,7 @@ impl KernelLaunch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{EngineKvFormat, PageBufferShape};
+    use kvshard_layout::stride::{EngineKvFormat, PageBufferShape};
 
     #[test]
     fn source_defines_every_entry() {

@@ -9,7 +9,6 @@ pub mod cufile;
 pub mod devdax;
 pub mod device;
 pub mod kernel;
-pub mod layout;
 pub mod libfind;
 pub mod nvrtc;
 pub mod slab;

@@ -46,8 +46,8 @@ use kvshard_gds::device::worker::{
 };
 use kvshard_gds::device::{require_symbols, Device};
 use kvshard_gds::kernel::{CopyDirection, KernelLaunch, KernelObjects};
-use kvshard_gds::layout::{gather, scatter};
 use kvshard_gds::nvrtc::Nvrtc;
+use kvshard_layout::stride::{gather, scatter};
 
 mod common;
 use common::diag::{skip, Diag, HostBuf};

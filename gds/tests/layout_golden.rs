@@ -4,7 +4,7 @@
 //! and a seeded comparison against an independent byte-address model over
 //! every format and copy width.
 
-use kvshard_gds::layout::{gather, scatter, EngineKvFormat, PageBufferShape, StrideTable};
+use kvshard_layout::stride::{gather, scatter, EngineKvFormat, PageBufferShape, StrideTable};
 
 mod common;
 use common::golden::{cases, golden_paged, sha256_hex, Case};

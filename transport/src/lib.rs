@@ -16,7 +16,7 @@
 pub mod server;
 
 pub use kvshard_control::{control, front, lookup_leases, lookup_log, metrics, registry, session};
-pub use kvshard_dataplane::{cpu_shm, cuda_refusal, cuda_transfer, layout, messages, shard};
+pub use kvshard_dataplane::{cpu_shm, cuda_refusal, cuda_transfer, messages, shard};
 pub use kvshard_http as http_api;
 pub use kvshard_messages::{config, oneshot};
 pub use kvshard_wire as wire;

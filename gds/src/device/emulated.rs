@@ -10,14 +10,14 @@
 //! minus the driver: the registration goes through [`check_spec`], a
 //! transfer through [`validate_chunks`] and [`plan_batches`], and each batch
 //! is copied by the CPU executor of the same stride table the kernel reads
-//! ([`layout::gather`] and [`layout::scatter`]). The exported event it
+//! ([`stride::gather`] and [`stride::scatter`]). The exported event it
 //! answers with is 64 bytes that no CUDA process can open.
 //!
 //! [`check_spec`]: super::worker::check_spec
 //! [`validate_chunks`]: super::worker::validate_chunks
 //! [`plan_batches`]: super::worker::plan_batches
-//! [`layout::gather`]: crate::layout::gather
-//! [`layout::scatter`]: crate::layout::scatter
+//! [`stride::gather`]: kvshard_layout::stride::gather
+//! [`stride::scatter`]: kvshard_layout::stride::scatter
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -25,7 +25,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use crate::cuda::{CudaDevice, CudaEnv};
-use crate::layout;
+use kvshard_layout::stride;
 
 use super::worker::{
     check_spec, plan_batches, read_len, validate_chunks, CopyDir, DeviceJob, InstanceSpec,
@@ -208,7 +208,7 @@ fn transfer(
                         std::slice::from_raw_parts_mut(c.host_addr as *mut u8, object)
                     })
                     .collect();
-                layout::gather(
+                stride::gather(
                     &s.table,
                     &paged,
                     &mut objs,
@@ -229,7 +229,7 @@ fn transfer(
                         std::slice::from_raw_parts(c.host_addr as *const u8, object)
                     })
                     .collect();
-                layout::scatter(
+                stride::scatter(
                     &s.table,
                     &mut paged,
                     &objs,

@@ -34,8 +34,9 @@ pub mod emulated;
 /// The stride table of a FlashAttention NHD group of `nl` bf16 layers
 /// (100 blocks of 16 tokens, 8 heads of 128), for the tests of this module.
 #[cfg(test)]
-pub(crate) fn flash_table(nl: u32) -> crate::layout::StrideTable {
-    let shape = crate::layout::PageBufferShape {
+pub(crate) fn flash_table(nl: u32) -> kvshard_layout::stride::StrideTable {
+    use kvshard_layout::stride::{EngineKvFormat, PageBufferShape, StrideTable};
+    let shape = PageBufferShape {
         kv_size: 2,
         nl,
         nb: 100,
@@ -45,8 +46,7 @@ pub(crate) fn flash_table(nl: u32) -> crate::layout::StrideTable {
         element_size: 2,
         block_stride_elems: 0,
     };
-    crate::layout::StrideTable::new(crate::layout::EngineKvFormat::NL_X_TWO_NB_BS_NH_HS, &shape)
-        .unwrap()
+    StrideTable::new(EngineKvFormat::NL_X_TWO_NB_BS_NH_HS, &shape).unwrap()
 }
 
 pub mod event;

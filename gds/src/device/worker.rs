@@ -44,8 +44,8 @@ use super::pin::{split_copy, Piece, PinnedRegion, DEFAULT_PIECE_BYTES};
 use super::Device;
 use crate::cuda::CudaEnv;
 use crate::kernel::{CopyDirection, KernelLaunch, KernelObjects};
-use crate::layout::{StrideTable, MAX_OBJECTS};
 use crate::nvrtc::Nvrtc;
+use kvshard_layout::stride::{StrideTable, MAX_OBJECTS};
 
 /// Jobs one device thread's queue holds before [`DeviceThreads::submit`]
 /// hands a job back.

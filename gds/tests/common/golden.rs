@@ -1,7 +1,7 @@
 //! The lmcache 0.5.6 gather golden file (`golden/golden_kernel_gather.json`)
 //! and the page buffers its generator (make_kernel_golden.py) filled.
 
-use kvshard_gds::layout::{EngineKvFormat, PageBufferShape, StrideTable};
+use kvshard_layout::stride::{EngineKvFormat, PageBufferShape, StrideTable};
 use serde_json::Value;
 
 const GOLDEN: &str = include_str!("../golden/golden_kernel_gather.json");

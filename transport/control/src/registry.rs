@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use kvshard_engine::keys::ObjectKey;
 
-use kvshard_dataplane::cpu_shm::{CpuShmRegistration, ShmTensorSpec, TransferError};
+use kvshard_dataplane::cpu_shm::{CpuShmRegistration, TransferError};
 use kvshard_dataplane::cuda_transfer::CudaInstance;
-use kvshard_dataplane::layout::Layout;
+use kvshard_layout::{ObjectLayout, ShmTensorSpec};
 use kvshard_wire::msgpack::Value;
 use kvshard_wire::{self as wire, InstanceId, IpcData, IpcKey};
 
@@ -27,8 +27,8 @@ pub enum RegistryError {
     LayoutConflict {
         model: String,
         world_size: u32,
-        registered: Layout,
-        asked: Layout,
+        registered: ObjectLayout,
+        asked: ObjectLayout,
     },
     EmptyKvCache,
     /// A layer of a cpu_shm registration is a CUDA tensor.
@@ -83,21 +83,26 @@ impl std::error::Error for RegistryError {
     }
 }
 
-/// Layout per (model, world_size), reference-counted by registrations.
+/// ObjectLayout per (model, world_size), reference-counted by registrations.
 #[derive(Default)]
 pub struct Layouts {
-    map: HashMap<(String, u32), (Layout, usize)>,
+    map: HashMap<(String, u32), (ObjectLayout, usize)>,
 }
 
 impl Layouts {
-    pub fn get(&self, model: &str, ws: u32) -> Option<&Layout> {
+    pub fn get(&self, model: &str, ws: u32) -> Option<&ObjectLayout> {
         self.map.get(&(model.to_owned(), ws)).map(|(l, _)| l)
     }
 
     /// Objects are keyed without their layout, so two layouts for one
     /// (model, world_size) would let one worker read another's bytes as its own
     /// shape: refuse the second.
-    pub fn register(&mut self, model: &str, ws: u32, layout: &Layout) -> Result<(), RegistryError> {
+    pub fn register(
+        &mut self,
+        model: &str,
+        ws: u32,
+        layout: &ObjectLayout,
+    ) -> Result<(), RegistryError> {
         match self.map.get_mut(&(model.to_owned(), ws)) {
             Some((l, refs)) if l.bytes == layout.bytes => {
                 *refs += 1;
@@ -159,7 +164,7 @@ impl TransferKey {
 pub struct EngineEntry {
     pub model_name: String,
     pub world_size: u32,
-    pub layout: Layout,
+    pub layout: ObjectLayout,
     pub block_size: i64,
     pub use_mla: bool,
     pub last_seen: Instant,
@@ -181,7 +186,7 @@ pub struct LmcEntry {
     pub model_name: String,
     pub world_size: u32,
     pub reg: LmcTransfer,
-    pub layout: Layout,
+    pub layout: ObjectLayout,
     pub last_seen: Instant,
     pub pinged: bool,
     /// kv ranks this worker has sent keys for (empty until its first transfer).
@@ -354,13 +359,17 @@ impl Registry {
         sizes
     }
 
-    pub fn engine_layout(&mut self, iid: InstanceId, now: Instant) -> Option<Layout> {
+    pub fn engine_layout(&mut self, iid: InstanceId, now: Instant) -> Option<ObjectLayout> {
         let e = self.engine.get_mut(&iid)?;
         e.last_seen = now;
         Some(e.layout.clone())
     }
 
-    pub fn lmc_reg(&mut self, iid: InstanceId, now: Instant) -> Option<(LmcTransfer, Layout)> {
+    pub fn lmc_reg(
+        &mut self,
+        iid: InstanceId,
+        now: Instant,
+    ) -> Option<(LmcTransfer, ObjectLayout)> {
         let e = self.lmc.get_mut(&iid)?;
         e.last_seen = now;
         Some((e.reg.clone(), e.layout.clone()))

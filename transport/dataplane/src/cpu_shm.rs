@@ -14,6 +14,10 @@
 //! layers are the group's layers in ascending index order; token `t` comes
 //! from block `block_ids[t / block_size]`, slot `t % block_size`; inside a
 //! token, heads then head elements, whatever the worker's NHD/HND order.
+//!
+//! What the tensors mean (format detection, geometry, the object's shape,
+//! checksums) is `kvshard_layout`'s, shared with the CUDA path; this module
+//! maps the segments and moves the bytes.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -23,78 +27,18 @@ use std::io;
 use std::os::fd::FromRawFd;
 use std::ptr;
 
-use kvshard_engine::keys::hex;
-use md5::{Digest, Md5};
+use kvshard_layout::checksum::{
+    checksum_axis, digest_kv, index_select_runs, ChecksumDigests, ChecksumRefusal, ChecksumReport,
+};
+use kvshard_layout::geometry::{analyse, Analysis};
+use kvshard_layout::{
+    DetectError, Geometry, KvDtype, KvFormat, KvGroupSpec, ObjectLayout, ShmTensorSpec,
+};
+use md5::Md5;
 use memmap2::{MmapOptions, MmapRaw};
-use serde::ser::{SerializeMap, SerializeSeq};
-use serde::{Deserialize, Serialize, Serializer};
-
-/// Upper bound on the tensors one registration may carry (a model has at most
-/// a few hundred layers); bounds every loop sized by the request.
-pub const MAX_REGISTERED_TENSORS: usize = 4096;
-
-/// lmcache 0.5.6's default `--null-block-id` (vLLM's null block).
-pub const DEFAULT_NULL_BLOCK_ID: i64 = 0;
 
 /// NAME_MAX for a shm name, leading '/' included.
 const MAX_SHM_NAME_BYTES: usize = 255;
-
-/// Tensor ranks a per-layer KV tensor may have before format detection.
-const MAX_TENSOR_RANK: usize = 8;
-
-/// One registered tensor, as a `CpuShmIPCData` describes it on the wire.
-/// `shape`, `stride` and `storage_offset` count elements of `dtype`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShmTensorSpec {
-    /// POSIX shm name, e.g. `/lmcache_kv_1234_0`.
-    pub shm_name: String,
-    /// Length of the segment the worker shares (the mapping length).
-    pub nbytes: u64,
-    /// torch dtype name without `torch.`, e.g. `float16`.
-    pub dtype: String,
-    pub shape: Vec<i64>,
-    pub stride: Vec<i64>,
-    pub storage_offset: i64,
-}
-
-/// One LMCache KV group, mirroring 0.5.6's `EngineGroupInfo`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KvGroupSpec {
-    /// Engine group (paged-block address space) the group reads block ids from.
-    pub engine_group_id: i64,
-    /// Registered tensor indices in this group, ascending.
-    pub layer_indices: Vec<i64>,
-    /// Logical tokens per block; 0 = not reported (same as the block size).
-    pub tokens_per_block: i64,
-    /// Sliding window in tokens; -1 = full attention.
-    pub sw_size_tokens: i64,
-    /// Connector-private extra group tag; 0 = regular group.
-    pub extra_object_group_tag: i64,
-    /// Pages hold recurrent state (Mamba/GDN) rather than attention KV.
-    pub recurrent_state: bool,
-}
-
-impl Default for KvGroupSpec {
-    fn default() -> Self {
-        KvGroupSpec {
-            engine_group_id: 0,
-            layer_indices: Vec::new(),
-            tokens_per_block: 0,
-            sw_size_tokens: -1,
-            extra_object_group_tag: 0,
-            recurrent_state: false,
-        }
-    }
-}
-
-/// Shape and dtype of the L1 object of one full chunk (0.5.6's
-/// `get_kernel_group_shape_dtype`): `[kv_size, num_layers, chunk_tokens, hidden]`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ObjectLayout {
-    pub shape: Vec<u64>,
-    pub dtype: String,
-    pub bytes: u64,
-}
 
 /// Why a registration, transfer or checksum request failed.
 #[derive(Debug)]
@@ -177,245 +121,26 @@ impl std::error::Error for TransferError {
     }
 }
 
+impl From<DetectError> for TransferError {
+    fn from(e: DetectError) -> Self {
+        match e {
+            DetectError::Unsupported(msg) => TransferError::Unsupported(msg),
+            DetectError::Invalid(msg) => TransferError::Invalid(msg),
+            DetectError::SegmentTooSmall {
+                name,
+                needed_bytes,
+                segment_bytes,
+            } => TransferError::SegmentTooSmall {
+                name,
+                needed_bytes,
+                segment_bytes,
+            },
+        }
+    }
+}
+
 fn invalid(msg: impl Into<String>) -> TransferError {
     TransferError::Invalid(msg.into())
-}
-
-fn unsupported(msg: impl Into<String>) -> TransferError {
-    TransferError::Unsupported(msg.into())
-}
-
-/// Element types a KV tensor may have (torch names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvDtype {
-    Float16,
-    BFloat16,
-    Float32,
-    Float64,
-    Float8E4m3fn,
-    Float8E4m3fnuz,
-    Float8E5m2,
-    Float8E5m2fnuz,
-    Uint8,
-    Int8,
-    Int16,
-    Int32,
-    Int64,
-}
-
-impl KvDtype {
-    /// Parse a torch dtype name; a `torch.` prefix is tolerated.
-    pub fn parse(name: &str) -> Result<KvDtype, TransferError> {
-        let bare = name.strip_prefix("torch.").unwrap_or(name);
-        Ok(match bare {
-            "float16" => KvDtype::Float16,
-            "bfloat16" => KvDtype::BFloat16,
-            "float32" => KvDtype::Float32,
-            "float64" => KvDtype::Float64,
-            "float8_e4m3fn" => KvDtype::Float8E4m3fn,
-            "float8_e4m3fnuz" => KvDtype::Float8E4m3fnuz,
-            "float8_e5m2" => KvDtype::Float8E5m2,
-            "float8_e5m2fnuz" => KvDtype::Float8E5m2fnuz,
-            "uint8" => KvDtype::Uint8,
-            "int8" => KvDtype::Int8,
-            "int16" => KvDtype::Int16,
-            "int32" => KvDtype::Int32,
-            "int64" => KvDtype::Int64,
-            _ => return Err(unsupported(format!("KV dtype '{name}'"))),
-        })
-    }
-
-    /// The torch name without `torch.`.
-    pub fn name(self) -> &'static str {
-        match self {
-            KvDtype::Float16 => "float16",
-            KvDtype::BFloat16 => "bfloat16",
-            KvDtype::Float32 => "float32",
-            KvDtype::Float64 => "float64",
-            KvDtype::Float8E4m3fn => "float8_e4m3fn",
-            KvDtype::Float8E4m3fnuz => "float8_e4m3fnuz",
-            KvDtype::Float8E5m2 => "float8_e5m2",
-            KvDtype::Float8E5m2fnuz => "float8_e5m2fnuz",
-            KvDtype::Uint8 => "uint8",
-            KvDtype::Int8 => "int8",
-            KvDtype::Int16 => "int16",
-            KvDtype::Int32 => "int32",
-            KvDtype::Int64 => "int64",
-        }
-    }
-
-    /// Bytes per element, from the torch dtype table of the wire crate.
-    pub fn size_bytes(self) -> usize {
-        kvshard_wire::dtype_itemsize(self.name()).expect("every KV dtype is a torch dtype") as usize
-    }
-}
-
-/// The per-layer paged layouts of vLLM that this path transfers (0.5.6's
-/// `EngineKVFormat` names; shapes are after stride-order normalisation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvFormat {
-    /// `[2, NB, BS, NH, HS]`: vLLM flash attention, NHD.
-    TwoNbBsNhHs,
-    /// `[2, NB, NH, BS, HS]`: vLLM flash attention, HND.
-    TwoNbNhBsHs,
-    /// `[NB, 2, BS, NH, HS]`: FlashInfer, NHD.
-    NbTwoBsNhHs,
-    /// `[NB, 2, NH, BS, HS]`: FlashInfer, HND.
-    NbTwoNhBsHs,
-    /// `[NB, BS, HS]`: MLA latent cache (kv_size 1).
-    NbBsHs,
-    /// `[NB, BS, NH, CS]`: fused K/V per head (kv_size 1), NHD.
-    NbBsNhCs,
-    /// `[NB, NH, BS, CS]`: fused K/V per head (kv_size 1), HND.
-    NbNhBsCs,
-}
-
-/// Axis positions of one format inside the normalised shape.
-struct FormatAxes {
-    plane: Option<usize>,
-    block: usize,
-    token: usize,
-    head: Option<usize>,
-    elem: usize,
-}
-
-impl KvFormat {
-    /// 0.5.6's `EngineKVFormat` member name.
-    pub fn name(self) -> &'static str {
-        match self {
-            KvFormat::TwoNbBsNhHs => "NL_X_TWO_NB_BS_NH_HS",
-            KvFormat::TwoNbNhBsHs => "NL_X_TWO_NB_NH_BS_HS",
-            KvFormat::NbTwoBsNhHs => "NL_X_NB_TWO_BS_NH_HS",
-            KvFormat::NbTwoNhBsHs => "NL_X_NB_TWO_NH_BS_HS",
-            KvFormat::NbBsHs => "NL_X_NB_BS_HS",
-            KvFormat::NbBsNhCs => "NL_X_NB_BS_NH_CS",
-            KvFormat::NbNhBsCs => "NL_X_NB_NH_BS_CS",
-        }
-    }
-
-    pub fn is_mla(self) -> bool {
-        self == KvFormat::NbBsHs
-    }
-
-    /// 0.5.6's symbolic shape of the format, read off its name:
-    /// `NL_X_TWO_NB_BS_NH_HS` is `NL x [2, NB, BS, NH, HS]`.
-    pub fn shape_description(self) -> String {
-        self.render_shape(|label| label.to_string())
-    }
-
-    /// The shape with a worker's sizes in it, e.g. `32 x [2, 2048, 16, 8, 128]`
-    /// (`elems` is the innermost axis: HS, or CS of a fused K/V format, for
-    /// which 0.5.6 itself prints "Unknown").
-    pub fn concrete_shape(
-        self,
-        layers: usize,
-        blocks: usize,
-        block_size: usize,
-        heads: usize,
-        elems: usize,
-    ) -> String {
-        self.render_shape(|label| match label {
-            "NL" => layers.to_string(),
-            "NB" => blocks.to_string(),
-            "BS" => block_size.to_string(),
-            "NH" => heads.to_string(),
-            _ => elems.to_string(),
-        })
-    }
-
-    /// `NL_X_<inner>`: the list levels, then the bracketed tensor axes.
-    fn render_shape(self, size: impl Fn(&str) -> String) -> String {
-        let label = |t: &str| match t {
-            "TWO" => "2".to_string(),
-            t => size(t),
-        };
-        let mut levels: Vec<&str> = self.name().split("_X_").collect();
-        let inner = levels.pop().expect("a format name has an inner shape");
-        let body: Vec<String> = inner.split('_').map(label).collect();
-        let mut parts: Vec<String> = levels.into_iter().map(label).collect();
-        parts.push(format!("[{}]", body.join(", ")));
-        parts.join(" x ")
-    }
-
-    /// The attention backend 0.5.6 names as the format's usual producer.
-    pub fn attention_backend(self) -> &'static str {
-        match self {
-            KvFormat::TwoNbBsNhHs => "vLLM non-MLA flash attention",
-            KvFormat::TwoNbNhBsHs => "vLLM non-MLA flash attention (HND layout)",
-            KvFormat::NbTwoBsNhHs => "vLLM non-MLA flash infer",
-            KvFormat::NbTwoNhBsHs => "vLLM non-MLA flash infer (HND layout)",
-            KvFormat::NbBsHs => "vLLM MLA / SGLang MLA (MP)",
-            KvFormat::NbBsNhCs => "vLLM non-MLA blocks-first, fused K/V (NHD)",
-            KvFormat::NbNhBsCs => "vLLM non-MLA blocks-first, fused K/V (HND)",
-        }
-    }
-
-    /// Planes per object: 2 (K, V) or 1 (MLA latent, fused K/V).
-    pub fn kv_size(self) -> usize {
-        if self.axes().plane.is_some() {
-            2
-        } else {
-            1
-        }
-    }
-
-    /// The block axis `/cache/checksums` gathers along; `None` where 0.5.6
-    /// declines the format (501).
-    pub fn checksum_block_axis(self) -> Option<usize> {
-        match self {
-            KvFormat::TwoNbBsNhHs | KvFormat::TwoNbNhBsHs => Some(1),
-            KvFormat::NbTwoBsNhHs | KvFormat::NbTwoNhBsHs | KvFormat::NbBsHs => Some(0),
-            KvFormat::NbBsNhCs | KvFormat::NbNhBsCs => None,
-        }
-    }
-
-    fn axes(self) -> FormatAxes {
-        let (plane, block, token, head, elem) = match self {
-            KvFormat::TwoNbBsNhHs => (Some(0), 1, 2, Some(3), 4),
-            KvFormat::TwoNbNhBsHs => (Some(0), 1, 3, Some(2), 4),
-            KvFormat::NbTwoBsNhHs => (Some(1), 0, 2, Some(3), 4),
-            KvFormat::NbTwoNhBsHs => (Some(1), 0, 3, Some(2), 4),
-            KvFormat::NbBsHs => (None, 0, 1, None, 2),
-            KvFormat::NbBsNhCs => (None, 0, 1, Some(2), 3),
-            KvFormat::NbNhBsCs => (None, 0, 2, Some(1), 3),
-        };
-        FormatAxes {
-            plane,
-            block,
-            token,
-            head,
-            elem,
-        }
-    }
-}
-
-/// The `kv_layout` 0.5.6 assumes when a registration carries no hint: vLLM's
-/// detector picks HND on a server without an accelerator, NHD otherwise.
-pub fn default_kv_layout(server_has_accelerator: bool) -> &'static str {
-    if server_has_accelerator {
-        "NHD"
-    } else {
-        "HND"
-    }
-}
-
-/// Whether the chunk's block ids are all `null_block_id`; such chunks carry no
-/// KV and 0.5.6 does not store them.
-pub fn all_null(block_ids: &[i64], null_block_id: i64) -> bool {
-    block_ids.iter().all(|&b| b == null_block_id)
-}
-
-/// Tokens to leave untouched in chunk `chunk_index` of a RETRIEVE whose
-/// `skip_first_n_tokens` counts from the request range start (`key.start`).
-pub fn chunk_skip_tokens(
-    skip_first_n_tokens: usize,
-    chunk_index: usize,
-    chunk_size_tokens: usize,
-) -> usize {
-    let chunk_start = chunk_index.saturating_mul(chunk_size_tokens);
-    skip_first_n_tokens
-        .saturating_sub(chunk_start)
-        .min(chunk_size_tokens)
 }
 
 /// One mapped segment.
@@ -449,24 +174,6 @@ enum BlockRuns {
     PerToken,
     /// One run of `head_size` elements per (token, head) (HND).
     PerTokenHead,
-}
-
-/// Geometry shared by every registered layer.
-#[derive(Clone, Copy, Debug)]
-struct Geometry {
-    format: KvFormat,
-    dtype: KvDtype,
-    kv_size: usize,
-    num_blocks: usize,
-    block_size: usize,
-    num_heads: usize,
-    head_size: usize,
-}
-
-impl Geometry {
-    fn hidden(&self) -> usize {
-        self.num_heads * self.head_size
-    }
 }
 
 /// A worker's registered CPU KV cache, mapped read-write.
@@ -505,10 +212,6 @@ impl fmt::Debug for CpuShmRegistration {
             )
             .finish()
     }
-}
-
-fn to_usize(value: i64, what: &str) -> Result<usize, TransferError> {
-    usize::try_from(value).map_err(|_| invalid(format!("{what} {value} is negative")))
 }
 
 fn validate_shm_name(name: &str) -> Result<CString, TransferError> {
@@ -575,435 +278,6 @@ fn map_segment(name: &str, len: u64) -> Result<Segment, TransferError> {
         name: name.to_string(),
         map,
     })
-}
-
-/// 0.5.6 `attempt_permute_to_contiguous_view`: reorder dims by stride,
-/// largest first, a size-1 dim placed innermost among equal strides.
-fn normalise_dims(shape: &[usize], strides: &[usize]) -> (Vec<usize>, Vec<usize>) {
-    let mut perm: Vec<usize> = (0..shape.len()).collect();
-    // Stable sort on the reversed key keeps the input order of ties, like
-    // Python's sorted(..., reverse=True).
-    perm.sort_by(|&a, &b| {
-        let key = |i: usize| (strides[i], shape[i] != 1);
-        key(b).cmp(&key(a))
-    });
-    (
-        perm.iter().map(|&i| shape[i]).collect(),
-        perm.iter().map(|&i| strides[i]).collect(),
-    )
-}
-
-/// 0.5.6's vLLM detector on a normalised per-layer shape.
-fn detect_format(shape: &[usize], dtype: KvDtype, is_hnd: bool) -> Result<KvFormat, TransferError> {
-    // The fp8 DSA indexer cache: 128 fp8 values + one fp32 scale per row.
-    let indexer = dtype == KvDtype::Uint8 && shape.last() == Some(&132);
-    match shape.len() {
-        4 => {
-            let head_axis = if is_hnd { 1 } else { 2 };
-            if shape[head_axis] == 1 && indexer {
-                return Err(unsupported(
-                    "the blocked fp8 indexer cache (NL_X_NB_BSV_BSS)".to_string(),
-                ));
-            }
-            Ok(if is_hnd {
-                KvFormat::NbNhBsCs
-            } else {
-                KvFormat::NbBsNhCs
-            })
-        }
-        3 => {
-            if indexer {
-                return Err(unsupported(
-                    "the blocked fp8 indexer cache (NL_X_NB_BSV_BSS)".to_string(),
-                ));
-            }
-            Ok(KvFormat::NbBsHs)
-        }
-        5 if shape[0] == 2 => Ok(if is_hnd {
-            KvFormat::TwoNbNhBsHs
-        } else {
-            KvFormat::TwoNbBsNhHs
-        }),
-        5 if shape[1] == 2 => Ok(if is_hnd {
-            KvFormat::NbTwoNhBsHs
-        } else {
-            KvFormat::NbTwoBsNhHs
-        }),
-        _ => Err(unsupported(format!(
-            "per-layer KV tensor shape {shape:?} matches no vLLM layout this server \
-             transfers (NL x [2,NB,BS,NH,HS], [NB,2,BS,NH,HS], their HND forms, \
-             MLA [NB,BS,HS], fused [NB,BS,NH,CS])"
-        ))),
-    }
-}
-
-/// Validate one tensor spec: returns (dtype, shape, strides, storage_offset)
-/// as unsigned element counts, with its view checked against `nbytes`.
-fn check_tensor(
-    index: usize,
-    spec: &ShmTensorSpec,
-) -> Result<(KvDtype, Vec<usize>, Vec<usize>, usize), TransferError> {
-    let dtype = KvDtype::parse(&spec.dtype)?;
-    if spec.shape.is_empty() || spec.shape.len() > MAX_TENSOR_RANK {
-        return Err(invalid(format!(
-            "tensor {index}: rank {} is outside 1..={MAX_TENSOR_RANK}",
-            spec.shape.len()
-        )));
-    }
-    if spec.stride.len() != spec.shape.len() {
-        return Err(invalid(format!(
-            "tensor {index}: {} strides for {} dims",
-            spec.stride.len(),
-            spec.shape.len()
-        )));
-    }
-    let mut shape = Vec::with_capacity(spec.shape.len());
-    let mut strides = Vec::with_capacity(spec.shape.len());
-    for (&d, &s) in spec.shape.iter().zip(&spec.stride) {
-        let d = to_usize(d, "dimension")?;
-        if d == 0 {
-            return Err(invalid(format!(
-                "tensor {index}: empty tensor (shape {:?})",
-                spec.shape
-            )));
-        }
-        shape.push(d);
-        strides.push(to_usize(s, "stride")?);
-    }
-    let storage_offset = to_usize(spec.storage_offset, "storage_offset")?;
-    // Highest element index the view touches, +1; strides are non-negative.
-    // Checked: hostile shapes and strides can overflow even 128 bits.
-    let overflow = || invalid(format!("tensor {index}: view extent overflows"));
-    let mut extent = storage_offset as u128 + 1;
-    for (&d, &s) in shape.iter().zip(&strides) {
-        let span = (d as u128 - 1)
-            .checked_mul(s as u128)
-            .ok_or_else(overflow)?;
-        extent = extent.checked_add(span).ok_or_else(overflow)?;
-    }
-    let needed_bytes = extent
-        .checked_mul(dtype.size_bytes() as u128)
-        .ok_or_else(overflow)?;
-    // 0.5.6 views the segment as whole elements of the dtype.
-    let usable = (spec.nbytes / dtype.size_bytes() as u64) * dtype.size_bytes() as u64;
-    if needed_bytes > usable as u128 {
-        return Err(TransferError::SegmentTooSmall {
-            name: spec.shm_name.clone(),
-            needed_bytes: u64::try_from(needed_bytes).unwrap_or(u64::MAX),
-            segment_bytes: spec.nbytes,
-        });
-    }
-    Ok((dtype, shape, strides, storage_offset))
-}
-
-/// Resolve which registered tensors form the object, in object order.
-fn group_layer_indices(
-    groups: &[KvGroupSpec],
-    num_tensors: usize,
-    block_size: usize,
-    chunk_size_tokens: usize,
-) -> Result<Vec<usize>, TransferError> {
-    let group = match groups {
-        [] => return Ok((0..num_tensors).collect()),
-        [group] => group,
-        _ => {
-            return Err(unsupported(format!(
-                "{} KV groups (hybrid models); the cpu_shm path transfers one group",
-                groups.len()
-            )))
-        }
-    };
-    if group.engine_group_id != 0 {
-        return Err(invalid(format!(
-            "engine_group_id {} with a single group; ids are dense from 0",
-            group.engine_group_id
-        )));
-    }
-    if group.recurrent_state {
-        return Err(unsupported("recurrent-state (Mamba/GDN) KV groups"));
-    }
-    if group.extra_object_group_tag != 0 {
-        return Err(unsupported(format!(
-            "connector-private extra object group tag {}",
-            group.extra_object_group_tag
-        )));
-    }
-    let tokens_per_block = match group.tokens_per_block {
-        0 => block_size,
-        t if t < 0 => return Err(invalid(format!("tokens_per_block {t} is negative"))),
-        t => to_usize(t, "tokens_per_block")?,
-    };
-    if tokens_per_block % block_size != 0 || chunk_size_tokens % tokens_per_block != 0 {
-        return Err(invalid(format!(
-            "tokens_per_block {tokens_per_block} must be a multiple of the block size \
-             {block_size} and divide the chunk size {chunk_size_tokens}"
-        )));
-    }
-    if tokens_per_block != block_size {
-        return Err(unsupported(format!(
-            "compressed KV groups (tokens_per_block {tokens_per_block} over \
-             {block_size} slots per block)"
-        )));
-    }
-    let sw = group.sw_size_tokens;
-    if sw != -1 && sw < chunk_size_tokens as i64 {
-        return Err(unsupported(format!(
-            "sliding window of {sw} tokens, smaller than the {chunk_size_tokens}-token \
-             chunk"
-        )));
-    }
-    if group.layer_indices.is_empty() {
-        return Err(invalid("KV group has no layers"));
-    }
-    let mut indices = Vec::with_capacity(group.layer_indices.len());
-    for &raw in &group.layer_indices {
-        let index = to_usize(raw, "layer index")?;
-        if index >= num_tensors {
-            return Err(invalid(format!(
-                "layer index {index} is outside the {num_tensors} registered tensors"
-            )));
-        }
-        if indices.last().is_some_and(|&prev| prev >= index) {
-            return Err(invalid(format!(
-                "group layer indices {:?} are not strictly ascending",
-                group.layer_indices
-            )));
-        }
-        indices.push(index);
-    }
-    Ok(indices)
-}
-
-/// What a registration's tensors say, before anything is mapped: each
-/// view checked, its normalised shape, the shared geometry and the object's
-/// layers.
-struct Analysis {
-    checked: Vec<(KvDtype, Vec<usize>, Vec<usize>, usize)>,
-    normalised: Vec<(Vec<usize>, Vec<usize>)>,
-    geometry: Geometry,
-    group_layers: Vec<usize>,
-}
-
-/// Checks and classifies a registration's tensors (see
-/// [`CpuShmRegistration::open`] for the arguments).
-fn analyse(
-    tensors: &[ShmTensorSpec],
-    groups: &[KvGroupSpec],
-    chunk_size_tokens: usize,
-    kv_layout_hint: Option<&str>,
-) -> Result<Analysis, TransferError> {
-    if tensors.is_empty() {
-        return Err(invalid("registration carries no KV tensors"));
-    }
-    if tensors.len() > MAX_REGISTERED_TENSORS {
-        return Err(invalid(format!(
-            "{} KV tensors exceed the limit of {MAX_REGISTERED_TENSORS}",
-            tensors.len()
-        )));
-    }
-    if chunk_size_tokens == 0 {
-        return Err(invalid("chunk size is 0"));
-    }
-    let layout = kv_layout_hint.unwrap_or_else(|| default_kv_layout(false));
-    let is_hnd = match layout {
-        "NHD" | "BLNHC" => false,
-        "HND" | "BLHNC" => true,
-        other => {
-            return Err(invalid(format!(
-                "kv_layout hint '{other}' is not one of NHD, HND, BLHNC, BLNHC"
-            )))
-        }
-    };
-
-    // Validate every view before mapping anything.
-    let mut checked = Vec::with_capacity(tensors.len());
-    for (index, spec) in tensors.iter().enumerate() {
-        checked.push(check_tensor(index, spec)?);
-    }
-
-    let mut geometry: Option<(Geometry, Vec<usize>)> = None;
-    let mut normalised = Vec::with_capacity(tensors.len());
-    for (index, (dtype, shape, strides, _)) in checked.iter().enumerate() {
-        let (n_shape, n_strides) = normalise_dims(shape, strides);
-        let format = detect_format(&n_shape, *dtype, is_hnd)?;
-        let axes = format.axes();
-        let this = Geometry {
-            format,
-            dtype: *dtype,
-            kv_size: format.kv_size(),
-            num_blocks: n_shape[axes.block],
-            block_size: n_shape[axes.token],
-            num_heads: axes.head.map_or(1, |h| n_shape[h]),
-            head_size: n_shape[axes.elem],
-        };
-        match &geometry {
-            None => geometry = Some((this, n_shape.clone())),
-            Some((first, first_shape)) => {
-                if first.dtype != this.dtype || *first_shape != n_shape {
-                    return Err(unsupported(format!(
-                        "tensor {index} is {} {n_shape:?} but tensor 0 is {} \
-                             {first_shape:?}; layers of different shapes or dtypes form \
-                             several kernel groups",
-                        this.dtype.name(),
-                        first.dtype.name()
-                    )));
-                }
-            }
-        }
-        if n_strides[axes.elem] != 1 {
-            return Err(unsupported(format!(
-                "tensor {index}: the head dimension has stride {} (must be 1)",
-                n_strides[axes.elem]
-            )));
-        }
-        normalised.push((n_shape, n_strides));
-    }
-    let geometry = match geometry {
-        Some((g, _)) => g,
-        None => return Err(invalid("registration carries no KV tensors")),
-    };
-    if chunk_size_tokens % geometry.block_size != 0 {
-        return Err(invalid(format!(
-            "chunk size {chunk_size_tokens} is not a multiple of the block size {}",
-            geometry.block_size
-        )));
-    }
-    let group_layers = group_layer_indices(
-        groups,
-        tensors.len(),
-        geometry.block_size,
-        chunk_size_tokens,
-    )?;
-
-    Ok(Analysis {
-        checked,
-        normalised,
-        geometry,
-        group_layers,
-    })
-}
-
-/// The geometry of a registration whose tensors live in GPU memory, as the
-/// CUDA copy kernel needs it: the same detection as the cpu_shm path, plus
-/// the kernel's requirement that each layer is laid out tightly in its
-/// format (only a padded block axis is allowed, for the formats whose block
-/// axis is outermost).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceGeometry {
-    pub format: KvFormat,
-    pub dtype: KvDtype,
-    pub kv_size: usize,
-    pub num_blocks: usize,
-    pub block_size: usize,
-    pub num_heads: usize,
-    pub head_size: usize,
-    /// Registered tensor indices of the object's layers, in object order.
-    pub group_layers: Vec<usize>,
-    /// Per registered tensor: bytes from its storage start to its first
-    /// element, and bytes its view spans from there.
-    pub views: Vec<(u64, u64)>,
-    /// Per registered tensor: its normalised shape and strides (elements).
-    pub layer_dims: Vec<(Vec<usize>, Vec<usize>)>,
-    /// Elements from one block to the next when the block axis is padded;
-    /// 0 when tight.
-    pub block_stride_elems: u64,
-    pub chunk_size_tokens: usize,
-    pub blocks_per_chunk: usize,
-    pub object_layout: ObjectLayout,
-}
-
-impl DeviceGeometry {
-    /// Checks GPU tensors (given as specs whose `nbytes` is the bytes the
-    /// worker shares for each: the storage or the exported range) and
-    /// returns what the copy kernel needs.
-    pub fn detect(
-        tensors: &[ShmTensorSpec],
-        groups: &[KvGroupSpec],
-        chunk_size_tokens: usize,
-        kv_layout_hint: Option<&str>,
-    ) -> Result<DeviceGeometry, TransferError> {
-        // A GPU server's detector defaults to NHD (0.5.6 with an accelerator).
-        let hint = kv_layout_hint.unwrap_or_else(|| default_kv_layout(true));
-        let Analysis {
-            checked,
-            normalised,
-            geometry: g,
-            group_layers,
-        } = analyse(tensors, groups, chunk_size_tokens, Some(hint))?;
-        let axes = g.format.axes();
-        let mut block_stride = None;
-        let mut views = Vec::with_capacity(tensors.len());
-        for (index, ((dtype, _, _, storage_offset), (shape, strides))) in
-            checked.iter().zip(&normalised).enumerate()
-        {
-            // Row-major strides of the normalised shape: the kernel's layout.
-            let mut tight = vec![1usize; shape.len()];
-            for d in (0..shape.len().saturating_sub(1)).rev() {
-                tight[d] = tight[d + 1] * shape[d + 1];
-            }
-            let padded_block_axis = axes.block == 0 && axes.plane.is_none();
-            let inner_tight = strides[1..] == tight[1..];
-            let outer_ok = strides[0] == tight[0] || (padded_block_axis && strides[0] > tight[0]);
-            if !inner_tight || !outer_ok {
-                return Err(unsupported(format!(
-                    "tensor {index}: strides {strides:?} of shape {shape:?} are not the tight \
-                     {} layout the GPU copy kernel reads (only a padded block axis is allowed, \
-                     for block-first formats)",
-                    g.format.name()
-                )));
-            }
-            let stride = if strides[0] == tight[0] {
-                0
-            } else {
-                strides[0] as u64
-            };
-            match block_stride {
-                None => block_stride = Some(stride),
-                Some(s) if s != stride => {
-                    return Err(unsupported(format!(
-                        "tensor {index}: block stride {stride} differs from tensor 0's {s}; \
-                         layers must share one layout"
-                    )))
-                }
-                Some(_) => {}
-            }
-            let es = dtype.size_bytes() as u64;
-            let mut last = 0u64;
-            for (&d, &st) in shape.iter().zip(strides) {
-                last += (d as u64 - 1) * st as u64;
-            }
-            views.push((*storage_offset as u64 * es, (last + 1) * es));
-        }
-        let blocks_per_chunk = chunk_size_tokens / g.block_size;
-        let hidden = (g.num_heads * g.head_size) as u64;
-        let shape = vec![
-            g.kv_size as u64,
-            group_layers.len() as u64,
-            chunk_size_tokens as u64,
-            hidden,
-        ];
-        let bytes = shape.iter().product::<u64>() * g.dtype.size_bytes() as u64;
-        Ok(DeviceGeometry {
-            format: g.format,
-            dtype: g.dtype,
-            kv_size: g.kv_size,
-            num_blocks: g.num_blocks,
-            block_size: g.block_size,
-            num_heads: g.num_heads,
-            head_size: g.head_size,
-            group_layers,
-            views,
-            layer_dims: normalised,
-            block_stride_elems: block_stride.unwrap_or(0),
-            chunk_size_tokens,
-            blocks_per_chunk,
-            object_layout: ObjectLayout {
-                shape,
-                dtype: g.dtype.name().to_string(),
-                bytes,
-            },
-        })
-    }
 }
 
 impl CpuShmRegistration {
@@ -1162,8 +436,8 @@ impl CpuShmRegistration {
         ];
         ObjectLayout {
             bytes: self.object_bytes() as u64,
-            shape,
-            dtype: self.geometry.dtype.name().to_string(),
+            shape: shape.into(),
+            dtype: self.geometry.dtype.name().into(),
         }
     }
 
@@ -1436,164 +710,6 @@ impl CpuShmRegistration {
     }
 }
 
-/// A `/cache/checksums` request refused: the HTTP status 0.5.6 answers it
-/// with (400 for a malformed request, 501 for a KV format it does not
-/// checksum) and the detail.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChecksumRefusal {
-    pub status: u16,
-    pub detail: String,
-}
-
-impl ChecksumRefusal {
-    pub fn bad_request(detail: impl Into<String>) -> Self {
-        ChecksumRefusal {
-            status: 400,
-            detail: detail.into(),
-        }
-    }
-}
-
-/// What 0.5.6's `/cache/checksums` checks before it reads a block of a
-/// worker whose layers are in `format`: block ids given, a positive chunk
-/// size, a format it checksums. Returns the block axis to gather along.
-pub fn checksum_axis(
-    format: KvFormat,
-    block_ids: &[i64],
-    chunk_size_blocks: usize,
-) -> Result<usize, ChecksumRefusal> {
-    if block_ids.is_empty() {
-        return Err(ChecksumRefusal::bad_request("block_ids is required"));
-    }
-    if chunk_size_blocks == 0 {
-        return Err(ChecksumRefusal::bad_request("chunk_size must be positive"));
-    }
-    format.checksum_block_axis().ok_or_else(|| ChecksumRefusal {
-        status: 501,
-        detail: format!("checksum not supported for GPU KV format {}", format.name()),
-    })
-}
-
-/// The bytes of `tensor.index_select(axis, indices)` in C order, as runs of
-/// the innermost dimension: `run(byte offset from the tensor's first
-/// element, bytes)` for each, in order. `shape` and `strides` (elements) are
-/// a layer's normalised ones, innermost stride 1; `indices` is not empty.
-pub fn index_select_runs(
-    shape: &[usize],
-    strides: &[usize],
-    es: usize,
-    axis: usize,
-    indices: &[usize],
-    mut run: impl FnMut(usize, usize),
-) {
-    let inner = shape.len() - 1;
-    debug_assert!(axis < inner && strides[inner] == 1 && !indices.is_empty());
-    let run_bytes = shape[inner] * es;
-    let mut dims = shape.to_vec();
-    dims[axis] = indices.len();
-    let mut index = vec![0usize; inner];
-    loop {
-        let mut elem = 0;
-        for d in 0..inner {
-            let i = if d == axis {
-                indices[index[d]]
-            } else {
-                index[d]
-            };
-            elem += i * strides[d];
-        }
-        run(elem * es, run_bytes);
-        // Odometer over every dim but the innermost.
-        let mut d = inner;
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            index[d] += 1;
-            if index[d] < dims[d] {
-                break;
-            }
-            index[d] = 0;
-        }
-    }
-}
-
-/// The digests of a `/cache/checksums` request, added chunk by chunk, and the
-/// report they make: one MD5 per chunk over every layer in order, or with
-/// `layerwise` one per chunk and layer.
-pub struct ChecksumDigests {
-    layers: usize,
-    layerwise: bool,
-    /// One list per layer (layerwise), else one list.
-    digests: Vec<Vec<String>>,
-}
-
-impl ChecksumDigests {
-    pub fn new(layers: usize, layerwise: bool) -> Self {
-        let lists = if layerwise { layers } else { 1 };
-        Self {
-            layers,
-            layerwise,
-            digests: vec![Vec::new(); lists],
-        }
-    }
-
-    /// Adds the next chunk: `feed(layer, md5)` hashes that layer's bytes of
-    /// the chunk into `md5`.
-    pub fn push_chunk(&mut self, mut feed: impl FnMut(usize, &mut Md5)) {
-        if self.layerwise {
-            for (layer, digests) in self.digests.iter_mut().enumerate() {
-                let mut md5 = Md5::new();
-                feed(layer, &mut md5);
-                digests.push(hex(&md5.finalize()));
-            }
-        } else {
-            let mut md5 = Md5::new();
-            for layer in 0..self.layers {
-                feed(layer, &mut md5);
-            }
-            self.digests[0].push(hex(&md5.finalize()));
-        }
-    }
-
-    /// The 200 body for `block_ids` in chunks of `chunk_size_blocks`.
-    pub fn report(self, block_ids: &[i64], chunk_size_blocks: usize) -> ChecksumReport {
-        let chunk_checksums = if self.layerwise {
-            ChunkChecksums::PerLayer(
-                self.digests
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, d)| (format!("layer_{i}"), d))
-                    .collect(),
-            )
-        } else {
-            ChunkChecksums::Aggregated(self.digests.into_iter().next().unwrap_or_default())
-        };
-        ChecksumReport {
-            status: "success".to_string(),
-            chunk_size: chunk_size_blocks,
-            num_chunks: block_ids.len().div_ceil(chunk_size_blocks),
-            chunk_checksums,
-            layerwise: self.layerwise,
-            block_id_ranges: compress_block_ids(block_ids),
-        }
-    }
-}
-
-/// Feeds KV bytes to a checksum as 0.5.6 hashes them: bfloat16 widened to
-/// float32 (exact: the bits move to the high half), other dtypes as they are.
-pub fn digest_kv(md5: &mut Md5, bytes: &[u8], dtype: KvDtype) {
-    if dtype == KvDtype::BFloat16 {
-        for pair in bytes.chunks_exact(2) {
-            let bits = (u16::from_le_bytes([pair[0], pair[1]]) as u32) << 16;
-            md5.update(bits.to_le_bytes());
-        }
-    } else {
-        md5.update(bytes);
-    }
-}
-
 /// Runs at least this long whose source and destination sit at different
 /// offsets within a cache line take the vector loop instead of memcpy.
 const MISALIGNED_RUN_MIN_BYTES: usize = 2048;
@@ -1643,123 +759,15 @@ unsafe fn copy_run_vector(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
-/// Body of `POST /cache/checksums` (0.5.6 `ChecksumRequest`; absent fields
-/// take these defaults).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(default)]
-pub struct ChecksumRequest {
-    pub block_ids: Vec<i64>,
-    /// Blocks per chunk (not tokens).
-    pub chunk_size: i64,
-    pub instance_id: i64,
-    pub layerwise: bool,
-}
-
-/// The 200 body of `POST /cache/checksums`, fields in 0.5.6's order.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct ChecksumReport {
-    /// Always `"success"`.
-    pub status: String,
-    /// Blocks per chunk, echoed from the request.
-    pub chunk_size: usize,
-    pub num_chunks: usize,
-    pub chunk_checksums: ChunkChecksums,
-    pub layerwise: bool,
-    pub block_id_ranges: Vec<BlockIdRange>,
-}
-
-/// Digests: a list (aggregated) or an ordered `{"layer_<i>": [...]}` map.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ChunkChecksums {
-    Aggregated(Vec<String>),
-    PerLayer(Vec<(String, Vec<String>)>),
-}
-
-impl Serialize for ChunkChecksums {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        match self {
-            ChunkChecksums::Aggregated(digests) => {
-                let mut seq = serializer.serialize_seq(Some(digests.len()))?;
-                for d in digests {
-                    seq.serialize_element(d)?;
-                }
-                seq.end()
-            }
-            // Emitted in layer order, like a Python dict.
-            ChunkChecksums::PerLayer(layers) => {
-                let mut map = serializer.serialize_map(Some(layers.len()))?;
-                for (name, digests) in layers {
-                    map.serialize_entry(name, digests)?;
-                }
-                map.end()
-            }
-        }
-    }
-}
-
-/// One entry of `block_id_ranges`: a lone id, or `[start, end]` (inclusive)
-/// for a run of 3 or more ids ascending by one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(untagged)]
-pub enum BlockIdRange {
-    Single(i64),
-    Range([i64; 2]),
-}
-
-/// 0.5.6 `compress_slot_mapping`: order-preserving run compression.
-pub fn compress_block_ids(ids: &[i64]) -> Vec<BlockIdRange> {
-    let mut out = Vec::new();
-    let push = |start: i64, end: i64, out: &mut Vec<BlockIdRange>| {
-        if end - start >= 2 {
-            out.push(BlockIdRange::Range([start, end]));
-        } else {
-            out.extend((start..=end).map(BlockIdRange::Single));
-        }
-    };
-    let Some((&first, rest)) = ids.split_first() else {
-        return out;
-    };
-    let (mut start, mut end) = (first, first);
-    for &id in rest {
-        if end.checked_add(1) == Some(id) {
-            end = id;
-        } else {
-            push(start, end, &mut out);
-            start = id;
-            end = id;
-        }
-    }
-    push(start, end, &mut out);
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvshard_layout::checksum::ChunkChecksums;
+    use kvshard_layout::format::default_kv_layout;
+    use kvshard_layout::geometry::{all_null, chunk_skip_tokens};
+    use kvshard_wire::hex;
+    use md5::Digest;
 
-    #[test]
-    fn every_kv_dtype_has_a_torch_itemsize() {
-        for name in [
-            "float16",
-            "bfloat16",
-            "float32",
-            "float64",
-            "float8_e4m3fn",
-            "float8_e4m3fnuz",
-            "float8_e5m2",
-            "float8_e5m2fnuz",
-            "uint8",
-            "int8",
-            "int16",
-            "int32",
-            "int64",
-        ] {
-            let d = KvDtype::parse(name).unwrap();
-            assert_eq!(d.name(), name);
-            assert!(matches!(d.size_bytes(), 1 | 2 | 4 | 8), "{name}");
-        }
-        assert_eq!(KvDtype::parse("torch.bfloat16").unwrap().size_bytes(), 2);
-    }
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     static NEXT_SEGMENT: AtomicUsize = AtomicUsize::new(0);
@@ -1980,8 +988,8 @@ mod tests {
             assert_eq!(reg.blocks_per_chunk(), 4);
             assert_eq!(reg.num_blocks(), 9);
             let layout = reg.object_layout();
-            assert_eq!(layout.shape, vec![planes as u64, 3, 16, 24], "{order}");
-            assert_eq!(layout.dtype, dtype);
+            assert_eq!(*layout.shape, [planes as u64, 3, 16, 24], "{order}");
+            assert_eq!(&*layout.dtype, dtype);
             let contents: Vec<Vec<u8>> = segs.iter().map(|s| s.read()).collect();
             let layers: Vec<(&[u8], usize)> = contents.iter().map(|c| (&c[..], 0)).collect();
             for ids in [[5usize, 6, 7, 8], [3, 0, 8, 1], [2, 3, 1, 2]] {
@@ -2052,7 +1060,7 @@ mod tests {
         let reg = CpuShmRegistration::open(&specs, &[], 4, Some("NHD"), 0).unwrap();
         assert!(reg.is_mla());
         assert_eq!(reg.num_layers(), 5);
-        assert_eq!(reg.object_layout().shape, vec![1, 5, 4, 16]);
+        assert_eq!(*reg.object_layout().shape, [1, 5, 4, 16]);
         assert_eq!(reg.object_layout().bytes, 5 * 4 * 16 * 2);
         let contents: Vec<Vec<u8>> = segs.iter().map(|s| s.read()).collect();
         let layers: Vec<(&[u8], usize)> = contents.iter().map(|c| (&c[..], 0)).collect();
@@ -2079,7 +1087,7 @@ mod tests {
             .collect();
         let reg = CpuShmRegistration::open(&specs, &[], 4, Some("NHD"), 0).unwrap();
         assert!(!reg.is_mla());
-        assert_eq!(reg.object_layout().shape, vec![2, 2, 4, 8]);
+        assert_eq!(*reg.object_layout().shape, [2, 2, 4, 8]);
         assert_eq!(reg.cache_size_per_token(), 2 * 2 * 8 * 2);
         let contents: Vec<Vec<u8>> = segs.iter().map(|s| s.read()).collect();
         let layers: Vec<(&[u8], usize)> = contents.iter().map(|c| (&c[..], 0)).collect();
@@ -2676,53 +1684,6 @@ mod tests {
             ChecksumRefusal {
                 status: 501,
                 detail: "checksum not supported for GPU KV format NL_X_NB_BS_NH_CS".into()
-            }
-        );
-    }
-
-    #[test]
-    fn format_shapes_read_as_0_5_6_prints_them() {
-        assert_eq!(
-            KvFormat::TwoNbBsNhHs.shape_description(),
-            "NL x [2, NB, BS, NH, HS]"
-        );
-        assert_eq!(KvFormat::NbBsHs.shape_description(), "NL x [NB, BS, HS]");
-        assert_eq!(
-            KvFormat::TwoNbBsNhHs.concrete_shape(4, 65, 16, 4, 64),
-            "4 x [2, 65, 16, 4, 64]"
-        );
-        assert_eq!(
-            KvFormat::NbTwoNhBsHs.concrete_shape(32, 2048, 16, 8, 128),
-            "32 x [2048, 2, 8, 16, 128]"
-        );
-        assert_eq!(
-            KvFormat::NbBsNhCs.concrete_shape(2, 8, 16, 2, 64),
-            "2 x [8, 16, 2, 64]"
-        );
-    }
-
-    #[test]
-    fn block_id_ranges_compress_like_0_5_6() {
-        let json = |ids: &[i64]| serde_json::to_string(&compress_block_ids(ids)).unwrap();
-        assert_eq!(json(&[1, 2, 3, 4, 5, 9, 10, 11, 12]), "[[1,5],[9,12]]");
-        assert_eq!(json(&[5, 3, 1, 2, 4]), "[5,3,1,2,4]");
-        assert_eq!(json(&[1, 2, 3, 4, 5, 7, 8]), "[[1,5],7,8]");
-        assert_eq!(json(&[7]), "[7]");
-        assert_eq!(json(&[]), "[]");
-        assert_eq!(
-            json(&[i64::MAX - 1, i64::MAX, 0]),
-            format!("[{},{},0]", i64::MAX - 1, i64::MAX)
-        );
-
-        let request: ChecksumRequest =
-            serde_json::from_str("{\"block_ids\":[1,2],\"chunk_size\":16}").unwrap();
-        assert_eq!(
-            request,
-            ChecksumRequest {
-                block_ids: vec![1, 2],
-                chunk_size: 16,
-                instance_id: 0,
-                layerwise: false
             }
         );
     }

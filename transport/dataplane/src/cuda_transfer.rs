@@ -29,14 +29,15 @@ use kvshard_gds::device::ipc::{FabricHandle, IpcMemHandle};
 use kvshard_gds::device::worker::{
     DeviceJob, DeviceThreads, InstanceSpec, LayerMemory, LayerRead, LayerSpec,
 };
-use kvshard_gds::layout::{EngineKvFormat, PageBufferShape, StrideTable};
 
-use crate::cpu_shm::{
-    checksum_axis, digest_kv, index_select_runs, ChecksumDigests, ChecksumRefusal, ChecksumReport,
-    DeviceGeometry, KvDtype, KvFormat, KvGroupSpec, ShmTensorSpec, TransferError,
-};
 use crate::cuda_refusal::{parse_torch_handle, TorchHandle};
-use crate::layout::Layout;
+use kvshard_layout::checksum::{
+    checksum_axis, digest_kv, index_select_runs, ChecksumDigests, ChecksumRefusal, ChecksumReport,
+};
+use kvshard_layout::stride::{EngineKvFormat, PageBufferShape, StrideTable};
+use kvshard_layout::{
+    DetectError, DeviceGeometry, KvDtype, KvFormat, KvGroupSpec, ObjectLayout, ShmTensorSpec,
+};
 use kvshard_wire::msgpack::Value;
 use kvshard_wire::{EngineGroupInfo, InstanceId, IpcData, TensorMetadata, VmmKind};
 use std::sync::mpsc;
@@ -57,8 +58,8 @@ impl CudaInstance {
     }
 
     /// The L1 object layout of this worker's chunks.
-    pub fn layout(&self) -> Layout {
-        Layout::of(&self.geometry.object_layout)
+    pub fn layout(&self) -> ObjectLayout {
+        self.geometry.object_layout.clone()
     }
 
     /// Every id must name a block of the paged buffers: the kernel addresses
@@ -263,17 +264,15 @@ pub fn build(
     let geometry =
         DeviceGeometry::detect(&tensors, &group_specs(groups), chunk_size, hint.as_deref())
             .map_err(|e| match e {
-                TransferError::SegmentTooSmall {
+                DetectError::SegmentTooSmall {
                     name,
                     needed_bytes,
                     segment_bytes,
                 } => format!(
                     "CUDA registration: {name} shares {segment_bytes} bytes but its view needs \
-             {needed_bytes}"
+                     {needed_bytes}"
                 ),
-                e => e
-                    .to_string()
-                    .replacen("cpu_shm transfer", "CUDA registration", 1),
+                e => format!("CUDA registration: {e}"),
             })?;
     let shape = PageBufferShape {
         kv_size: geometry.kv_size as u32,

@@ -8,6 +8,5 @@ pub mod cpu_shm;
 pub mod cuda_refusal;
 pub mod cuda_transfer;
 mod l1_slab;
-pub mod layout;
 pub mod messages;
 pub mod shard;

@@ -4,10 +4,10 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use kvshard_dataplane::cpu_shm::ChecksumRefusal;
 use kvshard_dataplane::messages::{ReplyTo, ShardOp, ShardReport};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
+use kvshard_layout::checksum::ChecksumRefusal;
 use kvshard_messages::control::{ControlBody, ControlRequest, ControlResponse, Responder};
 use kvshard_wire as wire;
 
@@ -138,10 +138,9 @@ impl Front {
                 // Hashing a whole KV cache takes a while: keep it off the
                 // request path, on at most MAX_CHECKSUM_THREADS threads.
                 let work: Box<
-                    dyn FnOnce() -> Result<
-                            kvshard_dataplane::cpu_shm::ChecksumReport,
-                            ChecksumRefusal,
-                        > + Send,
+                    dyn FnOnce()
+                            -> Result<kvshard_layout::checksum::ChecksumReport, ChecksumRefusal>
+                        + Send,
                 > = match self.registry.lmc_reg(instance_id, self.clock.now()) {
                     None => {
                         return responder.send(ControlResponse::error(

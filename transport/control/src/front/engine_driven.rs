@@ -5,13 +5,13 @@
 
 use std::time::Instant;
 
-use kvshard_dataplane::layout::Layout;
 use kvshard_dataplane::messages::{ReplyTo, ShardMsg, ShardOp};
-use kvshard_engine::keys::ObjectKey;
+use kvshard_engine::keys::{self, ObjectKey};
 use kvshard_engine::l1::WriterTag;
 use kvshard_engine::slab::Slab;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
+use kvshard_layout::ObjectLayout;
 use kvshard_wire::{self as wire, InstanceId, IpcKey};
 
 use super::inflight::{involved, InflightKind};
@@ -77,7 +77,16 @@ impl Front {
             );
             return Some(reply);
         }
-        let layout = match Layout::engine_driven(&p, self.cfg.chunk_size) {
+        let world_size = u32::try_from(p.world_size)
+            .ok()
+            .filter(|w| (1..=keys::MAX_WORLD_SIZE).contains(w));
+        let layout = match world_size {
+            None => Err(format!("world_size {} is invalid", p.world_size)),
+            Some(_) => {
+                ObjectLayout::engine_driven(&p, self.cfg.chunk_size).map_err(|e| e.to_string())
+            }
+        };
+        let layout = match layout {
             Ok(l) => l,
             Err(e) => {
                 log_limited!(
@@ -211,7 +220,7 @@ impl Front {
         key: &IpcKey,
         iid: InstanceId,
         objs: &[ObjectKey],
-        layout: &Layout,
+        layout: &ObjectLayout,
     ) -> bool {
         let n = self.shards.len();
         let size = layout.bytes;
@@ -550,7 +559,7 @@ impl Front {
     /// `offsets`, this transfer holding one lock on each, which
     /// `commit_retrieve` (or the worker's departure) releases: see
     /// [`Front::pend_reads`], called right after.
-    pub(super) fn reply_reads(&mut self, to: &ReplyTo, offsets: &[u64], layout: &Layout) {
+    pub(super) fn reply_reads(&mut self, to: &ReplyTo, offsets: &[u64], layout: &ObjectLayout) {
         let slots: Vec<_> = offsets.iter().map(|o| layout.slot(*o)).collect();
         self.reply(to, Some(wire::encode_prepare_retrieve_reply(true, &slots)));
     }
@@ -604,7 +613,7 @@ impl Front {
         to: ReplyTo,
         tkey: TransferKey,
         keys: Vec<ObjectKey>,
-        layout: &Layout,
+        layout: &ObjectLayout,
         slabs: Vec<Option<Slab>>,
     ) {
         let mut slots = Vec::new();
@@ -635,7 +644,7 @@ impl Front {
         to: ReplyTo,
         tkey: TransferKey,
         keys: Vec<ObjectKey>,
-        layout: &Layout,
+        layout: &ObjectLayout,
         slabs: Vec<Option<Slab>>,
     ) {
         if slabs.iter().all(Option::is_some) && !slabs.is_empty() {

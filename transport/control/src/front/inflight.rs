@@ -3,7 +3,6 @@
 //! answers folded back in ([`merge`], or [`fail_items`] for a shard that
 //! died) until the last one completes it ([`Front::settle_part`]).
 
-use kvshard_dataplane::layout::Layout;
 use kvshard_dataplane::messages::{
     Found, ReplyTo, Seq, ShardMsg, ShardOp, ShardReply, ShardReplyBody, ShardReport, StoreOutcome,
     NO_SLAB,
@@ -12,6 +11,7 @@ use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::slab::Slab;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
+use kvshard_layout::ObjectLayout;
 use kvshard_messages::control::{ControlRequest, Responder};
 use kvshard_wire::InstanceId;
 
@@ -89,14 +89,14 @@ pub(super) enum InflightKind {
         to: ReplyTo,
         tkey: TransferKey,
         keys: Vec<ObjectKey>,
-        layout: Layout,
+        layout: ObjectLayout,
         slabs: Vec<Option<Slab>>,
     },
     PrepareRetrieve {
         to: ReplyTo,
         tkey: TransferKey,
         keys: Vec<ObjectKey>,
-        layout: Layout,
+        layout: ObjectLayout,
         slabs: Vec<Option<Slab>>,
     },
     Store {

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvshard_dataplane::layout::Layout;
 use kvshard_dataplane::messages::{ReplyTo, RetrieveItem, ShardOp, StoreOutcome};
 use kvshard_engine::keys::{self, ObjectKey};
 use kvshard_io::log_limit::Level;
@@ -112,7 +111,7 @@ impl Front {
                 );
             }
         };
-        let layout = Layout::from_registration(&reg);
+        let layout = reg.object_layout();
         if let Err(e) = self.layouts.register(&model_name, ws, &layout) {
             self.metrics.failed_registrations += 1;
             return log_limited!(Level::Error, "register_kv_cache from instance {iid}: {e}");
@@ -225,7 +224,7 @@ impl Front {
         let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = objs
             .into_iter()
             .zip(blocks)
-            .filter(|(_, b)| !kvshard_dataplane::cpu_shm::all_null(b, null))
+            .filter(|(_, b)| !kvshard_layout::geometry::all_null(b, null))
             .unzip();
         let parts = self.split(&objs);
         if self.refused(&to, involved(&parts)) {
@@ -294,7 +293,7 @@ impl Front {
                 let bs = c.geometry.block_size;
                 let skips = (0..n)
                     .map(|i| {
-                        let tokens = kvshard_dataplane::cpu_shm::chunk_skip_tokens(skip, i, cs);
+                        let tokens = kvshard_layout::geometry::chunk_skip_tokens(skip, i, cs);
                         kvshard_dataplane::cuda_transfer::skip_blocks(tokens, bs)
                     })
                     .collect();
@@ -332,7 +331,7 @@ impl Front {
                 .map(|i| RetrieveItem {
                     key: objs[*i],
                     blocks: blocks[*i].clone(),
-                    skip: kvshard_dataplane::cpu_shm::chunk_skip_tokens(skip, *i, cs),
+                    skip: kvshard_layout::geometry::chunk_skip_tokens(skip, *i, cs),
                     take: take[*i],
                 })
                 .collect(),
