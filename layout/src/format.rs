@@ -2,6 +2,7 @@
 //! 0.5.6's detector that tells one from a tensor's shape and strides.
 
 use crate::error::{unsupported, DetectError};
+use crate::stride::EngineKvFormat;
 
 /// Element types a KV tensor may have (torch names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +113,19 @@ impl KvFormat {
             KvFormat::NbBsHs => "NL_X_NB_BS_HS",
             KvFormat::NbBsNhCs => "NL_X_NB_BS_NH_CS",
             KvFormat::NbNhBsCs => "NL_X_NB_NH_BS_CS",
+        }
+    }
+
+    /// The kernel's `EngineKVFormat` of this per-layer format (its wire value).
+    pub fn engine_format(self) -> EngineKvFormat {
+        match self {
+            KvFormat::TwoNbBsNhHs => EngineKvFormat::NL_X_TWO_NB_BS_NH_HS,
+            KvFormat::NbTwoBsNhHs => EngineKvFormat::NL_X_NB_TWO_BS_NH_HS,
+            KvFormat::NbBsHs => EngineKvFormat::NL_X_NB_BS_HS,
+            KvFormat::TwoNbNhBsHs => EngineKvFormat::NL_X_TWO_NB_NH_BS_HS,
+            KvFormat::NbTwoNhBsHs => EngineKvFormat::NL_X_NB_TWO_NH_BS_HS,
+            KvFormat::NbNhBsCs => EngineKvFormat::NL_X_NB_NH_BS_CS,
+            KvFormat::NbBsNhCs => EngineKvFormat::NL_X_NB_BS_NH_CS,
         }
     }
 
@@ -333,5 +347,20 @@ mod tests {
             KvFormat::NbBsNhCs.concrete_shape(2, 8, 16, 2, 64),
             "2 x [8, 16, 2, 64]"
         );
+    }
+
+    #[test]
+    fn each_detected_format_is_the_kernel_format_of_the_same_name() {
+        for f in [
+            KvFormat::TwoNbBsNhHs,
+            KvFormat::TwoNbNhBsHs,
+            KvFormat::NbTwoBsNhHs,
+            KvFormat::NbTwoNhBsHs,
+            KvFormat::NbBsHs,
+            KvFormat::NbBsNhCs,
+            KvFormat::NbNhBsCs,
+        ] {
+            assert_eq!(f.engine_format().name(), f.name());
+        }
     }
 }

@@ -34,9 +34,9 @@ use crate::cuda_refusal::{parse_torch_handle, TorchHandle};
 use kvshard_layout::checksum::{
     checksum_axis, digest_kv, index_select_runs, ChecksumDigests, ChecksumRefusal, ChecksumReport,
 };
-use kvshard_layout::stride::{EngineKvFormat, PageBufferShape, StrideTable};
+use kvshard_layout::stride::{PageBufferShape, StrideTable};
 use kvshard_layout::{
-    DetectError, DeviceGeometry, KvDtype, KvFormat, KvGroupSpec, ObjectLayout, ShmTensorSpec,
+    DetectError, DeviceGeometry, KvDtype, KvGroupSpec, ObjectLayout, ShmTensorSpec,
 };
 use kvshard_wire::msgpack::Value;
 use kvshard_wire::{EngineGroupInfo, InstanceId, IpcData, TensorMetadata, VmmKind};
@@ -75,20 +75,6 @@ impl CudaInstance {
             Some(b) => Err(format!("block id {b} is outside the worker's {nb} blocks")),
         }
     }
-}
-
-/// 0.5.6's `EngineKVFormat` value of a detected per-layer format.
-fn engine_format(f: KvFormat) -> EngineKvFormat {
-    let value = match f {
-        KvFormat::TwoNbBsNhHs => 1,
-        KvFormat::NbTwoBsNhHs => 2,
-        KvFormat::NbBsHs => 3,
-        KvFormat::TwoNbNhBsHs => 6,
-        KvFormat::NbTwoNhBsHs => 7,
-        KvFormat::NbNhBsCs => 12,
-        KvFormat::NbBsNhCs => 13,
-    };
-    EngineKvFormat::from_u32(value).expect("every detected format has an engine format value")
 }
 
 /// Where one layer's memory is shared, and how many bytes of it its view may
@@ -284,7 +270,7 @@ pub fn build(
         element_size: geometry.dtype.size_bytes() as u32,
         block_stride_elems: geometry.block_stride_elems,
     };
-    let table = StrideTable::new(engine_format(geometry.format), &shape)
+    let table = StrideTable::new(geometry.format.engine_format(), &shape)
         .map_err(|e| format!("CUDA registration: the copy kernel cannot take this layout: {e}"))?;
     let chunk_slots = geometry.chunk_size_tokens as u64;
     let object_bytes = table
@@ -522,6 +508,7 @@ pub fn skip_blocks(skip_tokens: usize, block_size: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvshard_layout::KvFormat;
     use kvshard_wire::golden::{cuda_golden, golden_frames};
     use kvshard_wire::{decode_request, Request};
 
