@@ -439,7 +439,8 @@ fn run(env: &CudaEnv, device: &Device) -> BenchResult<()> {
 
     // (a) Baseline: plain copies of the same bytes, 64 MiB at a time.
     let flat = ctx("device buffer", DeviceBuffer::alloc(device, total))?;
-    let whole = host_copy_parts(Some(&view), arena.addr() as u64, total as u64)?;
+    let whole = host_copy_parts(Some(&view), arena.addr() as u64, total as u64)
+        .map_err(|e| e.to_string())?;
     println!("gpu bench: results (GB = 1e9 bytes)");
     // Every pass moves all the chunks, `total` bytes.
     let timed = |what: &str, pass: &mut dyn FnMut() -> BenchResult<()>| {
@@ -548,7 +549,8 @@ fn run(env: &CudaEnv, device: &Device) -> BenchResult<()> {
     let parts = chunks
         .iter()
         .map(|c| host_copy_parts(Some(&view), c.host_addr as u64, object_bytes as u64))
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
     println!(
         "gpu bench: {} batches of up to {MAX_OBJECTS} chunks; launch {} grid {:?} block {:?}",
         batches.len(),

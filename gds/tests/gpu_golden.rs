@@ -44,7 +44,7 @@ use kvshard_gds::device::worker::{
     host_copy_parts, ChunkCopy, CopyDir, DeviceJob, DeviceThreads, InstanceSpec, LayerMemory,
     LayerSpec, PinView,
 };
-use kvshard_gds::device::{require_symbols, Device};
+use kvshard_gds::device::{require_symbols, Device, WorkerError};
 use kvshard_gds::kernel::{CopyDirection, KernelLaunch, KernelObjects};
 use kvshard_gds::nvrtc::Nvrtc;
 use kvshard_layout::stride::{gather, scatter};
@@ -654,7 +654,7 @@ fn parse_exports(lines: &[String]) -> Exports {
 /// Submits a job and waits for its answer, with a timeout.
 fn run_job<T: Send + 'static>(
     threads: &DeviceThreads,
-    make: impl FnOnce(Box<dyn FnOnce(Result<T, String>) + Send>) -> DeviceJob,
+    make: impl FnOnce(Box<dyn FnOnce(Result<T, WorkerError>) + Send>) -> DeviceJob,
 ) -> Result<T, String> {
     let (tx, rx) = channel();
     let job = make(Box::new(move |r| {
@@ -665,6 +665,7 @@ fn run_job<T: Send + 'static>(
         .map_err(|j| format!("the device thread handed back {j:?}"))?;
     rx.recv_timeout(REPLY_TIMEOUT)
         .map_err(|e| format!("no answer from the device thread: {e}"))?
+        .map_err(|e| e.to_string())
 }
 
 fn spec_for(c: &Case, exports: &Exports, n: usize, src: bool) -> InstanceSpec {

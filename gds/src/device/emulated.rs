@@ -21,12 +21,13 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 use crate::cuda::{CudaDevice, CudaEnv};
 use kvshard_layout::stride;
 
+use super::error::WorkerError;
 use super::worker::{
     check_spec, plan_batches, read_len, validate_chunks, CopyDir, DeviceJob, InstanceSpec,
     LayerMemory, LayerRead,
@@ -77,23 +78,28 @@ impl Drop for Mapping {
 }
 
 /// Maps `len` bytes of the shm segment named by a NUL-padded handle.
-fn map_handle(handle: &[u8; 64], len: usize) -> Result<Mapping, String> {
+fn map_handle(handle: &[u8; 64], len: usize) -> Result<Mapping, WorkerError> {
     let end = handle.iter().position(|&b| b == 0).unwrap_or(handle.len());
     let name = std::str::from_utf8(&handle[..end])
         .ok()
         .filter(|n| n.starts_with('/') && n.len() > 1)
-        .ok_or("the IPC handle does not carry a shm name (/name, NUL-padded)")?;
-    let c = CString::new(name).map_err(|e| e.to_string())?;
+        .ok_or(WorkerError::NotAShmName)?;
+    // The name ends before the first NUL, so it holds none.
+    let c = CString::new(name).map_err(|_| WorkerError::NotAShmName)?;
     if len == 0 {
-        return Err(format!("shm segment {name}: nothing to map"));
+        return Err(WorkerError::EmptyShmSegment {
+            name: name.to_string(),
+        });
     }
     // SAFETY: a NUL-terminated name; the descriptor is closed below.
     let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR, 0) };
     if fd < 0 {
-        return Err(format!(
-            "shm_open {name}: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(WorkerError::Shm {
+            call: "shm_open",
+            name: name.to_string(),
+            bytes: None,
+            source: Arc::new(std::io::Error::last_os_error()),
+        });
     }
     // SAFETY: mapping an open descriptor; the result is checked.
     let addr = unsafe {
@@ -110,7 +116,12 @@ fn map_handle(handle: &[u8; 64], len: usize) -> Result<Mapping, String> {
     // SAFETY: `fd` is open and owned here; the mapping keeps the segment.
     unsafe { libc::close(fd) };
     if addr == libc::MAP_FAILED {
-        return Err(format!("mmap {name} ({len} bytes): {err}"));
+        return Err(WorkerError::Shm {
+            call: "mmap",
+            name: name.to_string(),
+            bytes: Some(len),
+            source: Arc::new(err),
+        });
     }
     Ok(Mapping {
         addr: addr.cast(),
@@ -129,7 +140,7 @@ struct Instance {
     paged: Vec<(usize, usize)>,
 }
 
-fn register(spec: InstanceSpec) -> Result<Instance, String> {
+fn register(spec: InstanceSpec) -> Result<Instance, WorkerError> {
     check_spec(&spec)?;
     let mut maps = Vec::with_capacity(spec.layers.len());
     let mut firsts = Vec::with_capacity(spec.layers.len());
@@ -140,15 +151,13 @@ fn register(spec: InstanceSpec) -> Result<Instance, String> {
             nbytes,
         } = &layer.memory
         else {
-            return Err(format!(
-                "layer {i}: the CPU emulation maps cuda_raw descriptors only"
-            ));
+            return Err(WorkerError::EmulationMemoryKind.in_layer(i));
         };
         let len = alloc_offset
             .checked_add(*nbytes)
             .and_then(|n| usize::try_from(n).ok())
-            .ok_or_else(|| format!("layer {i}: range overflows"))?;
-        let map = map_handle(&handle.0, len).map_err(|e| format!("layer {i}: {e}"))?;
+            .ok_or_else(|| WorkerError::Overflow { what: "range" }.in_layer(i))?;
+        let map = map_handle(&handle.0, len).map_err(|e| e.in_layer(i))?;
         firsts.push(map.addr as usize + (*alloc_offset + layer.view_offset) as usize);
         maps.push(map);
     }
@@ -175,7 +184,7 @@ fn transfer(
     inst: &Instance,
     dir: CopyDir,
     chunks: &[super::worker::ChunkCopy],
-) -> Result<(), String> {
+) -> Result<(), WorkerError> {
     let s = &inst.spec;
     validate_chunks(
         chunks,
@@ -239,20 +248,27 @@ fn transfer(
                 )
             }
         };
-        res.map_err(|e| format!("copy of chunks {}..: {e}", batch.first_chunk))?;
+        res.map_err(|source| WorkerError::CopyRefused {
+            first_chunk: batch.first_chunk,
+            source,
+        })?;
     }
     Ok(())
 }
 
 /// What the device thread's read-back copies, from the shm "device memory".
-fn read_back(inst: &Instance, reads: &[LayerRead]) -> Result<Vec<Vec<u8>>, String> {
+fn read_back(inst: &Instance, iid: i64, reads: &[LayerRead]) -> Result<Vec<Vec<u8>>, WorkerError> {
     reads
         .iter()
         .map(|read| {
-            let &(first, view_bytes) = inst
-                .views
-                .get(read.layer)
-                .ok_or_else(|| format!("no layer {}", read.layer))?;
+            let &(first, view_bytes) =
+                inst.views
+                    .get(read.layer)
+                    .ok_or(WorkerError::UnknownLayer {
+                        device: 0,
+                        instance: iid,
+                        layer: read.layer,
+                    })?;
             let mut buf = Vec::with_capacity(read_len(read, view_bytes)?);
             for &(off, len) in &read.ranges {
                 // SAFETY: inside the layer's view (checked above), which the
@@ -299,7 +315,10 @@ fn serve(jobs: mpsc::Receiver<DeviceJob>) {
             } => {
                 let res = match instances.get(&iid) {
                     Some(inst) => transfer(inst, dir, &chunks).map(|()| EMULATED_EVENT.to_vec()),
-                    None => Err(format!("instance {iid} is not registered on the device")),
+                    None => Err(WorkerError::UnknownInstance {
+                        device: 0,
+                        instance: iid,
+                    }),
                 };
                 done(res);
             }
@@ -308,8 +327,11 @@ fn serve(jobs: mpsc::Receiver<DeviceJob>) {
             }
             DeviceJob::ReadBack { iid, reads, done } => {
                 done(match instances.get(&iid) {
-                    Some(inst) => read_back(inst, &reads),
-                    None => Err(format!("instance {iid} is not registered on the device")),
+                    Some(inst) => read_back(inst, iid, &reads),
+                    None => Err(WorkerError::UnknownInstance {
+                        device: 0,
+                        instance: iid,
+                    }),
                 });
             }
         }
@@ -323,12 +345,15 @@ pub struct EmulatedDevice {
 }
 
 impl EmulatedDevice {
-    pub fn start() -> Result<EmulatedDevice, String> {
+    pub fn start() -> Result<EmulatedDevice, WorkerError> {
         let (tx, rx) = mpsc::sync_channel(super::worker::DEFAULT_QUEUE_DEPTH);
         let thread = std::thread::Builder::new()
             .name("kvshard-cuda-emu".into())
             .spawn(move || serve(rx))
-            .map_err(|e| format!("cannot start the CUDA emulation thread: {e}"))?;
+            .map_err(|e| WorkerError::ThreadSpawn {
+                what: "the CUDA emulation thread",
+                source: Arc::new(e),
+            })?;
         log::warn!(
             "CUDA emulation ({EMULATION_ENV}=1): GPU transfers are copied on the CPU from POSIX \
              shm; this is a test harness, not a GPU"

@@ -49,6 +49,7 @@ pub(crate) fn flash_table(nl: u32) -> kvshard_layout::stride::StrideTable {
     StrideTable::new(EngineKvFormat::NL_X_TWO_NB_BS_NH_HS, &shape).unwrap()
 }
 
+pub mod error;
 pub mod event;
 pub mod exec;
 pub mod ipc;
@@ -64,6 +65,8 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 
 use crate::cuda::CudaEnv;
+
+pub use error::{Step, WorkerError};
 
 /// Why a device operation failed.
 #[derive(Clone, Debug, PartialEq, Eq)]

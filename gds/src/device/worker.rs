@@ -35,13 +35,14 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use super::error::{Step, WorkerError};
 use super::event::{ExportRing, ImportedEvent, IpcEventHandle, DEFAULT_EXPORT_RING};
 use super::exec::{CompletionEvent, DeviceBuffer, KernelModule, LaunchArgs, Stream};
 use super::ipc::{
     DriverIpcOpener, FabricHandle, IpcMemHandle, IpcOpener, MappingKey, MappingRegistry,
 };
 use super::pin::{split_copy, Piece, PinnedRegion, DEFAULT_PIECE_BYTES};
-use super::Device;
+use super::{Device, DeviceError};
 use crate::cuda::CudaEnv;
 use crate::kernel::{CopyDirection, KernelLaunch, KernelObjects};
 use crate::nvrtc::Nvrtc;
@@ -134,10 +135,10 @@ pub enum CopyDir {
 }
 
 /// Answer of a registration.
-pub type RegisterDone = Box<dyn FnOnce(Result<(), String>) + Send>;
+pub type RegisterDone = Box<dyn FnOnce(Result<(), WorkerError>) + Send>;
 
 /// Answer of a transfer: the 64 bytes of the exported server event.
-pub type TransferDone = Box<dyn FnOnce(Result<Vec<u8>, String>) + Send>;
+pub type TransferDone = Box<dyn FnOnce(Result<Vec<u8>, WorkerError>) + Send>;
 
 /// One registered tensor's bytes to read back to the host: byte ranges from
 /// its first element, copied one after the other into one buffer.
@@ -150,22 +151,27 @@ pub struct LayerRead {
 
 /// The bytes `read` copies, or why one of its ranges is not inside the
 /// tensor's view of `view_bytes`.
-pub fn read_len(read: &LayerRead, view_bytes: u64) -> Result<usize, String> {
+pub fn read_len(read: &LayerRead, view_bytes: u64) -> Result<usize, WorkerError> {
     let mut total = 0u64;
     for &(off, len) in &read.ranges {
         if off.checked_add(len).is_none_or(|end| end > view_bytes) {
-            return Err(format!(
-                "layer {}: bytes {off}..+{len} are outside its {view_bytes}-byte view",
-                read.layer
-            ));
+            return Err(WorkerError::ReadOutsideView {
+                layer: read.layer,
+                offset: off,
+                len,
+                view_bytes,
+            });
         }
         total += len;
     }
-    usize::try_from(total).map_err(|_| format!("layer {}: {total} bytes", read.layer))
+    usize::try_from(total).map_err(|_| WorkerError::ReadTooLarge {
+        layer: read.layer,
+        bytes: total,
+    })
 }
 
 /// Answer of a read-back: one buffer per [`LayerRead`], in order.
-pub type ReadBackDone = Box<dyn FnOnce(Result<Vec<Vec<u8>>, String>) + Send>;
+pub type ReadBackDone = Box<dyn FnOnce(Result<Vec<Vec<u8>>, WorkerError>) + Send>;
 
 /// Work for one GPU's thread.
 pub enum DeviceJob {
@@ -247,7 +253,7 @@ pub struct LayerWindow {
 /// storage_offset + view_offset and the view ends inside the storage;
 /// `cuda_raw` and `cuda_vmm`: base + alloc_offset + view_offset inside
 /// `nbytes`, and for `cuda_vmm` the range inside `alloc_size`).
-pub fn layer_window(ordinal: u32, layer: &LayerSpec) -> Result<LayerWindow, String> {
+pub fn layer_window(ordinal: u32, layer: &LayerSpec) -> Result<LayerWindow, WorkerError> {
     let (key, offset, len) = match &layer.memory {
         LayerMemory::Cuda {
             handle,
@@ -274,10 +280,11 @@ pub fn layer_window(ordinal: u32, layer: &LayerSpec) -> Result<LayerWindow, Stri
                 .checked_add(*nbytes)
                 .is_none_or(|end| end > *alloc_size)
             {
-                return Err(format!(
-                    "fabric range at offset {alloc_offset} of {nbytes} bytes exceeds the \
-                     {alloc_size} byte allocation"
-                ));
+                return Err(WorkerError::FabricRangeOutside {
+                    offset: *alloc_offset,
+                    bytes: *nbytes,
+                    alloc_size: *alloc_size,
+                });
             }
             (
                 MappingKey::fabric(ordinal, *handle, *alloc_size),
@@ -287,19 +294,18 @@ pub fn layer_window(ordinal: u32, layer: &LayerSpec) -> Result<LayerWindow, Stri
         }
     };
     if offset.checked_add(len).is_none() {
-        return Err(format!(
-            "shared range at offset {offset} of {len} bytes overflows"
-        ));
+        return Err(WorkerError::SharedRangeOverflows { offset, bytes: len });
     }
     if layer
         .view_offset
         .checked_add(layer.view_bytes)
         .is_none_or(|end| end > len)
     {
-        return Err(format!(
-            "view at offset {} of {} bytes does not fit the {len} byte shared range",
-            layer.view_offset, layer.view_bytes
-        ));
+        return Err(WorkerError::ViewOutsideRange {
+            view_offset: layer.view_offset,
+            view_bytes: layer.view_bytes,
+            range_bytes: len,
+        });
     }
     Ok(LayerWindow {
         key,
@@ -310,61 +316,67 @@ pub fn layer_window(ordinal: u32, layer: &LayerSpec) -> Result<LayerWindow, Stri
 }
 
 /// Checks a registration before anything is mapped or allocated.
-pub fn check_spec(spec: &InstanceSpec) -> Result<(), String> {
+pub fn check_spec(spec: &InstanceSpec) -> Result<(), WorkerError> {
     let t = &spec.table;
     if spec.layers.is_empty() {
-        return Err("no layers".into());
+        return Err(WorkerError::NoLayers);
     }
     if spec.kernel_layers.len() != t.paged_buffers() {
-        return Err(format!(
-            "the {} format addresses {} paged buffers, got {} kernel layers",
-            t.format(),
-            t.paged_buffers(),
-            spec.kernel_layers.len()
-        ));
+        return Err(WorkerError::KernelLayerCount {
+            format: t.format(),
+            expected: t.paged_buffers(),
+            got: spec.kernel_layers.len(),
+        });
     }
     if spec.blocks_per_chunk == 0 {
-        return Err("blocks_per_chunk is 0".into());
+        return Err(WorkerError::ZeroBlocksPerChunk);
     }
-    let ordinal = u32::try_from(spec.ordinal).map_err(|_| "ordinal out of range".to_string())?;
+    let ordinal = u32::try_from(spec.ordinal).map_err(|_| WorkerError::SpecOrdinalOutOfRange {
+        ordinal: spec.ordinal,
+    })?;
     for (i, layer) in spec.layers.iter().enumerate() {
-        layer_window(ordinal, layer).map_err(|e| format!("layer {i}: {e}"))?;
+        layer_window(ordinal, layer).map_err(|e| e.in_layer(i))?;
     }
     let span = t.paged_span_bytes();
     for (p, &i) in spec.kernel_layers.iter().enumerate() {
-        let layer = spec.layers.get(i).ok_or_else(|| {
-            format!(
-                "kernel pointer {p} names layer {i}, but only {} are registered",
-                spec.layers.len()
-            )
+        let layer = spec.layers.get(i).ok_or(WorkerError::KernelLayerMissing {
+            pointer: p,
+            layer: i,
+            registered: spec.layers.len(),
         })?;
         if layer.view_bytes < span {
-            return Err(format!(
-                "kernel pointer {p} (layer {i}) spans {} bytes, but the layout addresses {span}",
-                layer.view_bytes
-            ));
+            return Err(WorkerError::KernelLayerTooSmall {
+                pointer: p,
+                layer: i,
+                bytes: layer.view_bytes,
+                needed: span,
+            });
         }
     }
     let blocks = MAX_OBJECTS
         .checked_mul(spec.blocks_per_chunk)
-        .ok_or("blocks_per_chunk overflows")?;
+        .ok_or(WorkerError::Overflow {
+            what: "blocks_per_chunk",
+        })?;
     for dir in [CopyDirection::Gather, CopyDirection::Scatter] {
         KernelLaunch::new(t, dir, MAX_OBJECTS, blocks, spec.chunk_slots, 0)
-            .map_err(|e| format!("a batch of {MAX_OBJECTS} chunks cannot be launched: {e}"))?;
+            .map_err(WorkerError::BatchUnlaunchable)?;
     }
     let need = t
         .object_bytes(spec.chunk_slots)
-        .map_err(|e| e.to_string())?;
+        .map_err(WorkerError::Copy)?;
     if spec.object_bytes != need {
-        return Err(format!(
-            "object_bytes is {} but one chunk of this layout is {need} bytes",
-            spec.object_bytes
-        ));
+        return Err(WorkerError::ObjectBytesMismatch {
+            got: spec.object_bytes,
+            expected: need,
+        });
     }
     (MAX_OBJECTS as u64)
         .checked_mul(spec.object_bytes)
         .and_then(|b| usize::try_from(b).ok())
-        .ok_or("the temp slots' size overflows")?;
+        .ok_or(WorkerError::Overflow {
+            what: "the temp slots' size",
+        })?;
     Ok(())
 }
 
@@ -378,13 +390,14 @@ pub fn validate_chunks(
     blocks_per_chunk: usize,
     nb: u64,
     object_bytes: u64,
-) -> Result<(), String> {
+) -> Result<(), WorkerError> {
     for (c, chunk) in chunks.iter().enumerate() {
         if chunk.block_ids.len() != blocks_per_chunk {
-            return Err(format!(
-                "chunk {c} has {} block ids, expected {blocks_per_chunk}",
-                chunk.block_ids.len()
-            ));
+            return Err(WorkerError::BlockIdCount {
+                chunk: c,
+                got: chunk.block_ids.len(),
+                expected: blocks_per_chunk,
+            });
         }
         if let Some((j, id)) = chunk
             .block_ids
@@ -392,33 +405,38 @@ pub fn validate_chunks(
             .enumerate()
             .find(|(_, &id)| u64::try_from(id).map_or(true, |id| id >= nb))
         {
-            return Err(format!(
-                "chunk {c}: block id {id} (index {j}) is outside 0..{nb}"
-            ));
+            return Err(WorkerError::BlockIdOutOfRange {
+                chunk: c,
+                index: j,
+                id: *id,
+                nb,
+            });
         }
         if chunk.skip_blocks > blocks_per_chunk {
-            return Err(format!(
-                "chunk {c}: skip_blocks {} exceeds its {blocks_per_chunk} blocks",
-                chunk.skip_blocks
-            ));
+            return Err(WorkerError::SkipTooLarge {
+                chunk: c,
+                skip_blocks: chunk.skip_blocks,
+                blocks: blocks_per_chunk,
+            });
         }
         if dir == CopyDir::ToHost && chunk.skip_blocks != 0 {
-            return Err(format!(
-                "chunk {c}: a store cannot skip blocks (skip_blocks {})",
-                chunk.skip_blocks
-            ));
+            return Err(WorkerError::StoreSkips {
+                chunk: c,
+                skip_blocks: chunk.skip_blocks,
+            });
         }
         if chunk.host_addr == 0 {
-            return Err(format!("chunk {c}: null host address"));
+            return Err(WorkerError::NullHostAddress { chunk: c });
         }
         let end = usize::try_from(object_bytes)
             .ok()
             .and_then(|n| chunk.host_addr.checked_add(n));
         if end.is_none() {
-            return Err(format!(
-                "chunk {c}: host range {:#x} + {object_bytes} wraps",
-                chunk.host_addr
-            ));
+            return Err(WorkerError::HostRangeWraps {
+                chunk: Some(c),
+                addr: chunk.host_addr as u64,
+                len: object_bytes,
+            });
         }
     }
     Ok(())
@@ -508,10 +526,12 @@ pub fn host_copy_parts(
     pin: Option<&PinView>,
     addr: u64,
     len: u64,
-) -> Result<Vec<HostPart>, String> {
-    let end = addr
-        .checked_add(len)
-        .ok_or_else(|| format!("host range {addr:#x} + {len} wraps"))?;
+) -> Result<Vec<HostPart>, WorkerError> {
+    let end = addr.checked_add(len).ok_or(WorkerError::HostRangeWraps {
+        chunk: None,
+        addr,
+        len,
+    })?;
     if len == 0 {
         return Ok(Vec::new());
     }
@@ -529,8 +549,7 @@ pub fn host_copy_parts(
             len: lo - addr,
         });
     }
-    let inside = split_copy(&pin.pieces, lo - pin.base, hi - lo)
-        .map_err(|e| format!("splitting a host copy at the pinned pieces: {e}"))?;
+    let inside = split_copy(&pin.pieces, lo - pin.base, hi - lo).map_err(WorkerError::HostSplit)?;
     parts.extend(inside.map(|p| HostPart {
         offset: pin.base + p.offset - addr,
         len: p.len,
@@ -545,12 +564,14 @@ pub fn host_copy_parts(
 }
 
 /// Checks that every kernel base pointer is aligned to the copy width.
-pub fn check_alignment(ptrs: &[u64], unit_bytes: u32) -> Result<(), String> {
+pub fn check_alignment(ptrs: &[u64], unit_bytes: u32) -> Result<(), WorkerError> {
     let unit = u64::from(unit_bytes.max(1));
     match ptrs.iter().enumerate().find(|(_, &p)| p % unit != 0) {
-        Some((i, p)) => Err(format!(
-            "kernel pointer {i} at {p:#x} is not aligned to the layout's {unit}-byte copy unit"
-        )),
+        Some((i, &p)) => Err(WorkerError::Misaligned {
+            pointer: i,
+            addr: p,
+            unit,
+        }),
         None => Ok(()),
     }
 }
@@ -570,7 +591,7 @@ pub fn import_layers<O: IpcOpener>(
     registry: &mut MappingRegistry<O>,
     ordinal: u32,
     layers: &[LayerSpec],
-) -> Result<Vec<ImportedLayer>, String> {
+) -> Result<Vec<ImportedLayer>, WorkerError> {
     let mut out: Vec<ImportedLayer> = Vec::with_capacity(layers.len());
     for (i, layer) in layers.iter().enumerate() {
         let imported = layer_window(ordinal, layer).and_then(|w| {
@@ -580,13 +601,13 @@ pub fn import_layers<O: IpcOpener>(
                     key: w.key,
                     ptr: r.ptr + w.view_offset,
                 })
-                .map_err(|e| e.to_string())
+                .map_err(WorkerError::Device)
         });
         match imported {
             Ok(l) => out.push(l),
             Err(e) => {
                 release_layers(registry, out.iter().map(|l| l.key));
-                return Err(format!("layer {i}: {e}"));
+                return Err(e.in_layer(i));
             }
         }
     }
@@ -813,7 +834,7 @@ struct Worker {
     instances: HashMap<i64, Instance>,
     registry: MappingRegistry<DriverIpcOpener>,
     /// Compiled on the first registration; a failure is kept and repeated.
-    module: Option<Result<KernelModule, String>>,
+    module: Option<Result<KernelModule, WorkerError>>,
     pin: Option<PinView>,
 }
 
@@ -825,7 +846,7 @@ fn panic_message(p: &(dyn Any + Send)) -> &str {
 }
 
 /// Calls a job's `done`; a panicking callback is logged, not propagated.
-fn answer<T>(done: Box<dyn FnOnce(Result<T, String>) + Send>, result: Result<T, String>) {
+fn answer<T>(done: Box<dyn FnOnce(Result<T, WorkerError>) + Send>, result: Result<T, WorkerError>) {
     if let Err(p) = catch_unwind(AssertUnwindSafe(move || done(result))) {
         log::error!(
             "a device job's completion callback panicked: {}",
@@ -835,12 +856,12 @@ fn answer<T>(done: Box<dyn FnOnce(Result<T, String>) + Send>, result: Result<T, 
 }
 
 /// Answers a job that cannot run.
-fn refuse(job: DeviceJob, reason: &str) {
+fn refuse(job: DeviceJob, reason: &WorkerError) {
     match job {
-        DeviceJob::Register { done, .. } => answer(done, Err(reason.to_string())),
-        DeviceJob::Transfer { done, .. } => answer(done, Err(reason.to_string())),
+        DeviceJob::Register { done, .. } => answer(done, Err(reason.clone())),
+        DeviceJob::Transfer { done, .. } => answer(done, Err(reason.clone())),
         DeviceJob::Unregister { .. } => {}
-        DeviceJob::ReadBack { done, .. } => answer(done, Err(reason.to_string())),
+        DeviceJob::ReadBack { done, .. } => answer(done, Err(reason.clone())),
     }
 }
 
@@ -859,7 +880,7 @@ impl Worker {
     fn handle(&mut self, job: DeviceJob) {
         match job {
             DeviceJob::Register { iid, spec, done } => {
-                let r = self.guarded(iid, "registering", |w| w.register(iid, &spec));
+                let r = self.guarded(iid, Step::Registering, |w| w.register(iid, &spec));
                 answer(done, r);
             }
             DeviceJob::Transfer {
@@ -869,13 +890,13 @@ impl Worker {
                 chunks,
                 done,
             } => {
-                let r = self.guarded(iid, "transferring", |w| {
+                let r = self.guarded(iid, Step::Transferring, |w| {
                     w.transfer(iid, dir, worker_event.as_deref(), &chunks)
                 });
                 answer(done, r);
             }
             DeviceJob::Unregister { iid } => {
-                if let Err(e) = self.guarded(iid, "unregistering", |w| {
+                if let Err(e) = self.guarded(iid, Step::Unregistering, |w| {
                     w.unregister(iid);
                     Ok(())
                 }) {
@@ -883,7 +904,7 @@ impl Worker {
                 }
             }
             DeviceJob::ReadBack { iid, reads, done } => {
-                let r = self.guarded(iid, "reading back", |w| w.read_back(iid, &reads));
+                let r = self.guarded(iid, Step::ReadingBack, |w| w.read_back(iid, &reads));
                 answer(done, r);
             }
         }
@@ -891,22 +912,27 @@ impl Worker {
 
     /// Copies each read's ranges of a registered tensor into one host
     /// buffer, checked against the tensor's view.
-    fn read_back(&self, iid: i64, reads: &[LayerRead]) -> Result<Vec<Vec<u8>>, String> {
+    fn read_back(&self, iid: i64, reads: &[LayerRead]) -> Result<Vec<Vec<u8>>, WorkerError> {
         let ordinal = self.ordinal;
         let inst = self
             .instances
             .get(&iid)
-            .ok_or_else(|| format!("device {ordinal}: instance {iid} is not registered"))?;
+            .ok_or(WorkerError::UnknownInstance {
+                device: ordinal,
+                instance: iid,
+            })?;
         let mut out = Vec::with_capacity(reads.len());
         for read in reads {
-            let &(ptr, view_bytes) = inst.views.get(read.layer).ok_or_else(|| {
-                format!(
-                    "device {ordinal}: instance {iid} has no layer {}",
-                    read.layer
-                )
-            })?;
+            let &(ptr, view_bytes) =
+                inst.views
+                    .get(read.layer)
+                    .ok_or(WorkerError::UnknownLayer {
+                        device: ordinal,
+                        instance: iid,
+                        layer: read.layer,
+                    })?;
             let total = read_len(read, view_bytes)
-                .map_err(|e| format!("device {ordinal}: instance {iid}: {e}"))?;
+                .map_err(|e| e.during(ordinal, iid, Step::ReadingBack))?;
             let mut buf = vec![0u8; total];
             let mut at = 0usize;
             for &(off, len) in &read.ranges {
@@ -917,11 +943,10 @@ impl Worker {
                 unsafe {
                     inst.stream
                         .copy_raw_to_host(buf.as_mut_ptr().add(at), ptr + off, len as usize)
-                }
-                .map_err(|e| e.to_string())?;
+                }?;
                 at += len as usize;
             }
-            inst.stream.synchronize().map_err(|e| e.to_string())?;
+            inst.stream.synchronize()?;
             out.push(buf);
         }
         Ok(out)
@@ -932,9 +957,9 @@ impl Worker {
     fn guarded<T>(
         &mut self,
         iid: i64,
-        what: &str,
-        f: impl FnOnce(&mut Self) -> Result<T, String>,
-    ) -> Result<T, String> {
+        step: Step,
+        f: impl FnOnce(&mut Self) -> Result<T, WorkerError>,
+    ) -> Result<T, WorkerError> {
         match catch_unwind(AssertUnwindSafe(|| f(self))) {
             Ok(r) => r,
             Err(p) => {
@@ -943,27 +968,28 @@ impl Worker {
                         log::error!("{e}");
                     }
                 }
-                Err(format!(
-                    "device {}: internal error while {what} instance {iid}: {}",
-                    self.ordinal,
-                    panic_message(&*p)
-                ))
+                Err(WorkerError::Panicked {
+                    device: self.ordinal,
+                    instance: iid,
+                    step,
+                    message: panic_message(&*p).to_string(),
+                })
             }
         }
     }
 
-    fn kernel(&mut self) -> Result<&KernelModule, String> {
+    fn kernel(&mut self) -> Result<&KernelModule, WorkerError> {
         let device = &self.device;
         let module = self.module.get_or_insert_with(|| {
-            let nvrtc = Nvrtc::load().map_err(|e| e.to_string())?;
-            KernelModule::compile(device, &nvrtc).map_err(|e| e.to_string())
+            let nvrtc = Nvrtc::load().map_err(WorkerError::NvrtcUnavailable)?;
+            KernelModule::compile(device, &nvrtc).map_err(WorkerError::KernelBuild)
         });
         module.as_ref().map_err(Clone::clone)
     }
 
-    fn register(&mut self, iid: i64, spec: &InstanceSpec) -> Result<(), String> {
+    fn register(&mut self, iid: i64, spec: &InstanceSpec) -> Result<(), WorkerError> {
         let ordinal = self.ordinal;
-        let doing = |e: String| format!("device {ordinal}: registering instance {iid}: {e}");
+        let doing = |e: WorkerError| e.during(ordinal, iid, Step::Registering);
         if let Some(old) = self.instances.remove(&iid) {
             log::info!(
                 "device {}: instance {iid} registered again; closing the old one",
@@ -972,10 +998,10 @@ impl Worker {
             old.close(&mut self.registry);
         }
         if spec.ordinal != self.ordinal as usize {
-            return Err(doing(format!(
-                "the spec is for device {}, this thread serves device {}",
-                spec.ordinal, self.ordinal
-            )));
+            return Err(doing(WorkerError::WrongDevice {
+                spec: spec.ordinal,
+                thread: self.ordinal,
+            }));
         }
         check_spec(spec).map_err(doing)?;
         self.kernel().map(|_| ()).map_err(doing)?;
@@ -1001,13 +1027,12 @@ impl Worker {
         &self,
         spec: &InstanceSpec,
         layers: &[ImportedLayer],
-    ) -> Result<Instance, String> {
-        let s = |e: super::DeviceError| e.to_string();
+    ) -> Result<Instance, WorkerError> {
         let t = &spec.table;
         let ptrs: Vec<u64> = spec.kernel_layers.iter().map(|&i| layers[i].ptr).collect();
         check_alignment(&ptrs, t.unit_bytes())?;
         let device = &self.device;
-        let stream = Stream::new(device).map_err(s)?;
+        let stream = Stream::new(device)?;
         let mut seen = HashSet::new();
         let mut alloc_events = Vec::new();
         for layer in &spec.layers {
@@ -1017,28 +1042,25 @@ impl Worker {
             } = &layer.memory
             {
                 if seen.insert(*h) {
-                    alloc_events.push(ImportedEvent::import(device, h).map_err(s)?);
+                    alloc_events.push(ImportedEvent::import(device, h)?);
                 }
             }
         }
         let ptr_bytes = ptrs.len() * 8;
-        let paged = DeviceBuffer::alloc(device, ptr_bytes).map_err(s)?;
-        let ids =
-            DeviceBuffer::alloc(device, MAX_OBJECTS * spec.blocks_per_chunk * 8).map_err(s)?;
+        let paged = DeviceBuffer::alloc(device, ptr_bytes)?;
+        let ids = DeviceBuffer::alloc(device, MAX_OBJECTS * spec.blocks_per_chunk * 8)?;
         // check_spec made sure this fits usize.
-        let slots =
-            DeviceBuffer::alloc(device, MAX_OBJECTS * spec.object_bytes as usize).map_err(s)?;
-        let completion = CompletionEvent::new(device).map_err(s)?;
+        let slots = DeviceBuffer::alloc(device, MAX_OBJECTS * spec.object_bytes as usize)?;
+        let completion = CompletionEvent::new(device)?;
         let ring = ExportRing::new(device, DEFAULT_EXPORT_RING);
         for ev in &alloc_events {
-            ev.wait_on(&stream).map_err(s)?;
+            ev.wait_on(&stream)?;
         }
         // SAFETY: `ptrs` is a live Vec of exactly `ptr_bytes` bytes that
         // outlives the synchronize below; the destination range is inside
         // `paged` (checked by copy_to_device).
-        unsafe { stream.copy_to_device(&paged, 0, ptrs.as_ptr().cast::<u8>(), ptr_bytes) }
-            .map_err(s)?;
-        stream.synchronize().map_err(s)?;
+        unsafe { stream.copy_to_device(&paged, 0, ptrs.as_ptr().cast::<u8>(), ptr_bytes) }?;
+        stream.synchronize()?;
         drop(alloc_events);
         Ok(Instance {
             keys: layers.iter().map(|l| l.key).collect(),
@@ -1072,17 +1094,20 @@ impl Worker {
         dir: CopyDir,
         worker_event: Option<&[u8]>,
         chunks: &[ChunkCopy],
-    ) -> Result<Vec<u8>, String> {
+    ) -> Result<Vec<u8>, WorkerError> {
         let ordinal = self.ordinal;
-        let doing = |e: String| format!("device {ordinal}: transfer for instance {iid}: {e}");
+        let doing = |e: WorkerError| e.during(ordinal, iid, Step::Transferring);
         let inst = self
             .instances
             .get_mut(&iid)
-            .ok_or_else(|| doing("instance not registered on this device".into()))?;
+            .ok_or(WorkerError::UnknownInstance {
+                device: ordinal,
+                instance: iid,
+            })?;
         // Every registered instance implies a loaded kernel.
         let module = match &self.module {
             Some(Ok(m)) => m,
-            _ => return Err(doing("the block-copy kernel is not loaded".into())),
+            _ => return Err(doing(WorkerError::KernelNotLoaded)),
         };
         let t = inst.table;
         validate_chunks(
@@ -1096,7 +1121,7 @@ impl Worker {
         let handle = worker_event
             .map(IpcEventHandle::from_bytes)
             .transpose()
-            .map_err(|e| doing(e.to_string()))?;
+            .map_err(|e| doing(WorkerError::Device(e)))?;
         let batches = plan_batches(chunks, inst.blocks_per_chunk);
         let direction = match dir {
             CopyDir::ToHost => CopyDirection::Gather,
@@ -1116,7 +1141,7 @@ impl Worker {
                     inst.chunk_slots,
                     b.skip_blocks,
                 )
-                .map_err(|e| doing(e.to_string()))?;
+                .map_err(|e| doing(WorkerError::Copy(e)))?;
                 Some(l)
             };
             launches.push(launch);
@@ -1131,7 +1156,7 @@ impl Worker {
         let imported = handle
             .map(|h| ImportedEvent::import(&self.device, &h))
             .transpose()
-            .map_err(|e| doing(e.to_string()))?;
+            .map_err(|e| doing(WorkerError::Device(e)))?;
         let enqueued = enqueue(
             module,
             inst,
@@ -1142,13 +1167,13 @@ impl Worker {
             &copies,
             imported.as_ref(),
         );
-        let outcome = enqueued.and_then(|()| inst.completion.wait().map_err(|e| e.to_string()));
+        let outcome = enqueued.and_then(|()| inst.completion.wait());
         if let Err(e) = outcome {
             // Let nothing of this job run on after the answer.
             if let Err(se) = inst.stream.synchronize() {
                 log::error!("{se} (after: {e})");
             }
-            return Err(doing(e));
+            return Err(doing(WorkerError::Device(e)));
         }
         // The worker event, the host ids and the copy plans were kept alive
         // until here, past completion.
@@ -1156,7 +1181,7 @@ impl Worker {
         drop(batches);
         let exported = inst.ring.export(&inst.stream).map_err(|e| {
             let _ = inst.stream.synchronize();
-            doing(e.to_string())
+            doing(WorkerError::Device(e))
         })?;
         Ok(exported.as_bytes().to_vec())
     }
@@ -1175,11 +1200,10 @@ fn enqueue(
     launches: &[Option<KernelLaunch>],
     copies: &[Vec<HostPart>],
     worker_event: Option<&ImportedEvent>,
-) -> Result<(), String> {
-    let s = |e: super::DeviceError| e.to_string();
+) -> Result<(), DeviceError> {
     let stream = &inst.stream;
     if let Some(ev) = worker_event {
-        ev.wait_on(stream).map_err(s)?;
+        ev.wait_on(stream)?;
     }
     let obj = inst.object_bytes as usize;
     let mut k = 0;
@@ -1193,7 +1217,7 @@ fn enqueue(
         };
         let mut objects = KernelObjects::default();
         for (i, p) in objects.ptr.iter_mut().take(b.chunks).enumerate() {
-            *p = inst.slots.range(i * obj, obj).map_err(s)?;
+            *p = inst.slots.range(i * obj, obj)?;
         }
         let args = LaunchArgs {
             paged: inst.paged.ptr(),
@@ -1206,8 +1230,7 @@ fn enqueue(
         // buffer is reused by the next batch only in stream order.
         unsafe {
             stream.copy_to_device(&inst.ids, 0, b.ids.as_ptr().cast::<u8>(), b.ids.len() * 8)
-        }
-        .map_err(s)?;
+        }?;
         if dir == CopyDir::ToDevice {
             for (i, (chunk, parts)) in members.iter().zip(parts).enumerate() {
                 for p in parts {
@@ -1223,8 +1246,7 @@ fn enqueue(
                             (chunk.host_addr + p.offset as usize) as *const u8,
                             p.len as usize,
                         )
-                    }
-                    .map_err(s)?;
+                    }?;
                 }
             }
         }
@@ -1236,7 +1258,7 @@ fn enqueue(
         // just before on this stream. All of it stays alive and mapped until
         // the transfer has completed (the thread waits, or synchronizes on
         // error, before anything is dropped or unregistered).
-        unsafe { module.launch(stream, launch, &args) }.map_err(s)?;
+        unsafe { module.launch(stream, launch, &args) }?;
         if dir == CopyDir::ToHost {
             for (i, (chunk, parts)) in members.iter().zip(parts).enumerate() {
                 for p in parts {
@@ -1251,13 +1273,12 @@ fn enqueue(
                             i * obj + p.offset as usize,
                             p.len as usize,
                         )
-                    }
-                    .map_err(s)?;
+                    }?;
                 }
             }
         }
     }
-    inst.completion.record(stream).map_err(s)
+    inst.completion.record(stream)
 }
 
 impl Worker {
@@ -1278,15 +1299,21 @@ fn run_thread(
     _keepalive: Arc<dyn Any + Send + Sync>,
 ) {
     let opened = match u32::try_from(ordinal) {
-        Err(_) => Err(format!("ordinal {ordinal} is out of range")),
+        Err(_) => Err(WorkerError::OrdinalOutOfRange { ordinal }),
         Ok(o) => catch_unwind(AssertUnwindSafe(|| Device::open(&env, o)))
-            .map_err(|p| format!("opening CUDA device {o} panicked: {}", panic_message(&*p)))
-            .and_then(|r| r.map_err(|e| e.to_string())),
+            .map_err(|p| WorkerError::OpenPanicked {
+                ordinal: o,
+                message: panic_message(&*p).to_string(),
+            })
+            .and_then(|r| r.map_err(WorkerError::Device)),
     };
     let device = match opened {
         Ok(d) => d,
         Err(e) => {
-            let reason = format!("CUDA device {ordinal} is unusable: {e}");
+            let reason = WorkerError::Unusable {
+                ordinal,
+                source: Box::new(e),
+            };
             log::warn!("{reason}");
             for job in rx.iter() {
                 refuse(job, &reason);
@@ -1530,7 +1557,7 @@ mod tests {
 
     #[test]
     fn a_good_spec_passes() {
-        assert_eq!(check_spec(&spec()), Ok(()));
+        check_spec(&spec()).unwrap();
         assert_eq!(table().object_bytes(256), Ok(2 * MIB));
     }
 
@@ -1570,13 +1597,13 @@ mod tests {
         for (want, edit) in cases {
             let mut s = spec();
             edit(&mut s);
-            let e = check_spec(&s).unwrap_err();
+            let e = check_spec(&s).unwrap_err().to_string();
             assert!(e.contains(want), "want {want:?} in {e:?}");
         }
         // A layer the kernel does not address may be small.
         let mut s = spec();
         s.layers.push(raw_layer(2, 0, 64));
-        assert_eq!(check_spec(&s), Ok(()));
+        check_spec(&s).unwrap();
     }
 
     // -- layer windows and imports --------------------------------------------
@@ -1727,7 +1754,7 @@ mod tests {
             view_offset: 0,
             view_bytes: 1,
         };
-        let e = layer_window(0, &fabric).unwrap_err();
+        let e = layer_window(0, &fabric).unwrap_err().to_string();
         assert!(e.contains("exceeds"), "{e}");
     }
 
@@ -1740,7 +1767,7 @@ mod tests {
             raw_layer(2, 0, MIB),
             raw_layer(1, ALLOC - 10, 11),
         ];
-        let e = import_layers(&mut r, 0, &layers).unwrap_err();
+        let e = import_layers(&mut r, 0, &layers).unwrap_err().to_string();
         assert!(e.starts_with("layer 2:") && e.contains("outside"), "{e}");
         assert!(r.is_empty());
         assert_eq!(r.opener().closes.len(), 2);
@@ -1750,20 +1777,25 @@ mod tests {
             ..FakeOpener::default()
         });
         let layers = vec![raw_layer(1, 0, 1), raw_layer(2, 0, 1), raw_layer(3, 0, 1)];
-        let e = import_layers(&mut r, 0, &layers).unwrap_err();
+        let e = import_layers(&mut r, 0, &layers).unwrap_err().to_string();
         assert!(e.contains("fake failure"), "{e}");
         assert!(r.is_empty());
     }
 
     #[test]
     fn kernel_pointers_must_be_unit_aligned() {
-        assert_eq!(check_alignment(&[0x1000, 0x2010], 16), Ok(()));
+        assert!(check_alignment(&[0x1000, 0x2010], 16).is_ok());
         let e = check_alignment(&[0x1000, 0x2008], 16).unwrap_err();
+        assert!(
+            matches!(e, WorkerError::Misaligned { pointer: 1, .. }),
+            "{e}"
+        );
+        let e = e.to_string();
         assert!(e.contains("kernel pointer 1 at 0x2008"), "{e}");
-        assert_eq!(check_alignment(&[0x1004], 4), Ok(()));
+        assert!(check_alignment(&[0x1004], 4).is_ok());
         assert!(check_alignment(&[0x1002], 4).is_err());
-        assert_eq!(check_alignment(&[0x1002], 2), Ok(()));
-        assert_eq!(check_alignment(&[], 16), Ok(()));
+        assert!(check_alignment(&[0x1002], 2).is_ok());
+        assert!(check_alignment(&[], 16).is_ok());
     }
 
     // -- chunk validation --------------------------------------------------
@@ -1779,13 +1811,10 @@ mod tests {
     #[test]
     fn chunk_validation() {
         let ok = vec![chunk(0x1000, 0, 4, 0), chunk(0x9000, 96, 4, 0)];
-        assert_eq!(validate_chunks(&ok, CopyDir::ToHost, 4, 100, 4096), Ok(()));
-        assert_eq!(validate_chunks(&[], CopyDir::ToHost, 4, 100, 4096), Ok(()));
+        assert!(validate_chunks(&ok, CopyDir::ToHost, 4, 100, 4096).is_ok());
+        assert!(validate_chunks(&[], CopyDir::ToHost, 4, 100, 4096).is_ok());
         let retrieve = vec![chunk(0x1000, 0, 4, 4), chunk(0x9000, 0, 4, 2)];
-        assert_eq!(
-            validate_chunks(&retrieve, CopyDir::ToDevice, 4, 100, 4096),
-            Ok(())
-        );
+        assert!(validate_chunks(&retrieve, CopyDir::ToDevice, 4, 100, 4096).is_ok());
         let cases = [
             (chunk(0x1000, 0, 3, 0), CopyDir::ToHost, "has 3 block ids"),
             (
@@ -1805,7 +1834,9 @@ mod tests {
         ];
         for (bad, dir, want) in cases {
             let chunks = vec![chunk(0x1000, 0, 4, 0), bad];
-            let e = validate_chunks(&chunks, dir, 4, 100, 4096).unwrap_err();
+            let e = validate_chunks(&chunks, dir, 4, 100, 4096)
+                .unwrap_err()
+                .to_string();
             assert!(
                 e.starts_with("chunk 1") && e.contains(want),
                 "want {want:?}: {e}"
@@ -2043,7 +2074,7 @@ mod tests {
         }
     }
 
-    fn register_job(iid: i64, tx: Sender<(i64, Result<(), String>)>) -> DeviceJob {
+    fn register_job(iid: i64, tx: Sender<(i64, Result<(), WorkerError>)>) -> DeviceJob {
         let mut s = spec();
         s.ordinal = FAKE;
         DeviceJob::Register {
@@ -2053,7 +2084,7 @@ mod tests {
         }
     }
 
-    fn transfer_job(iid: i64, tx: Sender<(i64, Result<Vec<u8>, String>)>) -> DeviceJob {
+    fn transfer_job(iid: i64, tx: Sender<(i64, Result<Vec<u8>, WorkerError>)>) -> DeviceJob {
         DeviceJob::Transfer {
             iid,
             dir: CopyDir::ToDevice,
@@ -2087,11 +2118,17 @@ mod tests {
             assert_eq!(iid, 1);
             let e = r.unwrap_err();
             assert!(
+                matches!(e, WorkerError::Unusable { ordinal: FAKE, .. }),
+                "{e}"
+            );
+            assert!(matches!(e.root(), WorkerError::Device(_)), "{e}");
+            let e = e.to_string();
+            assert!(
                 e.contains(&format!("CUDA device {FAKE} is unusable")),
                 "{e}"
             );
             assert!(e.contains(&format!("opening CUDA device {FAKE}")), "{e}");
-            let e = trx.recv().unwrap().1.unwrap_err();
+            let e = trx.recv().unwrap().1.unwrap_err().to_string();
             assert!(e.contains("unusable"), "{e}");
             // Later jobs, after the thread has failed, are answered too.
             for iid in 2..6 {
@@ -2148,8 +2185,22 @@ mod tests {
             let DeviceJob::Transfer { done, .. } = job else {
                 panic!("not the transfer")
             };
-            done(Err("no device".into()));
-            assert_eq!(rx.recv().unwrap(), (9, Err("no device".into())));
+            done(Err(WorkerError::UnknownInstance {
+                device: 3,
+                instance: 9,
+            }));
+            let (iid, r) = rx.recv().unwrap();
+            assert_eq!(iid, 9);
+            assert!(
+                matches!(
+                    r,
+                    Err(WorkerError::UnknownInstance {
+                        device: 3,
+                        instance: 9
+                    })
+                ),
+                "{r:?}"
+            );
             drop(t);
         });
     }

@@ -29,6 +29,7 @@ use kvshard_gds::device::ipc::{FabricHandle, IpcMemHandle};
 use kvshard_gds::device::worker::{
     DeviceJob, DeviceThreads, InstanceSpec, LayerMemory, LayerRead, LayerSpec,
 };
+use kvshard_gds::device::WorkerError;
 
 use crate::cuda_refusal::{parse_torch_handle, TorchHandle};
 use kvshard_layout::checksum::{
@@ -358,7 +359,7 @@ pub enum CudaExecutor {
 impl CudaExecutor {
     /// Starts the executor of `env` (in a debug build, the emulation when
     /// the environment asks for it) over the L1 memory `mem`.
-    pub fn start(env: CudaEnv, mem: &L1Memory) -> Result<CudaExecutor, String> {
+    pub fn start(env: CudaEnv, mem: &L1Memory) -> Result<CudaExecutor, WorkerError> {
         #[cfg(debug_assertions)]
         if emulated::enabled() {
             return EmulatedDevice::start().map(CudaExecutor::Emulated);
@@ -460,6 +461,43 @@ impl CudaInstance {
     }
 }
 
+/// Why a checksum plan's read-backs from a GPU failed.
+#[derive(Debug)]
+pub enum ChecksumReadError {
+    /// The GPU's device thread handed the job back.
+    NotTakingWork { ordinal: usize },
+    /// The device thread did not answer in time.
+    TimedOut { ordinal: usize, after: Duration },
+    /// The device thread answered with an error.
+    Device(WorkerError),
+}
+
+impl std::fmt::Display for ChecksumReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ChecksumReadError::NotTakingWork { ordinal } => write!(
+                f,
+                "the CUDA device thread of GPU {ordinal} is not taking work (see the log)"
+            ),
+            ChecksumReadError::TimedOut { ordinal, after } => write!(
+                f,
+                "GPU {ordinal} did not read the blocks back within {} s",
+                after.as_secs()
+            ),
+            ChecksumReadError::Device(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for ChecksumReadError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ChecksumReadError::Device(e) => Some(e),
+            ChecksumReadError::NotTakingWork { .. } | ChecksumReadError::TimedOut { .. } => None,
+        }
+    }
+}
+
 /// Runs a checksum plan on GPU `ordinal`'s device thread, one chunk at a
 /// time, blocking the calling thread (never the front or a shard).
 pub fn run_checksums(
@@ -467,7 +505,7 @@ pub fn run_checksums(
     ordinal: usize,
     iid: InstanceId,
     plan: ChecksumPlan,
-) -> Result<ChecksumReport, String> {
+) -> Result<ChecksumReport, ChecksumReadError> {
     let layers = plan.chunks.first().map_or(0, Vec::len);
     let mut digests = ChecksumDigests::new(layers, plan.layerwise);
     for reads in plan.chunks {
@@ -480,17 +518,15 @@ pub fn run_checksums(
             }),
         };
         if exec.submit(ordinal, job).is_err() {
-            return Err(format!(
-                "the CUDA device thread of GPU {ordinal} is not taking work (see the log)"
-            ));
+            return Err(ChecksumReadError::NotTakingWork { ordinal });
         }
         let buffers = match rx.recv_timeout(CHECKSUM_READ_TIMEOUT) {
-            Ok(r) => r?,
+            Ok(r) => r.map_err(ChecksumReadError::Device)?,
             Err(_) => {
-                return Err(format!(
-                    "GPU {ordinal} did not read the blocks back within {} s",
-                    CHECKSUM_READ_TIMEOUT.as_secs()
-                ))
+                return Err(ChecksumReadError::TimedOut {
+                    ordinal,
+                    after: CHECKSUM_READ_TIMEOUT,
+                })
             }
         };
         // One buffer per layer, in the reads' (registration) order.

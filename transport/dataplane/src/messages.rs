@@ -11,6 +11,7 @@ use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::l1::{L1Stats, L1Status, WriterTag};
 use kvshard_engine::l2::tier::{TierStats, TierUsage};
 use kvshard_engine::slab::Slab;
+use kvshard_gds::device::WorkerError;
 
 use kvshard_messages::control::{ControlRequest, Responder};
 use kvshard_wire::InstanceId;
@@ -291,11 +292,11 @@ pub enum CudaEvent {
     /// A registration was set up on its GPU, or why not.
     Registered {
         iid: InstanceId,
-        result: Result<(), String>,
+        result: Result<(), WorkerError>,
     },
     /// A transfer's copies completed (with the exported event), or why not.
     Transferred {
         seq: Seq,
-        result: Result<Vec<u8>, String>,
+        result: Result<Vec<u8>, WorkerError>,
     },
 }

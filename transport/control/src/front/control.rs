@@ -181,9 +181,9 @@ impl Front {
                                 instance_id,
                                 plan,
                             )
-                            .map_err(|detail| ChecksumRefusal {
+                            .map_err(|e| ChecksumRefusal {
                                 status: 500,
-                                detail,
+                                detail: e.to_string(),
                             })
                         })
                     }

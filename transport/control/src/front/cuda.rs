@@ -11,6 +11,7 @@ use kvshard_dataplane::messages::{CudaEvent, FrontEvent, ReplyTo, ShardOp};
 use kvshard_engine::keys::ObjectKey;
 use kvshard_engine::slab::Slab;
 use kvshard_gds::device::worker::{ChunkCopy, CopyDir, DeviceJob};
+use kvshard_gds::device::WorkerError;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
 use kvshard_wire as wire;
@@ -30,6 +31,62 @@ pub(super) struct CudaFound {
 /// instance up before it is answered anyway (a driver call that never
 /// returns must not hang the worker; its transfers fail until it is done).
 pub(super) const CUDA_SETUP_ANSWER: Duration = Duration::from_secs(60);
+
+/// Why a CUDA STORE or RETRIEVE failed.
+#[derive(Debug)]
+pub(super) enum CudaOpError {
+    /// The worker's event handle is not CUDA's 64 bytes.
+    EventHandleLength { len: usize },
+    /// The GPU's device thread handed the job back.
+    NotTakingWork { ordinal: usize },
+    /// The instance was unregistered before its retrieve could start.
+    NoLongerRegistered { iid: InstanceId },
+    /// The L1 is not in host memory.
+    L1NotInMemory,
+    /// Some of a retrieve's chunks were not read-locked by its lookup.
+    NotReadLocked { missing: usize, chunks: usize },
+    /// The device thread ran the job and it failed.
+    Device(WorkerError),
+}
+
+impl std::fmt::Display for CudaOpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CudaOpError::EventHandleLength { len } => write!(
+                f,
+                "the worker sent a {len}-byte event handle where CUDA's are 64 bytes{}",
+                if *len == 81 {
+                    " (81 bytes is lmcache's isolated_ipc timeline-semaphore form, which kvshard \
+                     does not support: turn lmcache.mp.isolated_ipc off on the worker)"
+                } else {
+                    ""
+                }
+            ),
+            CudaOpError::NotTakingWork { ordinal } => write!(
+                f,
+                "the CUDA device thread of GPU {ordinal} is not taking work"
+            ),
+            CudaOpError::NoLongerRegistered { iid } => {
+                write!(f, "instance {iid} is no longer registered")
+            }
+            CudaOpError::L1NotInMemory => write!(f, "the L1 is not in memory"),
+            CudaOpError::NotReadLocked { missing, chunks } => write!(
+                f,
+                "{missing} of {chunks} chunks are not read-locked by a lookup"
+            ),
+            CudaOpError::Device(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for CudaOpError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CudaOpError::Device(e) => Some(e),
+            _ => None,
+        }
+    }
+}
 
 impl Front {
     /// Refuses a registration carrying CUDA descriptors (true), recording the
@@ -137,7 +194,13 @@ impl Front {
                 Ok(x) => self.cuda_threads = Some(Arc::new(x)),
                 Err(e) => {
                     self.layouts.unregister(&model_name, ws);
-                    return self.refuse_with(iid, refuse(e), &model_name, ws as i64, now);
+                    return self.refuse_with(
+                        iid,
+                        refuse(e.to_string()),
+                        &model_name,
+                        ws as i64,
+                        now,
+                    );
                 }
             }
         }
@@ -192,7 +255,7 @@ impl Front {
                 }
             }
             CudaEvent::Transferred { seq, result } => match self.cuda_ops.remove(&seq) {
-                Some(op) => self.finish_cuda_op(op, result),
+                Some(op) => self.finish_cuda_op(op, result.map_err(CudaOpError::Device)),
                 None => log_limited!(
                     Level::Error,
                     "CUDA transfer {seq} finished but nobody waits for it"
@@ -228,7 +291,7 @@ impl Front {
         &mut self,
         iid: InstanceId,
         p: PendingRegistration,
-        result: Result<(), String>,
+        result: Result<(), WorkerError>,
         now: Instant,
     ) {
         let ordinal = p.instance.ordinal;
@@ -288,16 +351,7 @@ impl Front {
         op: CudaOp,
     ) {
         if !event.is_empty() && event.len() != 64 {
-            let e = format!(
-                "the worker sent a {}-byte event handle where CUDA's are 64 bytes{}",
-                event.len(),
-                if event.len() == 81 {
-                    " (81 bytes is lmcache's isolated_ipc timeline-semaphore form, which kvshard \
-                     does not support: turn lmcache.mp.isolated_ipc off on the worker)"
-                } else {
-                    ""
-                }
-            );
+            let e = CudaOpError::EventHandleLength { len: event.len() };
             return self.finish_cuda_op(op, Err(e));
         }
         let seq = self.alloc_seq();
@@ -318,13 +372,12 @@ impl Front {
         if submitted {
             self.cuda_ops.insert(seq, op);
         } else {
-            let e = format!("the CUDA device thread of GPU {ordinal} is not taking work");
-            self.finish_cuda_op(op, Err(e));
+            self.finish_cuda_op(op, Err(CudaOpError::NotTakingWork { ordinal }));
         }
     }
 
     /// Settles a CUDA transfer: commits or releases what it held, and answers.
-    pub(super) fn finish_cuda_op(&mut self, op: CudaOp, result: Result<Vec<u8>, String>) {
+    pub(super) fn finish_cuda_op(&mut self, op: CudaOp, result: Result<Vec<u8>, CudaOpError>) {
         match op {
             CudaOp::Store { to, iid, keys } => {
                 self.metrics.finished_stores += 1;
@@ -447,12 +500,12 @@ impl Front {
             self.setup.l1_memory.as_ref().map(|m| m.base),
             self.cuda_ordinal(iid),
         ) {
-            (_, None) => Err(format!("instance {iid} is no longer registered")),
-            (None, _) => Err("the L1 is not in memory".to_string()),
-            _ if missing > 0 => Err(format!(
-                "{missing} of {} chunks are not read-locked by a lookup",
-                keys.len()
-            )),
+            (_, None) => Err(CudaOpError::NoLongerRegistered { iid }),
+            (None, _) => Err(CudaOpError::L1NotInMemory),
+            _ if missing > 0 => Err(CudaOpError::NotReadLocked {
+                missing,
+                chunks: keys.len(),
+            }),
             (Some(base), Some(ordinal)) => Ok((base, ordinal)),
         };
         let (base, ordinal) = match target {
