@@ -364,13 +364,8 @@ pub fn analyse(
 /// axis is outermost).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceGeometry {
-    pub format: KvFormat,
-    pub dtype: KvDtype,
-    pub kv_size: usize,
-    pub num_blocks: usize,
-    pub block_size: usize,
-    pub num_heads: usize,
-    pub head_size: usize,
+    /// What every registered layer shares.
+    pub layer: Geometry,
     /// Registered tensor indices of the object's layers, in object order.
     pub group_layers: Vec<usize>,
     /// Per registered tensor: bytes from its storage start to its first
@@ -458,13 +453,7 @@ impl DeviceGeometry {
         ];
         let bytes = shape.iter().product::<u64>() * g.dtype.size_bytes() as u64;
         Ok(DeviceGeometry {
-            format: g.format,
-            dtype: g.dtype,
-            kv_size: g.kv_size,
-            num_blocks: g.num_blocks,
-            block_size: g.block_size,
-            num_heads: g.num_heads,
-            head_size: g.head_size,
+            layer: g,
             group_layers,
             views,
             layer_dims: normalised,

@@ -545,32 +545,32 @@ impl Registry {
                     ),
                     LmcTransfer::Cuda(c) => {
                         let g = &c.geometry;
-                        let es = g.dtype.size_bytes();
+                        let es = g.layer.dtype.size_bytes();
                         (
                             serde_json::json!({
                                 "num_layers": g.views.len(),
-                                "num_blocks": g.num_blocks,
-                                "cache_size_per_token": g.kv_size * g.group_layers.len() * g.num_heads * g.head_size * es,
+                                "num_blocks": g.layer.num_blocks,
+                                "cache_size_per_token": g.layer.kv_size * g.group_layers.len() * g.layer.num_heads * g.layer.head_size * es,
                                 "kernel_groups": [{
                                     "kernel_group_idx": 0,
                                     "engine_group_idx": 0,
                                     "object_group_idx": 0,
                                     "num_layers": g.group_layers.len(),
                                     "layer_indices": g.group_layers,
-                                    "tokens_per_block": g.block_size,
-                                    "slots_per_block": g.block_size,
-                                    "dtype": format!("torch.{}", g.dtype.name()),
-                                    "engine_kv_concrete_shape": g.format.concrete_shape(
+                                    "tokens_per_block": g.layer.block_size,
+                                    "slots_per_block": g.layer.block_size,
+                                    "dtype": format!("torch.{}", g.layer.dtype.name()),
+                                    "engine_kv_concrete_shape": g.layer.format.concrete_shape(
                                         g.group_layers.len(),
-                                        g.num_blocks,
-                                        g.block_size,
-                                        g.num_heads,
-                                        g.head_size,
+                                        g.layer.num_blocks,
+                                        g.layer.block_size,
+                                        g.layer.num_heads,
+                                        g.layer.head_size,
                                     ),
-                                    "is_mla": g.format.is_mla(),
-                                    "engine_kv_format": g.format.name(),
-                                    "engine_kv_shape": g.format.shape_description(),
-                                    "attention_backend": g.format.attention_backend(),
+                                    "is_mla": g.layer.format.is_mla(),
+                                    "engine_kv_format": g.layer.format.name(),
+                                    "engine_kv_shape": g.layer.format.shape_description(),
+                                    "attention_backend": g.layer.format.attention_backend(),
                                 }],
                             }),
                             format!("cuda:{}", c.ordinal),

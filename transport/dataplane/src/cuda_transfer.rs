@@ -66,7 +66,7 @@ impl CudaInstance {
     /// Every id must name a block of the paged buffers: the kernel addresses
     /// each one (the null block is a real block in vLLM's pools).
     pub fn validate_block_ids(&self, ids: &[i64]) -> Result<(), String> {
-        let nb = self.geometry.num_blocks as i64;
+        let nb = self.geometry.layer.num_blocks as i64;
         match ids.iter().find(|&&b| !(0..nb).contains(&b)) {
             None => Ok(()),
             Some(b) if *b == self.null_block_id => Err(format!(
@@ -262,16 +262,16 @@ pub fn build(
                 e => format!("CUDA registration: {e}"),
             })?;
     let shape = PageBufferShape {
-        kv_size: geometry.kv_size as u32,
+        kv_size: geometry.layer.kv_size as u32,
         nl: geometry.group_layers.len() as u32,
-        nb: geometry.num_blocks as u64,
-        bs: geometry.block_size as u32,
-        nh: geometry.num_heads as u32,
-        hs: geometry.head_size as u32,
-        element_size: geometry.dtype.size_bytes() as u32,
+        nb: geometry.layer.num_blocks as u64,
+        bs: geometry.layer.block_size as u32,
+        nh: geometry.layer.num_heads as u32,
+        hs: geometry.layer.head_size as u32,
+        element_size: geometry.layer.dtype.size_bytes() as u32,
         block_stride_elems: geometry.block_stride_elems,
     };
-    let table = StrideTable::new(geometry.format.engine_format(), &shape)
+    let table = StrideTable::new(geometry.layer.format.engine_format(), &shape)
         .map_err(|e| format!("CUDA registration: the copy kernel cannot take this layout: {e}"))?;
     let chunk_slots = geometry.chunk_size_tokens as u64;
     let object_bytes = table
@@ -416,10 +416,10 @@ impl CudaInstance {
         layerwise: bool,
     ) -> Result<ChecksumPlan, ChecksumRefusal> {
         let g = &self.geometry;
-        let axis = checksum_axis(g.format, block_ids, chunk_size_blocks)?;
+        let axis = checksum_axis(g.layer.format, block_ids, chunk_size_blocks)?;
         self.validate_block_ids(block_ids)
             .map_err(ChecksumRefusal::bad_request)?;
-        let es = g.dtype.size_bytes();
+        let es = g.layer.dtype.size_bytes();
         let mut chunks = Vec::with_capacity(block_ids.len().div_ceil(chunk_size_blocks));
         for ids in block_ids.chunks(chunk_size_blocks) {
             // validate_block_ids kept every id in 0..num_blocks.
@@ -455,7 +455,7 @@ impl CudaInstance {
             block_ids: block_ids.to_vec(),
             chunk_size_blocks,
             layerwise,
-            dtype: g.dtype,
+            dtype: g.layer.dtype,
             chunks,
         })
     }
@@ -596,14 +596,14 @@ mod tests {
             assert_eq!(inst.ordinal, 1, "{name}: the worker's GPU by UUID");
             assert_eq!(spec.ordinal, 1);
             let g = &inst.geometry;
-            assert_eq!(g.format, KvFormat::TwoNbBsNhHs, "{name}");
+            assert_eq!(g.layer.format, KvFormat::TwoNbBsNhHs, "{name}");
             assert_eq!(
                 (
-                    g.kv_size,
-                    g.num_blocks,
-                    g.block_size,
-                    g.num_heads,
-                    g.head_size
+                    g.layer.kv_size,
+                    g.layer.num_blocks,
+                    g.layer.block_size,
+                    g.layer.num_heads,
+                    g.layer.head_size
                 ),
                 (2, 1024, 16, 8, 128)
             );

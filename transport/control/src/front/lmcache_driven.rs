@@ -290,7 +290,7 @@ impl Front {
         let reg = match reg {
             LmcTransfer::CpuShm(reg) => reg,
             LmcTransfer::Cuda(c) => {
-                let bs = c.geometry.block_size;
+                let bs = c.geometry.layer.block_size;
                 let skips = (0..n)
                     .map(|i| {
                         let tokens = kvshard_layout::geometry::chunk_skip_tokens(skip, i, cs);
