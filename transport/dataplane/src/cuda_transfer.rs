@@ -19,6 +19,7 @@
 //!
 //! Nothing here touches CUDA: the device threads own every driver call.
 
+use std::fmt;
 use std::sync::Arc;
 
 use kvshard_gds::cuda::{CudaDevice, CudaEnv};
@@ -65,18 +66,44 @@ impl CudaInstance {
 
     /// Every id must name a block of the paged buffers: the kernel addresses
     /// each one (the null block is a real block in vLLM's pools).
-    pub fn validate_block_ids(&self, ids: &[i64]) -> Result<(), String> {
+    pub fn validate_block_ids(&self, ids: &[i64]) -> Result<(), BlockOutsideBuffers> {
         let nb = self.geometry.layer.num_blocks as i64;
         match ids.iter().find(|&&b| !(0..nb).contains(&b)) {
             None => Ok(()),
-            Some(b) if *b == self.null_block_id => Err(format!(
-                "block id {b} is the null block id (--null-block-id) but outside the worker's \
-                 {nb} blocks, which the GPU copy kernel cannot address"
-            )),
-            Some(b) => Err(format!("block id {b} is outside the worker's {nb} blocks")),
+            Some(&block_id) => Err(BlockOutsideBuffers {
+                block_id,
+                num_blocks: nb,
+                null_block: block_id == self.null_block_id,
+            }),
         }
     }
 }
+
+/// A block id of a GPU worker's request that names none of its blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockOutsideBuffers {
+    pub block_id: i64,
+    pub num_blocks: i64,
+    /// The id is the server's `--null-block-id`.
+    pub null_block: bool,
+}
+
+impl fmt::Display for BlockOutsideBuffers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (b, nb) = (self.block_id, self.num_blocks);
+        if self.null_block {
+            write!(
+                f,
+                "block id {b} is the null block id (--null-block-id) but outside the worker's \
+                 {nb} blocks, which the GPU copy kernel cannot address"
+            )
+        } else {
+            write!(f, "block id {b} is outside the worker's {nb} blocks")
+        }
+    }
+}
+
+impl std::error::Error for BlockOutsideBuffers {}
 
 /// Where one layer's memory is shared, and how many bytes of it its view may
 /// use (from the start of the shared range).
@@ -418,7 +445,7 @@ impl CudaInstance {
         let g = &self.geometry;
         let axis = checksum_axis(g.layer.format, block_ids, chunk_size_blocks)?;
         self.validate_block_ids(block_ids)
-            .map_err(ChecksumRefusal::bad_request)?;
+            .map_err(|e| ChecksumRefusal::bad_request(e.to_string()))?;
         let es = g.layer.dtype.size_bytes();
         let mut chunks = Vec::with_capacity(block_ids.len().div_ceil(chunk_size_blocks));
         for ids in block_ids.chunks(chunk_size_blocks) {
@@ -724,6 +751,7 @@ mod tests {
         assert!(inst
             .validate_block_ids(&[1024])
             .unwrap_err()
+            .to_string()
             .contains("outside"));
         assert!(inst.validate_block_ids(&[-1]).is_err());
         let null_outside = CudaInstance {
@@ -733,6 +761,7 @@ mod tests {
         assert!(null_outside
             .validate_block_ids(&[-1])
             .unwrap_err()
+            .to_string()
             .contains("null block id"));
         assert_eq!(skip_blocks(0, 16), 0);
         assert_eq!(skip_blocks(17, 16), 1, "a partial block is rewritten");

@@ -134,11 +134,11 @@ impl Front {
 
     /// Per-chunk block id lists of group 0 (`bpc` ids per chunk, each list
     /// checked by `validate`), or why they do not fit.
-    pub(super) fn chunk_blocks(
+    pub(super) fn chunk_blocks<E: std::error::Error + Send + Sync + 'static>(
         bpc: usize,
         block_ids: &[Vec<i64>],
         num_chunks: usize,
-        validate: impl Fn(&[i64]) -> Result<(), String>,
+        validate: impl Fn(&[i64]) -> Result<(), E>,
     ) -> Result<Vec<Vec<i64>>, ChunksError> {
         let Some(blocks) = block_ids.first() else {
             return Err(ChunksError::NoBlocks);
@@ -157,7 +157,7 @@ impl Front {
             .map(|c| blocks[c * bpc..(c + 1) * bpc].to_vec())
             .collect();
         for b in &out {
-            validate(b).map_err(ChunksError::BadBlocks)?;
+            validate(b).map_err(|e| ChunksError::BadBlocks(Box::new(e)))?;
         }
         Ok(out)
     }
@@ -180,7 +180,7 @@ impl Front {
                 let blocks = match reg {
                     LmcTransfer::CpuShm(r) => {
                         Self::chunk_blocks(r.blocks_per_chunk(), block_ids, objs.len(), |b| {
-                            r.validate_block_ids(b).map_err(|e| e.to_string())
+                            r.validate_block_ids(b)
                         })
                     }
                     LmcTransfer::Cuda(c) => {
@@ -427,8 +427,8 @@ pub(super) enum ChunksError {
         chunks: usize,
         per_chunk: usize,
     },
-    /// The registration refused a chunk's block ids (why, in its words).
-    BadBlocks(String),
+    /// The registration refused a chunk's block ids.
+    BadBlocks(Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl std::fmt::Display for ChunksError {
@@ -445,7 +445,7 @@ impl std::fmt::Display for ChunksError {
                 f,
                 "{have} block ids for {chunks} chunks of {per_chunk} blocks"
             ),
-            ChunksError::BadBlocks(e) => f.write_str(e),
+            ChunksError::BadBlocks(e) => write!(f, "{e}"),
         }
     }
 }
@@ -454,6 +454,7 @@ impl std::error::Error for ChunksError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             ChunksError::Key(e) => Some(e),
+            ChunksError::BadBlocks(e) => Some(e.as_ref()),
             _ => None,
         }
     }
