@@ -31,15 +31,22 @@ fn fs_adapter(dir: &TempDir) -> String {
     format!(r#"{{"type":"fs","base_path":"{}"}}"#, dir.path())
 }
 
-/// Object files (real names) in `dir`, with their sizes.
+/// Object files (real names) in `dir`, with their sizes. A file the server
+/// evicts between the listing and its `stat` is left out, as if listed after.
 fn data_files(dir: &Path) -> Vec<(String, u64)> {
     let mut v: Vec<(String, u64)> = std::fs::read_dir(dir)
         .unwrap()
         .filter_map(|e| e.ok())
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            name.ends_with(".data")
-                .then(|| (name, e.metadata().unwrap().len()))
+            if !name.ends_with(".data") {
+                return None;
+            }
+            match e.metadata() {
+                Ok(m) => Some((name, m.len())),
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => None,
+                Err(err) => panic!("stat of {name}: {err}"),
+            }
         })
         .collect();
     v.sort();
