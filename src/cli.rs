@@ -8,6 +8,7 @@
 
 use crate::logger::LogFormat;
 use clap::{ArgAction, Args, Parser, Subcommand};
+use kvshard_engine::keys::{self, TokenHasher};
 use kvshard_engine::l2::config::{parse_adapter_spec, AdapterSpec};
 use kvshard_io::executor::{allowed_cores, parse_core_list};
 use kvshard_transport::config::{
@@ -161,7 +162,8 @@ pub struct MpServerArgs {
     )]
     pub grpc_server_workers: i64,
 
-    /// Hash algorithm for token chunks (builtin, sha256_cbor, blake3). kvshard accepts only blake3.
+    /// Hash algorithm for token chunks (builtin, sha256_cbor, blake3). kvshard accepts blake3 and
+    /// sha256_cbor (vLLM's, also named sha256_cbor_64bit); builtin is refused.
     #[arg(long, value_name = "ALGORITHM", default_value = "blake3")]
     pub hash_algorithm: String,
 
@@ -766,6 +768,13 @@ pub struct KvshardArgs {
     /// missing, registrations are refused the same way, with the cause.
     #[arg(long, value_name = "MODE", value_parser = ["off", "on"], default_value = "on")]
     pub cuda_transfer: String,
+    /// [kvshard only] With --hash-algorithm sha256_cbor, the prefix the first chunk is chained
+    /// on. vllm: vLLM's init_none_hash, sha256_cbor($PYTHONHASHSEED), as lmcache server derives
+    /// it where vLLM imports (without PYTHONHASHSEED it is 32 random bytes, so keys change at every
+    /// restart, as there). fallback: sha256_cbor((0, (0,), None)), what lmcache server uses where
+    /// vLLM's hashing module imports but its kv_cache_utils does not.
+    #[arg(long, value_name = "FROM", value_parser = ["vllm", "fallback"], default_value = "vllm")]
+    pub sha256_cbor_none_hash: String,
     /// [kvshard only] HTTP API connections kept open at once. At the bound, a new client takes
     /// the place of the connection that has waited longest on its client (idle, or sending
     /// slowly), counted in kvshard_http_connections_shed_total; idle clients never keep
@@ -848,16 +857,20 @@ pub struct Host {
     pub coordinator_url_env: Option<String>,
     /// `LMCACHE_COORDINATOR_EVENT_REPORTING`, read when no reporting flag is given.
     pub coordinator_event_reporting_env: Option<String>,
+    /// `PYTHONHASHSEED`, from which vLLM derives sha256_cbor's first prefix.
+    pub python_hash_seed: Option<String>,
 }
 
 impl Host {
-    /// Reads this process's CPU affinity and the coordinator environment variables.
+    /// Reads this process's CPU affinity, the coordinator environment variables and
+    /// `PYTHONHASHSEED`.
     pub fn probe() -> Host {
         Host {
             allowed_cores: allowed_cores(),
             coordinator_url_env: std::env::var("LMCACHE_COORDINATOR_URL").ok(),
             coordinator_event_reporting_env: std::env::var("LMCACHE_COORDINATOR_EVENT_REPORTING")
                 .ok(),
+            python_hash_seed: std::env::var("PYTHONHASHSEED").ok(),
         }
     }
 }
@@ -1021,6 +1034,12 @@ impl ServerArgs {
         trace.check()?;
         coordinator.check(host)?;
         output.check(&mut notes);
+        let token_hasher = token_hasher(
+            &mp.hash_algorithm,
+            &kvshard.sha256_cbor_none_hash,
+            host,
+            &mut notes,
+        )?;
         let kvshard = kvshard.resolve(host)?;
 
         let mut config = ServerConfig {
@@ -1029,6 +1048,7 @@ impl ServerArgs {
             port: mp.port,
             chunk_size: mp.chunk_size,
             hash_algorithm: mp.hash_algorithm,
+            token_hasher,
             cores: kvshard.cores,
             front_core: kvshard.front_core,
             transfer_mode: mp.transfer_mode,
@@ -1107,27 +1127,33 @@ impl MpServerArgs {
                 "only the zmq transport is implemented (gRPC is not); drop --transport grpc",
             )?;
         }
-        let hash_algorithm =
-            match self.hash_algorithm.as_str() {
-                "blake3" => self.hash_algorithm,
-                "builtin" => return Err(ConfigError::unsupported(
+        let hash_algorithm = match self.hash_algorithm.as_str() {
+            "blake3" | "sha256_cbor" | "sha256_cbor_64bit" => self.hash_algorithm,
+            "builtin" => {
+                return Err(ConfigError::unsupported(
                     "--hash-algorithm",
-                    "builtin is Python's per-process salted hash(), which cannot be reproduced \
-                     outside Python, so kvshard's chunk keys would never match vLLM's or \
-                     lmcache's; use blake3 (the default)",
-                )),
-                "sha256_cbor" | "sha256_cbor_64bit" => return Err(ConfigError::unsupported(
+                    "builtin is Python's hash(), which no other process reproduces: CPython \
+                     3.11's hash(None) differs in every process, so the keys would match no \
+                     lmcache server's, nor this server's after a restart; use blake3 (the \
+                     default) or sha256_cbor",
+                ))
+            }
+            "sha256" | "xxhash" | "xxhash_cbor" => {
+                return Err(ConfigError::unsupported(
                     "--hash-algorithm",
-                    "sha256_cbor chunk hashes have not been verified bit-exact against vLLM's, so \
-                 keys could silently differ from lmcache's; use blake3 (the default)",
-                )),
-                other => {
-                    return Err(ConfigError::invalid(
-                        "--hash-algorithm",
-                        format!("unknown algorithm {other:?}; kvshard accepts blake3"),
-                    ))
-                }
-            };
+                    format!(
+                        "vLLM's {} is not implemented; use blake3 (the default) or sha256_cbor",
+                        self.hash_algorithm
+                    ),
+                ))
+            }
+            other => {
+                return Err(ConfigError::invalid(
+                    "--hash-algorithm",
+                    format!("unknown algorithm {other:?}; kvshard accepts blake3 and sha256_cbor"),
+                ))
+            }
+        };
         if self.engine_type != "default" {
             refuse(
                 "--engine-type",
@@ -1885,6 +1911,46 @@ struct Kvshard {
     spin: Duration,
 }
 
+/// The chunk hasher of `--hash-algorithm` (already checked by [`MpServerArgs::resolve`])
+/// and, for sha256_cbor, the first chunk's prefix (`--sha256-cbor-none-hash`).
+fn token_hasher(
+    algorithm: &str,
+    none_hash_from: &str,
+    host: &Host,
+    notes: &mut Notes,
+) -> Result<TokenHasher, ConfigError> {
+    if algorithm == "blake3" {
+        if none_hash_from != "vllm" {
+            return Err(ConfigError::invalid(
+                "--sha256-cbor-none-hash",
+                "it only applies with --hash-algorithm sha256_cbor; blake3 chains the first chunk \
+                 on lmcache's own none hash",
+            ));
+        }
+        return Ok(TokenHasher::Blake3);
+    }
+    let none_hash = match (none_hash_from, host.python_hash_seed.as_deref()) {
+        ("fallback", _) => keys::sha256_cbor_fallback_none_hash(),
+        (_, Some(seed)) => keys::sha256_cbor_seeded_none_hash(seed),
+        (_, None) => {
+            notes.push(
+                "PYTHONHASHSEED is not set: with --hash-algorithm sha256_cbor the first chunk is \
+                 chained on 32 random bytes (as vLLM's init_none_hash does), so chunk keys change \
+                 at every restart and match no other server's; set PYTHONHASHSEED to the value \
+                 vLLM and the other lmcache servers run with"
+                    .to_string(),
+            );
+            keys::random_none_hash().ok_or_else(|| {
+                ConfigError::invalid(
+                    "--hash-algorithm",
+                    "the system's random source failed to draw the none hash",
+                )
+            })?
+        }
+    };
+    Ok(TokenHasher::Sha256Cbor { none_hash })
+}
+
 impl KvshardArgs {
     /// kvshard-only flags; `--cores` is checked against `host`'s allowed CPU set.
     fn resolve(self, host: &Host) -> Result<Kvshard, ConfigError> {
@@ -2036,6 +2102,7 @@ mod tests {
             allowed_cores: (0..8).collect(),
             coordinator_url_env: None,
             coordinator_event_reporting_env: None,
+            python_hash_seed: None,
         }
     }
 
@@ -2502,20 +2569,68 @@ mod tests {
     }
 
     #[test]
-    fn cli_rejects_hash_algorithms_other_than_blake3() {
+    fn cli_hash_algorithms() {
         let e = rejected(&["--hash-algorithm", "builtin"], "--hash-algorithm", true);
-        assert!(e.to_string().contains("Python"), "{e}");
-        let e = rejected(
-            &["--hash-algorithm", "sha256_cbor"],
-            "--hash-algorithm",
-            true,
-        );
-        assert!(e.to_string().contains("bit-exact"), "{e}");
+        assert!(e.to_string().contains("hash(None)"), "{e}");
+        for other in ["sha256", "xxhash", "xxhash_cbor"] {
+            let e = rejected(&["--hash-algorithm", other], "--hash-algorithm", true);
+            assert!(e.to_string().contains("not implemented"), "{e}");
+        }
         rejected(&["--hash-algorithm", "md5"], "--hash-algorithm", false);
+        let c = config(&["--hash-algorithm", "blake3"]);
         assert_eq!(
-            config(&["--hash-algorithm", "blake3"]).hash_algorithm,
-            "blake3"
+            (c.hash_algorithm.as_str(), c.token_hasher),
+            ("blake3", TokenHasher::Blake3)
         );
+        rejected(
+            &["--sha256-cbor-none-hash", "fallback"],
+            "--sha256-cbor-none-hash",
+            false,
+        );
+
+        // sha256_cbor: the seed's none hash, the fallback, or random bytes with a warning.
+        let seeded = |seed: Option<&str>, extra: &[&str]| {
+            let mut args = vec!["--hash-algorithm", "sha256_cbor"];
+            args.extend_from_slice(extra);
+            // A later --hash-algorithm overrides the first.
+            let mut h = host();
+            h.python_hash_seed = seed.map(str::to_string);
+            parse(&args).resolve(&h).expect("accepted")
+        };
+        let (c, notes) = seeded(Some("7"), &[]);
+        assert_eq!(
+            c.token_hasher,
+            TokenHasher::Sha256Cbor {
+                none_hash: keys::sha256_cbor_seeded_none_hash("7")
+            }
+        );
+        assert!(
+            !notes.iter().any(|n| n.contains("PYTHONHASHSEED")),
+            "{notes:?}"
+        );
+        let (c, _) = seeded(Some("7"), &["--sha256-cbor-none-hash", "fallback"]);
+        assert_eq!(
+            c.token_hasher,
+            TokenHasher::Sha256Cbor {
+                none_hash: keys::sha256_cbor_fallback_none_hash()
+            }
+        );
+        let (a, notes) = seeded(None, &[]);
+        let (b, _) = seeded(None, &[]);
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains("PYTHONHASHSEED is not set")),
+            "{notes:?}"
+        );
+        assert_ne!(
+            a.token_hasher, b.token_hasher,
+            "a fresh random none hash each start"
+        );
+        let (c, _) = seeded(Some("7"), &[]);
+        let (d, _) = seeded(Some("7"), &["--hash-algorithm", "sha256_cbor_64bit"]);
+        assert_eq!(d.token_hasher, c.token_hasher);
+        assert_eq!(d.hash_algorithm, "sha256_cbor_64bit");
     }
 
     #[test]

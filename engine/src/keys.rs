@@ -1,8 +1,8 @@
 //! Object keys and chunk hashing, byte-compatible with lmcache 0.5.6.
 //!
 //! A request's tokens are cut into `chunk_size` chunks; each complete chunk gets a
-//! 32-byte blake3 digest chained on the previous one (the first is chained on
-//! `NONE_HASH`). An [`ObjectKey`] names one kv_rank shard of one chunk.
+//! 32-byte digest chained on the previous one (the first is chained on a none
+//! hash): blake3 by default, or vLLM's sha256_cbor ([`TokenHasher`]). An [`ObjectKey`] names one kv_rank shard of one chunk.
 
 use std::collections::HashSet;
 use std::fmt;
@@ -23,6 +23,146 @@ pub use kvshard_wire::{check_cache_salt, hex, CACHE_SALT_MAX_CHARS};
 /// token, i.e. twelve zero bytes.
 pub fn none_hash() -> ChunkHash {
     *blake3::hash(&[0u8; 12]).as_bytes()
+}
+
+/// How chunk hashes are computed (`--hash-algorithm`) and the prefix the first
+/// chunk is chained on.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+pub enum TokenHasher {
+    /// 0.5.6's own blake3 hash, chained on [`none_hash`].
+    #[default]
+    Blake3,
+    /// vLLM's `sha256_cbor`: sha256 of the canonical CBOR encoding of
+    /// `(prefix, tuple(tokens), None)`, chained on `none_hash` (see
+    /// [`sha256_cbor_seeded_none_hash`] and [`sha256_cbor_fallback_none_hash`]).
+    Sha256Cbor { none_hash: ChunkHash },
+}
+
+impl fmt::Debug for TokenHasher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TokenHasher::Blake3 => f.write_str("Blake3"),
+            TokenHasher::Sha256Cbor { none_hash } => {
+                write!(f, "Sha256Cbor(none_hash={})", hex(none_hash))
+            }
+        }
+    }
+}
+
+impl TokenHasher {
+    /// The prefix the first chunk of every request is chained on.
+    pub fn none_hash(&self) -> ChunkHash {
+        match self {
+            TokenHasher::Blake3 => none_hash(),
+            TokenHasher::Sha256Cbor { none_hash } => *none_hash,
+        }
+    }
+
+    /// Hashes one chunk of tokens chained on `prefix`.
+    pub fn hash_chunk(&self, prefix: &ChunkHash, tokens: &[u32]) -> ChunkHash {
+        match self {
+            TokenHasher::Blake3 => hash_chunk(prefix, tokens),
+            TokenHasher::Sha256Cbor { .. } => sha256_cbor_chunk(prefix, tokens),
+        }
+    }
+
+    /// One-shot hashing of the complete chunks in `[start, end)`.
+    pub fn chunk_hashes(
+        self,
+        tokens: &[u32],
+        chunk_size: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<Vec<ChunkHash>, HashError> {
+        let mut h = ChunkHashes::new(self);
+        Ok(h.range(tokens, chunk_size, start, end)?.to_vec())
+    }
+}
+
+/// Writes a CBOR head (major type `major`, argument `value`) in its shortest
+/// form, as canonical CBOR requires; returns its length.
+fn cbor_head(out: &mut [u8], major: u8, value: u64) -> usize {
+    let m = major << 5;
+    if value < 24 {
+        out[0] = m | value as u8;
+        1
+    } else if value <= 0xff {
+        out[0] = m | 24;
+        out[1] = value as u8;
+        2
+    } else if value <= 0xffff {
+        out[0] = m | 25;
+        out[1..3].copy_from_slice(&(value as u16).to_be_bytes());
+        3
+    } else if value <= 0xffff_ffff {
+        out[0] = m | 26;
+        out[1..5].copy_from_slice(&(value as u32).to_be_bytes());
+        5
+    } else {
+        out[0] = m | 27;
+        out[1..9].copy_from_slice(&value.to_be_bytes());
+        9
+    }
+}
+
+/// sha256 over `parts` in order.
+fn sha256_of(parts: &[&[u8]]) -> ChunkHash {
+    let mut h = ring::digest::Context::new(&ring::digest::SHA256);
+    for p in parts {
+        h.update(p);
+    }
+    finish(h)
+}
+
+fn finish(h: ring::digest::Context) -> ChunkHash {
+    let mut out = [0u8; CHUNK_HASH_LEN];
+    out.copy_from_slice(h.finish().as_ref());
+    out
+}
+
+/// `sha256(cbor2.dumps((prefix, tuple(tokens), None), canonical=True))`.
+fn sha256_cbor_chunk(prefix: &ChunkHash, tokens: &[u32]) -> ChunkHash {
+    let mut h = ring::digest::Context::new(&ring::digest::SHA256);
+    // A 3-array, then the prefix as a 32-byte byte string.
+    h.update(&[0x83, 0x58, CHUNK_HASH_LEN as u8]);
+    h.update(prefix);
+    // The tokens as an array of unsigned ints, encoded a block at a time.
+    const BLOCK: usize = 128;
+    let mut buf = [0u8; 9 * BLOCK];
+    let n = cbor_head(&mut buf, 4, tokens.len() as u64);
+    h.update(&buf[..n]);
+    for block in tokens.chunks(BLOCK) {
+        let mut at = 0;
+        for &t in block {
+            at += cbor_head(&mut buf[at..], 0, u64::from(t));
+        }
+        h.update(&buf[..at]);
+    }
+    h.update(&[0xf6]); // None
+    finish(h)
+}
+
+/// vLLM's `init_none_hash` with `PYTHONHASHSEED` set: `sha256_cbor(seed)`, the
+/// seed being the variable's text (a CBOR text string).
+pub fn sha256_cbor_seeded_none_hash(python_hash_seed: &str) -> ChunkHash {
+    let mut head = [0u8; 9];
+    let n = cbor_head(&mut head, 3, python_hash_seed.len() as u64);
+    sha256_of(&[&head[..n], python_hash_seed.as_bytes()])
+}
+
+/// vLLM's `init_none_hash` without `PYTHONHASHSEED`: 32 random bytes (None when
+/// the system's random source fails).
+pub fn random_none_hash() -> Option<ChunkHash> {
+    use ring::rand::SecureRandom;
+    let mut out = [0u8; CHUNK_HASH_LEN];
+    ring::rand::SystemRandom::new().fill(&mut out).ok()?;
+    Some(out)
+}
+
+/// 0.5.6's none hash where vLLM's `init_none_hash` cannot be imported:
+/// `sha256_cbor((0, (0,), None))`, i.e. the CBOR `[0, [0], null]`.
+pub fn sha256_cbor_fallback_none_hash() -> ChunkHash {
+    sha256_of(&[&[0x83, 0x00, 0x81, 0x00, 0xf6]])
 }
 
 /// Why tokens could not be hashed.
@@ -101,12 +241,16 @@ pub fn tokens_to_u32(tokens: &[i64]) -> Result<Vec<u32>, HashError> {
 /// lookup, store and retrieve hash each chunk once.
 #[derive(Debug, Clone, Default)]
 pub struct ChunkHashes {
+    hasher: TokenHasher,
     hashes: Vec<ChunkHash>,
 }
 
 impl ChunkHashes {
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(hasher: TokenHasher) -> Self {
+        ChunkHashes {
+            hasher,
+            hashes: Vec::new(),
+        }
     }
 
     /// Number of chunks hashed so far.
@@ -136,10 +280,12 @@ impl ChunkHashes {
         while self.hashes.len() < want {
             let i = self.hashes.len();
             let prefix = match i {
-                0 => none_hash(),
+                0 => self.hasher.none_hash(),
                 _ => self.hashes[i - 1],
             };
-            let h = hash_chunk(&prefix, &tokens[i * chunk_size..(i + 1) * chunk_size]);
+            let h = self
+                .hasher
+                .hash_chunk(&prefix, &tokens[i * chunk_size..(i + 1) * chunk_size]);
             self.hashes.push(h);
         }
     }
@@ -178,15 +324,15 @@ pub fn check_range(
     Ok(())
 }
 
-/// One-shot hashing of the complete chunks in `[start, end)` (test and tool use).
+/// One-shot blake3 hashing of the complete chunks in `[start, end)` (test and
+/// tool use).
 pub fn chunk_hashes(
     tokens: &[u32],
     chunk_size: usize,
     start: usize,
     end: usize,
 ) -> Result<Vec<ChunkHash>, HashError> {
-    let mut h = ChunkHashes::new();
-    Ok(h.range(tokens, chunk_size, start, end)?.to_vec())
+    TokenHasher::Blake3.chunk_hashes(tokens, chunk_size, start, end)
 }
 
 /// 0.5.6's `ObjectKey.ComputeKVRank`: `(ws << 24) | (rank << 16) | (local_ws << 8) | local_rank`.
@@ -617,7 +763,7 @@ mod tests {
     #[test]
     fn incomplete_chunks_are_not_hashed() {
         let tokens: Vec<u32> = (0..10).collect();
-        let mut h = ChunkHashes::new();
+        let mut h = ChunkHashes::new(TokenHasher::Blake3);
         h.extend_to(&tokens, 4, 10);
         assert_eq!(h.len(), 2);
     }

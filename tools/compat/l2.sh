@@ -6,7 +6,11 @@
 #  2. a directory written by `lmcache server`'s fs adapter is read by kvshard, and
 #     one written by kvshard is read by `lmcache server`;
 #  3. with --l2-store-policy skip_l1, L1 is empty once the stores are written
-#     behind, and the warm lookups hit from L2 with every checksum passing.
+#     behind, and the warm lookups hit from L2 with every checksum passing;
+#  4. with --hash-algorithm sha256_cbor and the same PYTHONHASHSEED, lmcache server
+#     (vLLM's hashing from tools/compat/vllm_standin) and kvshard write the same
+#     object names and read each other's, with vLLM's none hash and with the
+#     fallback 0.5.6 uses where vLLM's kv_cache_utils does not import.
 # Usage: tools/compat/l2.sh [path/to/kvshard]   (run tools/compat/run.sh first: it installs the client)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,6 +28,7 @@ PID=""
 cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null; wait 2>/dev/null; rm -rf "$WORK"; }
 trap cleanup EXIT
 
+START_ENV=() # extra environment for the next start
 start() { # kind (kvshard|lmcache) dir [extra flags...]
     local kind="$1" dir="$2"; shift 2
     PORT=$(free_port); HTTP=$(free_port)
@@ -32,11 +37,11 @@ start() { # kind (kvshard|lmcache) dir [extra flags...]
         # Every warm lookup must hit from L2: on a shared machine 128 MiB a
         # lookup can take longer than the 0.5 s default wait for L2, after
         # which a lookup concludes without it (tests/l2_health.rs checks that).
-        "$BIN" server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT" \
+        env "${START_ENV[@]}" "$BIN" server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT" \
             --http-port "$HTTP" --shm-name "l2c_$$_$PORT" --l2-adapter "$adapter" \
             --l2-prefetch-load-timeout 60 "$@" >"$LOG" 2>&1 &
     else
-        "$VENV/bin/lmcache" server --l1-size-gb 2 --eviction-policy LRU --supported-transfer-mode auto \
+        env "${START_ENV[@]}" "$VENV/bin/lmcache" server --l1-size-gb 2 --eviction-policy LRU --supported-transfer-mode auto \
             --host 127.0.0.1 --port "$PORT" --http-port "$HTTP" --shm-name "l2c_$$_$PORT" --no-l1-use-lazy \
             --l2-adapter "$adapter" "$@" >"$LOG" 2>&1 &
     fi
@@ -103,4 +108,31 @@ phase load "$WORK/sums-skip" engine_driven 400; wait_l1_empty
 hits=$(metric "$HTTP" lmcache_mp_lookup_hit_l2_keys_total); stop; rm -rf "$dir"
 [ "$hits" -eq "$CHUNKS" ] || { echo "compat-l2: skip_l1: $hits of $CHUNKS keys came from L2"; exit 1; }
 echo "compat-l2: skip_l1: L1 empty after stores and retrieves, $N/$N requests hit from L2 ($hits keys), checksums match"
+# 4. sha256_cbor keys, with vLLM's none hash and with 0.5.6's fallback.
+names() { find "$1" -name '*.data' -printf '%f\n' | sort; }
+STANDIN="$(pwd)/tools/compat/vllm_standin"
+for from in vllm fallback; do
+    dl="$WORK/sha-lmcache-$from"; dk="$WORK/sha-kvshard-$from"; mkdir -p "$dl" "$dk"
+    START_ENV=(PYTHONHASHSEED=7 PYTHONPATH="$STANDIN")
+    [ "$from" = fallback ] && START_ENV+=(VLLM_STANDIN_NO_KV_CACHE_UTILS=1)
+    start lmcache "$dl" --hash-algorithm sha256_cbor
+    phase store "$WORK/sums-sha-l-$from" engine_driven 500; wait_files "$dl" "$CHUNKS"; stop
+    START_ENV=(PYTHONHASHSEED=7)
+    start kvshard "$dl" --hash-algorithm sha256_cbor --sha256-cbor-none-hash "$from"
+    phase load "$WORK/sums-sha-l-$from" engine_driven 500; stop
+    start kvshard "$dk" --hash-algorithm sha256_cbor --sha256-cbor-none-hash "$from"
+    phase store "$WORK/sums-sha-k-$from" engine_driven 500; wait_files "$dk" "$CHUNKS"; stop
+    [ "$(names "$dl")" = "$(names "$dk")" ] \
+        || { echo "compat-l2: sha256_cbor ($from): the object names differ"; diff <(names "$dl") <(names "$dk"); exit 1; }
+    read="kvshard read lmcache server's"
+    if [ "$from" = vllm ]; then # (the fallback's bytes are the same; its names are compared above)
+        START_ENV=(PYTHONHASHSEED=7 PYTHONPATH="$STANDIN")
+        start lmcache "$dk" --hash-algorithm sha256_cbor
+        phase load "$WORK/sums-sha-k-$from" engine_driven 500; stop
+        read="each read the other's"
+    fi
+    START_ENV=()
+    rm -rf "$dl" "$dk"
+    echo "compat-l2: sha256_cbor ($from none hash): lmcache server and kvshard wrote the same $CHUNKS object names, $read, checksums match"
+done
 echo "compat-l2: all passed"

@@ -18,6 +18,9 @@ if ! "$VENV/bin/python" -c "import lmcache, msgspec, zmq" >/dev/null 2>&1; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --disable-pip-version-check lmcache==0.5.6
 fi
+# vLLM's sha256_cbor (tools/compat/vllm_standin) encodes with cbor2.
+"$VENV/bin/python" -c "import cbor2" >/dev/null 2>&1 \
+    || "$VENV/bin/pip" install --quiet --disable-pip-version-check cbor2==5.7.1
 if [ -z "$BIN" ]; then
     cargo build --release --bin kvshard
     BIN=target/release/kvshard

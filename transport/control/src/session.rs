@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use kvshard_engine::keys::{ChunkHash, ChunkHashes, HashError};
+use kvshard_engine::keys::{ChunkHash, ChunkHashes, HashError, TokenHasher};
 
 /// What the last lookup of a session covered, for lock release and LRU touches.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,10 +36,10 @@ pub struct Session {
 }
 
 impl Session {
-    fn new(now: Instant) -> Self {
+    fn new(now: Instant, hasher: TokenHasher) -> Self {
         Session {
             tokens: Vec::new(),
-            hashes: ChunkHashes::new(),
+            hashes: ChunkHashes::new(hasher),
             digest: None,
             last_used: now,
             use_seq: 0,
@@ -133,6 +133,8 @@ pub struct Sessions {
     next_use_seq: u64,
     ttl: Duration,
     max: usize,
+    /// How every session hashes its tokens (`--hash-algorithm`).
+    hasher: TokenHasher,
     max_tokens: usize,
     total_tokens: usize,
     /// Sessions dropped because the table was full (oldest first).
@@ -141,7 +143,7 @@ pub struct Sessions {
 }
 
 impl Sessions {
-    pub fn new(ttl: Duration, max: usize) -> Self {
+    pub fn new(ttl: Duration, max: usize, hasher: TokenHasher) -> Self {
         assert!(max > 0);
         Sessions {
             map: HashMap::new(),
@@ -149,6 +151,7 @@ impl Sessions {
             next_use_seq: 0,
             ttl,
             max,
+            hasher,
             max_tokens: MAX_SESSION_TOKENS,
             total_tokens: 0,
             evicted_full: 0,
@@ -199,7 +202,7 @@ impl Sessions {
                         self.max
                     );
                 }
-                let mut s = Session::new(now);
+                let mut s = Session::new(now, self.hasher);
                 s.use_seq = use_seq;
                 self.order.insert((now, use_seq), id.to_owned());
                 self.map.insert(id.to_owned(), s);
@@ -284,7 +287,7 @@ mod tests {
         let le: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
         assert_eq!(token_digest(&toks), *blake3::hash(&le).as_bytes());
         let now = Instant::now();
-        let mut s = Sessions::new(Duration::from_secs(10), 4);
+        let mut s = Sessions::new(Duration::from_secs(10), 4, TokenHasher::Blake3);
         let sess = s.get_or_create("a", now);
         sess.set_tokens(&toks[..100]);
         assert_eq!(sess.token_digest(), token_digest(&toks[..100]));
@@ -300,7 +303,7 @@ mod tests {
     #[test]
     fn hashes_follow_token_changes() {
         let now = Instant::now();
-        let mut s = Sessions::new(Duration::from_secs(10), 4);
+        let mut s = Sessions::new(Duration::from_secs(10), 4, TokenHasher::Blake3);
         let toks: Vec<u32> = (0..16).collect();
         let sess = s.get_or_create("a", now);
         sess.set_tokens(&toks[..8]);
@@ -325,7 +328,7 @@ mod tests {
     #[test]
     fn token_budget_drops_oldest_sessions() {
         let t0 = Instant::now();
-        let mut s = Sessions::new(Duration::from_secs(10), 100);
+        let mut s = Sessions::new(Duration::from_secs(10), 100, TokenHasher::Blake3);
         s.max_tokens = 10;
         s.with_tokens("a", &[1, 2, 3, 4], t0);
         s.with_tokens("b", &[1, 2, 3, 4], t0 + Duration::from_secs(1));
@@ -344,7 +347,7 @@ mod tests {
     #[test]
     fn bounded_and_expiring() {
         let t0 = Instant::now();
-        let mut s = Sessions::new(Duration::from_secs(10), 2);
+        let mut s = Sessions::new(Duration::from_secs(10), 2, TokenHasher::Blake3);
         s.get_or_create("a", t0);
         s.get_or_create("b", t0 + Duration::from_secs(1));
         s.get_or_create("c", t0 + Duration::from_secs(2));
@@ -454,7 +457,7 @@ mod tests {
     #[test]
     fn eviction_takes_least_recently_used_ties_by_first_use() {
         let t0 = Instant::now();
-        let mut s = Sessions::new(Duration::from_secs(100), 3);
+        let mut s = Sessions::new(Duration::from_secs(100), 3, TokenHasher::Blake3);
         // Three sessions at one instant, then "a" used again at that instant.
         s.get_or_create("a", t0);
         s.get_or_create("b", t0);
@@ -476,7 +479,7 @@ mod tests {
     fn expiry_drops_exactly_the_idle_sessions() {
         let t0 = Instant::now();
         let ttl = Duration::from_secs(10);
-        let mut s = Sessions::new(ttl, 100);
+        let mut s = Sessions::new(ttl, 100, TokenHasher::Blake3);
         for i in 0..20u64 {
             s.with_tokens(&format!("s{i}"), &[1, 2], t0 + Duration::from_secs(i));
         }
@@ -504,7 +507,7 @@ mod tests {
             let max = 1 + next(12) as usize;
             let ttl = Duration::from_millis(50 + next(200));
             let max_tokens = 8 + next(40) as usize;
-            let mut s = Sessions::new(ttl, max);
+            let mut s = Sessions::new(ttl, max, TokenHasher::Blake3);
             s.max_tokens = max_tokens;
             let mut m = Model {
                 ttl,

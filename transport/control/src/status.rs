@@ -126,7 +126,7 @@ impl StatusSnapshot {
             "is_healthy": storage_healthy,
             "engine_type": "MPCacheServer",
             "chunk_size": cfg.chunk_size,
-            "hash_algorithm": "blake3",
+            "hash_algorithm": cfg.hash_algorithm,
             "active_sessions": self.active_sessions,
             "storage_manager": {
                 "is_healthy": storage_healthy,

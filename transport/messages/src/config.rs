@@ -9,7 +9,7 @@ use std::io::Read;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvshard_engine::keys::hex;
+use kvshard_engine::keys::{hex, TokenHasher};
 use kvshard_engine::l2::config::AdapterSpec;
 use serde::{Serialize, Serializer};
 
@@ -283,8 +283,11 @@ pub struct ServerConfig {
     pub port: u16,
     /// Tokens per chunk (`--chunk-size`).
     pub chunk_size: usize,
-    /// Token hash algorithm; only `blake3` is accepted.
+    /// `--hash-algorithm` as given (`/status` reports it so).
     pub hash_algorithm: String,
+    /// How chunk hashes are computed, and the prefix the first chunk is chained on.
+    #[serde(skip)]
+    pub token_hasher: TokenHasher,
     /// One shard per listed CPU core, in this order (shard i runs on `cores[i]`).
     pub cores: Vec<usize>,
     /// The core the front thread is pinned to: one no shard runs on; `None`
@@ -364,6 +367,7 @@ impl ServerConfig {
             port: 5555,
             chunk_size: 256,
             hash_algorithm: "blake3".into(),
+            token_hasher: TokenHasher::Blake3,
             cores: vec![0, 1],
             front_core: None,
             transfer_mode: TransferMode::Auto,

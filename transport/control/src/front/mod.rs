@@ -229,7 +229,7 @@ impl Front {
             checksum_threads: Arc::new(AtomicUsize::new(0)),
             credits: (0..n).map(|_| HashMap::new()).collect(),
             next_credit_tag: 0,
-            sessions: Sessions::new(cfg.session_ttl, cfg.max_sessions),
+            sessions: Sessions::new(cfg.session_ttl, cfg.max_sessions, cfg.token_hasher),
             leases: LeaseBook::new(cfg.max_sessions, cfg.l1.read_ttl),
             registry: Registry::new(cfg.max_registrations),
             refused: RefusedTable::new(cfg.max_registrations),

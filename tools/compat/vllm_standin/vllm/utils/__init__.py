@@ -1,0 +1,1 @@
+"""Stand-in for vllm.utils: nothing but the hashing submodule."""
