@@ -1035,7 +1035,7 @@ impl ServerArgs {
         coordinator.check(host)?;
         output.check(&mut notes);
         let token_hasher = token_hasher(
-            &mp.hash_algorithm,
+            mp.sha256_cbor,
             &kvshard.sha256_cbor_none_hash,
             host,
             &mut notes,
@@ -1110,6 +1110,8 @@ struct MpServer {
     port: u16,
     chunk_size: usize,
     hash_algorithm: String,
+    /// `hash_algorithm` names vLLM's sha256_cbor (else it is blake3).
+    sha256_cbor: bool,
     transfer_mode: TransferMode,
     session_ttl: Duration,
     worker_reap_timeout: Duration,
@@ -1127,8 +1129,9 @@ impl MpServerArgs {
                 "only the zmq transport is implemented (gRPC is not); drop --transport grpc",
             )?;
         }
-        let hash_algorithm = match self.hash_algorithm.as_str() {
-            "blake3" | "sha256_cbor" | "sha256_cbor_64bit" => self.hash_algorithm,
+        let sha256_cbor = match self.hash_algorithm.as_str() {
+            "blake3" => false,
+            "sha256_cbor" | "sha256_cbor_64bit" => true,
             "builtin" => {
                 return Err(ConfigError::unsupported(
                     "--hash-algorithm",
@@ -1322,7 +1325,8 @@ impl MpServerArgs {
             host,
             port,
             chunk_size,
-            hash_algorithm,
+            hash_algorithm: self.hash_algorithm,
+            sha256_cbor,
             transfer_mode,
             session_ttl,
             worker_reap_timeout: reap,
@@ -1911,15 +1915,16 @@ struct Kvshard {
     spin: Duration,
 }
 
-/// The chunk hasher of `--hash-algorithm` (already checked by [`MpServerArgs::resolve`])
-/// and, for sha256_cbor, the first chunk's prefix (`--sha256-cbor-none-hash`).
+/// The chunk hasher of `--hash-algorithm` (sha256_cbor or blake3, as
+/// [`MpServerArgs::resolve`] found it) and, for sha256_cbor, the first chunk's prefix
+/// (`--sha256-cbor-none-hash`).
 fn token_hasher(
-    algorithm: &str,
+    sha256_cbor: bool,
     none_hash_from: &str,
     host: &Host,
     notes: &mut Notes,
 ) -> Result<TokenHasher, ConfigError> {
-    if algorithm == "blake3" {
+    if !sha256_cbor {
         if none_hash_from != "vllm" {
             return Err(ConfigError::invalid(
                 "--sha256-cbor-none-hash",
@@ -2592,7 +2597,6 @@ mod tests {
         let seeded = |seed: Option<&str>, extra: &[&str]| {
             let mut args = vec!["--hash-algorithm", "sha256_cbor"];
             args.extend_from_slice(extra);
-            // A later --hash-algorithm overrides the first.
             let mut h = host();
             h.python_hash_seed = seed.map(str::to_string);
             parse(&args).resolve(&h).expect("accepted")
@@ -2627,6 +2631,7 @@ mod tests {
             a.token_hasher, b.token_hasher,
             "a fresh random none hash each start"
         );
+        // A later --hash-algorithm overrides the first.
         let (c, _) = seeded(Some("7"), &[]);
         let (d, _) = seeded(Some("7"), &["--hash-algorithm", "sha256_cbor_64bit"]);
         assert_eq!(d.token_hasher, c.token_hasher);

@@ -2,7 +2,8 @@
 //!
 //! A request's tokens are cut into `chunk_size` chunks; each complete chunk gets a
 //! 32-byte digest chained on the previous one (the first is chained on a none
-//! hash): blake3 by default, or vLLM's sha256_cbor ([`TokenHasher`]). An [`ObjectKey`] names one kv_rank shard of one chunk.
+//! hash): blake3 by default, or vLLM's sha256_cbor ([`TokenHasher`]). An
+//! [`ObjectKey`] names one kv_rank shard of one chunk.
 
 use std::collections::HashSet;
 use std::fmt;
