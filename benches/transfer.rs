@@ -93,7 +93,7 @@ fn cpu_shm_vs_memcpy(full: bool) {
         .collect();
     let reg = CpuShmRegistration::open(&specs, &[], 256, Some("NHD"), 0).expect("register");
     let obj = reg.object_layout().bytes as usize;
-    let bpc = reg.blocks_per_chunk();
+    let bpc = reg.ids_per_chunk();
     let mut dst = vec![0u8; obj];
     let src = vec![0xa5u8; obj];
     let mut copy = vec![0u8; obj];

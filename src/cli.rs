@@ -209,8 +209,8 @@ pub struct MpServerArgs {
     #[arg(long, overrides_with = "run_script_api_enabled")]
     pub no_run_script_api_enabled: bool,
 
-    /// One object group per sliding-window size at registration (hybrid models).
-    /// Not supported by kvshard [default: off].
+    /// One object group per sliding-window size at registration (hybrid models). kvshard
+    /// refuses a registration this would split into several object groups [default: off].
     #[arg(long, overrides_with = "no_separate_object_groups")]
     pub separate_object_groups: bool,
     /// Turn --separate-object-groups off.
@@ -1058,6 +1058,7 @@ impl ServerArgs {
             worker_registration_grace: mp.worker_registration_grace,
             null_block_id: mp.null_block_id,
             kv_event_log_size: mp.kv_event_log_size,
+            separate_object_groups: mp.separate_object_groups,
             l1: L1Settings {
                 size_bytes: memory.size_bytes,
                 use_lazy: memory.use_lazy,
@@ -1118,6 +1119,7 @@ struct MpServer {
     worker_registration_grace: Duration,
     null_block_id: i64,
     kv_event_log_size: usize,
+    separate_object_groups: bool,
 }
 
 impl MpServerArgs {
@@ -1203,13 +1205,6 @@ impl MpServerArgs {
             refuse(
                 "--run-script-api-enabled",
                 "kvshard has no /run_script endpoint (it would run Python)",
-            )?;
-        }
-        if self.separate_object_groups && !self.no_separate_object_groups {
-            refuse(
-                "--separate-object-groups",
-                "splitting kernel groups into one object group per sliding-window size is not \
-                 implemented; all kernel groups share one object group",
             )?;
         }
         if self.enable_segmented_prefix {
@@ -1333,6 +1328,7 @@ impl MpServerArgs {
             worker_registration_grace: grace,
             null_block_id: self.null_block_id,
             kv_event_log_size,
+            separate_object_groups: self.separate_object_groups && !self.no_separate_object_groups,
         })
     }
 }
@@ -2374,6 +2370,8 @@ mod tests {
             config(&[off]);
             parse(&[on]);
         }
+        assert!(config(&["--separate-object-groups"]).separate_object_groups);
+        assert!(!config(&[]).separate_object_groups);
         // Turning an unsupported feature on and back off is accepted.
         config(&["--isolated-ipc", "--no-isolated-ipc"]);
         rejected(
@@ -2813,7 +2811,6 @@ mod tests {
             (&["--enable-blend-reorder"], "--enable-blend-reorder"),
             (&["--enable", "transfer_query"], "--enable"),
             (&["--server-module", "{}"], "--server-module"),
-            (&["--separate-object-groups"], "--separate-object-groups"),
             (&["--eviction-policy", "ARC"], "--eviction-policy"),
             (&["--p2p-advertise-url", "h:1"], "--p2p-advertise-url"),
             (&["--trace-level", "storage"], "--trace-level"),

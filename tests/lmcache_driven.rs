@@ -948,3 +948,180 @@ fn a_store_partly_without_l1_memory_succeeds_and_counts_what_it_left_out() {
     );
     let _ = std::fs::remove_file(&log);
 }
+
+/// A hybrid model's registration: two classical layers (0 and 2) and an MLA
+/// layer (1) in another engine group form two kernel groups, each with its
+/// own block list. STORE gathers every group's blocks into one object per
+/// chunk, RETRIEVE scatters each group's region back into its own blocks,
+/// and a request with the wrong number of block lists fails without
+/// touching the cache.
+#[test]
+fn kernel_groups_round_trip_each_through_its_own_block_list() {
+    let srv = Server::start(&[]);
+    let mut c = srv.client();
+    let kinds = [NHD, MLA, NHD];
+    let names: Vec<String> = kinds.iter().map(|_| unique("lmckvh")).collect();
+    let mut segs: Vec<ShmMap> = kinds
+        .iter()
+        .zip(&names)
+        .enumerate()
+        .map(|(l, (k, n))| {
+            let mut m = ShmMap::create(n, k.layer_bytes());
+            m.bytes_mut()
+                .copy_from_slice(&pattern(4000 + l as u64, k.layer_bytes()));
+            m
+        })
+        .collect();
+    let wrappers = kinds
+        .iter()
+        .zip(&names)
+        .map(|(k, n)| {
+            let (shape, stride) = k.shape_stride();
+            cpu_shm_wrapper(
+                &format!("/{n}"),
+                k.layer_bytes() as i64,
+                "float16",
+                &shape,
+                &stride,
+            )
+        })
+        .collect();
+    let group = |engine: i64, layers: &[i64]| {
+        map(&[
+            ("engine_group_id", V::I(engine)),
+            ("layer_indices", ids(layers)),
+            ("tokens_per_block", V::I(BS as i64)),
+            ("sw_size_tokens", V::I(-1)),
+            ("extra_object_group_tag", V::I(0)),
+            ("recurrent_state", V::B(false)),
+        ])
+    };
+    let iid = 300;
+    let args = [
+        V::I(iid),
+        V::A(wrappers),
+        s(MODEL),
+        V::I(1),
+        s("vllm"),
+        map(&[("kv_layout", s("NHD"))]),
+        V::A(vec![group(0, &[0, 2]), group(1, &[1])]),
+    ];
+    assert_eq!(c.call(OP_REGISTER_KV_CACHE, &args), None);
+    assert!(registered_gpu_ids(&srv).contains(&iid), "hybrid registered");
+    let status = srv.get_json("/status");
+    let layout = &status["cache_context_meta"][iid.to_string()]["kv_cache_layout"];
+    let groups = layout["kernel_groups"].as_array().expect("kernel_groups");
+    assert_eq!(groups.len(), 2, "{layout}");
+    assert_eq!(groups[0]["layer_indices"], serde_json::json!([0, 2]));
+    assert_eq!(groups[1]["layer_indices"], serde_json::json!([1]));
+    assert_eq!(groups[1]["engine_group_idx"], 1);
+    assert_eq!(groups[1]["is_mla"], true);
+    assert_eq!(
+        layout["cache_size_per_token"],
+        2 * NHD.row() * 2 + MLA.row(),
+        "both groups' bytes per token"
+    );
+
+    // The MLA group's blocks are other ids than the classical group's.
+    let src_mla: Vec<i64> = SRC.iter().map(|b| (b + 17) % NB as i64).collect();
+    let dst_mla: Vec<i64> = DST.iter().map(|b| (b + 3) % NB as i64).collect();
+    let lists = |a: &[i64], b: &[i64]| V::A(vec![ids(a), ids(b)]);
+    let toks = tokens(30, 3 * CS);
+    let stored: Vec<Vec<u8>> = segs.iter().map(|m| m.bytes().to_vec()).collect();
+    let sk = key(1, Some(0), &toks, (0, 3 * CS), "s", 1);
+    let reply = c.call(
+        OP_STORE,
+        &[
+            sk.clone(),
+            V::I(iid),
+            lists(&SRC, &src_mla),
+            V::Bin(EVENT.to_vec()),
+        ],
+    );
+    assert!(outcome(reply), "hybrid store");
+    // One list, or three, for two groups: the failure reply.
+    for wrong in [
+        V::A(vec![ids(&SRC)]),
+        V::A(vec![ids(&SRC), ids(&SRC), ids(&SRC)]),
+    ] {
+        let reply = c.call(
+            OP_STORE,
+            &[sk.clone(), V::I(iid), wrong, V::Bin(EVENT.to_vec())],
+        );
+        assert!(
+            !outcome(reply),
+            "a store with the wrong number of lists fails"
+        );
+    }
+    assert_eq!(c.call(OP_END_SESSION, &[s("s")]), None);
+
+    for m in &mut segs {
+        m.bytes_mut().fill(0x33);
+    }
+    let before: Vec<Vec<u8>> = segs.iter().map(|m| m.bytes().to_vec()).collect();
+    assert_eq!(lookup(&mut c, 1, &toks, 3 * CS, "r", 1), 3);
+    let rk = key(1, Some(0), &toks, (0, 3 * CS), "r", 1);
+    let short = V::A(vec![ids(&DST), ids(&dst_mla[..BPC])]);
+    let reply = c.call(
+        OP_RETRIEVE,
+        &[
+            rk.clone(),
+            V::I(iid),
+            short,
+            V::Bin(EVENT.to_vec()),
+            V::I(0),
+        ],
+    );
+    assert!(
+        !outcome(reply),
+        "a group list too short for the chunks fails"
+    );
+    let after: Vec<Vec<u8>> = segs.iter().map(|m| m.bytes().to_vec()).collect();
+    assert!(after == before, "a failed retrieve writes nothing");
+    let reply = c.call(
+        OP_RETRIEVE,
+        &[
+            rk,
+            V::I(iid),
+            lists(&DST, &dst_mla),
+            V::Bin(EVENT.to_vec()),
+            V::I(BS as i64),
+        ],
+    );
+    assert!(outcome(reply), "hybrid retrieve");
+    // Each layer got its group's blocks, the first block of the range skipped.
+    for (l, kind) in kinds.iter().enumerate() {
+        let (src, dst) = if l == 1 {
+            (&src_mla[..], &dst_mla[..])
+        } else {
+            (&SRC[..], &DST[..])
+        };
+        let want = scattered(
+            *kind,
+            std::slice::from_ref(&before[l]),
+            std::slice::from_ref(&stored[l]),
+            src,
+            dst,
+            1,
+        );
+        assert_cache_eq(
+            *kind,
+            std::slice::from_ref(&segs[l].bytes().to_vec()),
+            &want,
+            &format!("layer {l} after the hybrid retrieve"),
+        );
+    }
+
+    // Checksums: one block list over every layer, each in its own layout.
+    let blocks = &DST[BPC..2 * BPC];
+    let mut bytes = Vec::new();
+    for (l, kind) in kinds.iter().enumerate() {
+        for plane in 0..kind.planes() {
+            for &b in blocks {
+                bytes.extend_from_slice(&segs[l].bytes()[kind.block_range(plane, b as usize)]);
+            }
+        }
+    }
+    let sums = checksums(&srv, iid, blocks, false);
+    assert_eq!(digests(&sums["chunk_checksums"]), [md5_hex(&bytes)]);
+}

@@ -3,6 +3,8 @@
 //! shares, the layers a chunk object holds, and the tighter geometry the GPU
 //! copy kernel needs. Nothing here maps or touches the memory.
 
+use kvshard_wire::EngineGroupInfo;
+
 use crate::error::{invalid, unsupported, DetectError};
 use crate::format::{default_kv_layout, detect_format, normalise_dims, KvDtype, KvFormat};
 use crate::object::ObjectLayout;
@@ -30,36 +32,6 @@ pub struct ShmTensorSpec {
     pub shape: Vec<i64>,
     pub stride: Vec<i64>,
     pub storage_offset: i64,
-}
-
-/// One LMCache KV group, mirroring 0.5.6's `EngineGroupInfo`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KvGroupSpec {
-    /// Engine group (paged-block address space) the group reads block ids from.
-    pub engine_group_id: i64,
-    /// Registered tensor indices in this group, ascending.
-    pub layer_indices: Vec<i64>,
-    /// Logical tokens per block; 0 = not reported (same as the block size).
-    pub tokens_per_block: i64,
-    /// Sliding window in tokens; -1 = full attention.
-    pub sw_size_tokens: i64,
-    /// Connector-private extra group tag; 0 = regular group.
-    pub extra_object_group_tag: i64,
-    /// Pages hold recurrent state (Mamba/GDN) rather than attention KV.
-    pub recurrent_state: bool,
-}
-
-impl Default for KvGroupSpec {
-    fn default() -> Self {
-        KvGroupSpec {
-            engine_group_id: 0,
-            layer_indices: Vec::new(),
-            tokens_per_block: 0,
-            sw_size_tokens: -1,
-            extra_object_group_tag: 0,
-            recurrent_state: false,
-        }
-    }
 }
 
 /// Whether the chunk's block ids are all `null_block_id`; such chunks carry no
@@ -163,87 +135,271 @@ fn check_tensor(
     Ok((dtype, shape, strides, storage_offset))
 }
 
-/// Resolve which registered tensors form the object, in object order.
-fn group_layer_indices(
-    groups: &[KvGroupSpec],
+/// One kernel group (0.5.6's `KernelGroupInfo`): the registered layers that
+/// share a geometry and an engine group, moved by one copy. Its region of the
+/// chunk object is `[kv_size, layers, chunk_tokens, hidden]` in its dtype.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelGroup {
+    /// What every layer of the group shares.
+    pub geometry: Geometry,
+    /// Registered tensor indices, ascending.
+    pub layers: Vec<usize>,
+    /// Engine group (paged-block address space) its block ids come from.
+    pub engine_group_id: i64,
+    /// Block ids of one chunk in this group's list.
+    pub blocks_per_chunk: usize,
+    /// Bytes from the object's start to this group's region.
+    pub object_offset: u64,
+    /// Bytes of this group's region of one chunk.
+    pub region_bytes: u64,
+}
+
+impl KernelGroup {
+    /// Bytes of KV per token over the group's layers.
+    pub fn bytes_per_token(&self) -> usize {
+        let g = &self.geometry;
+        g.kv_size * self.layers.len() * g.hidden() * g.dtype.size_bytes()
+    }
+
+    /// The shape of the group's region of a chunk of `chunk_tokens` tokens
+    /// (0.5.6's `get_kernel_group_shape_dtype`).
+    pub fn region_shape(&self, chunk_tokens: usize) -> Vec<u64> {
+        let g = &self.geometry;
+        vec![
+            g.kv_size as u64,
+            self.layers.len() as u64,
+            chunk_tokens as u64,
+            g.hidden() as u64,
+        ]
+    }
+}
+
+/// What makes two layers one kernel group (0.5.6's `KernelGroupIdentity`):
+/// everything but the block count, and the engine group.
+fn identity(g: &Geometry) -> (KvFormat, KvDtype, usize, usize, usize, usize) {
+    (
+        g.format,
+        g.dtype,
+        g.kv_size,
+        g.num_heads,
+        g.head_size,
+        g.block_size,
+    )
+}
+
+/// Per registered tensor, the engine group it belongs to; `None` for a
+/// tensor no group lists (0.5.6 leaves those out of every object, e.g.
+/// cross-layer KV-sharing layers). Without group metadata every tensor is
+/// in engine group 0.
+fn engine_group_of_layers(
+    infos: &[EngineGroupInfo],
     num_tensors: usize,
+) -> Result<Vec<Option<i64>>, DetectError> {
+    if infos.is_empty() {
+        return Ok(vec![Some(0); num_tensors]);
+    }
+    let mut of_layer = vec![None; num_tensors];
+    for (g, info) in infos.iter().enumerate() {
+        if info.engine_group_id < 0 {
+            return Err(invalid(format!(
+                "group {g}: engine_group_id {} is negative",
+                info.engine_group_id
+            )));
+        }
+        if info.layer_indices.is_empty() {
+            return Err(invalid(format!("group {g}: KV group has no layers")));
+        }
+        let mut prev = None;
+        for &raw in &info.layer_indices {
+            let index = to_usize(raw, "layer index")?;
+            if index >= num_tensors {
+                return Err(invalid(format!(
+                    "group {g}: layer index {index} is outside the {num_tensors} registered \
+                     tensors"
+                )));
+            }
+            if prev.is_some_and(|p| p >= index) {
+                return Err(invalid(format!(
+                    "group {g}: layer indices {:?} are not strictly ascending",
+                    info.layer_indices
+                )));
+            }
+            if of_layer[index].is_some() {
+                return Err(invalid(format!("layer {index} is listed by two KV groups")));
+            }
+            of_layer[index] = Some(info.engine_group_id);
+            prev = Some(index);
+        }
+    }
+    Ok(of_layer)
+}
+
+/// What the group metadata says about one kernel group that this path can
+/// transfer, or why it cannot.
+fn check_group_info(
+    g: usize,
+    info: &EngineGroupInfo,
     block_size: usize,
     chunk_size_tokens: usize,
-) -> Result<Vec<usize>, DetectError> {
-    let group = match groups {
-        [] => return Ok((0..num_tensors).collect()),
-        [group] => group,
-        _ => {
-            return Err(unsupported(format!(
-                "{} KV groups (hybrid models); the cpu_shm path transfers one group",
-                groups.len()
+) -> Result<(), DetectError> {
+    if info.recurrent_state {
+        return Err(unsupported(format!(
+            "group {g}: recurrent-state (Mamba/GDN) KV groups"
+        )));
+    }
+    if info.extra_object_group_tag != 0 {
+        return Err(unsupported(format!(
+            "group {g}: connector-private extra object group tag {}",
+            info.extra_object_group_tag
+        )));
+    }
+    let tokens_per_block = match info.tokens_per_block {
+        0 => block_size,
+        t if t < 0 => {
+            return Err(invalid(format!(
+                "group {g}: tokens_per_block {t} is negative"
             )))
         }
-    };
-    if group.engine_group_id != 0 {
-        return Err(invalid(format!(
-            "engine_group_id {} with a single group; ids are dense from 0",
-            group.engine_group_id
-        )));
-    }
-    if group.recurrent_state {
-        return Err(unsupported("recurrent-state (Mamba/GDN) KV groups"));
-    }
-    if group.extra_object_group_tag != 0 {
-        return Err(unsupported(format!(
-            "connector-private extra object group tag {}",
-            group.extra_object_group_tag
-        )));
-    }
-    let tokens_per_block = match group.tokens_per_block {
-        0 => block_size,
-        t if t < 0 => return Err(invalid(format!("tokens_per_block {t} is negative"))),
         t => to_usize(t, "tokens_per_block")?,
     };
     if tokens_per_block % block_size != 0 || chunk_size_tokens % tokens_per_block != 0 {
         return Err(invalid(format!(
-            "tokens_per_block {tokens_per_block} must be a multiple of the block size \
-             {block_size} and divide the chunk size {chunk_size_tokens}"
+            "group {g}: tokens_per_block {tokens_per_block} must be a multiple of the block \
+             size {block_size} and divide the chunk size {chunk_size_tokens}"
         )));
     }
     if tokens_per_block != block_size {
         return Err(unsupported(format!(
-            "compressed KV groups (tokens_per_block {tokens_per_block} over \
+            "group {g}: compressed KV groups (tokens_per_block {tokens_per_block} over \
              {block_size} slots per block)"
         )));
     }
-    let sw = group.sw_size_tokens;
+    let sw = info.sw_size_tokens;
     if sw != -1 && sw < chunk_size_tokens as i64 {
         return Err(unsupported(format!(
-            "sliding window of {sw} tokens, smaller than the {chunk_size_tokens}-token \
-             chunk"
+            "group {g}: sliding window of {sw} tokens, smaller than the \
+             {chunk_size_tokens}-token chunk"
         )));
     }
-    if group.layer_indices.is_empty() {
-        return Err(invalid("KV group has no layers"));
+    Ok(())
+}
+
+/// Partitions the registered layers into kernel groups, ordered by their
+/// first layer, as 0.5.6's `KVLayerGroupsManager` does, and lays their
+/// regions end to end in one chunk object. With group metadata, there must
+/// be one `EngineGroupInfo` per kernel group, listing exactly its layers.
+fn kernel_groups(
+    layers: &[Geometry],
+    infos: &[EngineGroupInfo],
+    chunk_size_tokens: usize,
+) -> Result<Vec<KernelGroup>, DetectError> {
+    let of_layer = engine_group_of_layers(infos, layers.len())?;
+    let mut groups: Vec<KernelGroup> = Vec::new();
+    for (index, (layer, engine)) in layers.iter().zip(&of_layer).enumerate() {
+        let Some(engine) = *engine else { continue };
+        let key = identity(layer);
+        match groups
+            .iter_mut()
+            .find(|k| k.engine_group_id == engine && identity(&k.geometry) == key)
+        {
+            Some(k) => {
+                if k.geometry.num_blocks != layer.num_blocks {
+                    return Err(unsupported(format!(
+                        "tensor {index} has {} blocks but tensor {} of its kernel group has \
+                         {}; the layers of one engine group share a block count",
+                        layer.num_blocks, k.layers[0], k.geometry.num_blocks
+                    )));
+                }
+                k.layers.push(index);
+            }
+            None => groups.push(KernelGroup {
+                geometry: *layer,
+                layers: vec![index],
+                engine_group_id: engine,
+                blocks_per_chunk: 0,
+                object_offset: 0,
+                region_bytes: 0,
+            }),
+        }
     }
-    let mut indices = Vec::with_capacity(group.layer_indices.len());
-    for &raw in &group.layer_indices {
-        let index = to_usize(raw, "layer index")?;
-        if index >= num_tensors {
+    if groups.is_empty() {
+        return Err(invalid("no registered tensor is in a KV group"));
+    }
+    if !infos.is_empty() && infos.len() != groups.len() {
+        return Err(invalid(format!(
+            "{} KV groups for {} kernel groups (layers of one shape, dtype, format and \
+             engine group); expecting one group per kernel group",
+            infos.len(),
+            groups.len()
+        )));
+    }
+    let too_large = || invalid("the chunk object would be larger than kvshard accepts");
+    let mut offset = 0u64;
+    for (g, group) in groups.iter_mut().enumerate() {
+        let block_size = group.geometry.block_size;
+        if chunk_size_tokens % block_size != 0 {
             return Err(invalid(format!(
-                "layer index {index} is outside the {num_tensors} registered tensors"
+                "chunk size {chunk_size_tokens} is not a multiple of the block size \
+                 {block_size} (group {g})"
             )));
         }
-        if indices.last().is_some_and(|&prev| prev >= index) {
-            return Err(invalid(format!(
-                "group layer indices {:?} are not strictly ascending",
-                group.layer_indices
-            )));
+        if let Some(info) = infos.get(g) {
+            let listed: Vec<usize> = info.layer_indices.iter().map(|&i| i as usize).collect();
+            if listed != group.layers {
+                return Err(invalid(format!(
+                    "group {g}: the KV group lists layers {listed:?} but the kernel group \
+                     holds layers {:?}",
+                    group.layers
+                )));
+            }
+            check_group_info(g, info, block_size, chunk_size_tokens)?;
         }
-        indices.push(index);
+        group.blocks_per_chunk = chunk_size_tokens / block_size;
+        group.object_offset = offset;
+        group.region_bytes = u64::try_from(group.bytes_per_token())
+            .ok()
+            .and_then(|b| b.checked_mul(chunk_size_tokens as u64))
+            .ok_or_else(too_large)?;
+        offset = offset
+            .checked_add(group.region_bytes)
+            .ok_or_else(too_large)?;
     }
-    Ok(indices)
+    Ok(groups)
+}
+
+/// Under `--separate-object-groups`, 0.5.6 buckets kernel groups into
+/// object groups by (extra tag, recurrent state, sliding window in whole
+/// chunks), one object per group and chunk. kvshard stores one object per
+/// chunk, so a registration that would form several is refused.
+pub fn check_one_object_group(
+    infos: &[EngineGroupInfo],
+    chunk_size_tokens: usize,
+) -> Result<(), DetectError> {
+    let chunk = chunk_size_tokens.max(1) as i64;
+    let bucket = |i: &EngineGroupInfo| {
+        let sw_chunks = match i.sw_size_tokens {
+            -1 => -1,
+            sw => sw.saturating_add(chunk - 1) / chunk,
+        };
+        (i.extra_object_group_tag, i.recurrent_state, sw_chunks)
+    };
+    let Some(first) = infos.first().map(bucket) else {
+        return Ok(());
+    };
+    match infos.iter().position(|i| bucket(i) != first) {
+        None => Ok(()),
+        Some(g) => Err(unsupported(format!(
+            "with --separate-object-groups, group {g} (sliding window {} tokens) and group 0 \
+             (sliding window {} tokens) would form separate object groups; kvshard stores one \
+             object per chunk",
+            infos[g].sw_size_tokens, infos[0].sw_size_tokens
+        ))),
+    }
 }
 
 /// What a registration's tensors say, before anything is mapped: each
-/// view checked, its normalised shape, the shared geometry and the object's
-/// layers.
+/// view checked, its normalised shape and geometry, the kernel groups and
+/// the chunk object they make.
 #[derive(Debug)]
 pub struct Analysis {
     /// Per tensor: dtype, shape, strides and storage offset, as unsigned
@@ -251,9 +407,13 @@ pub struct Analysis {
     pub checked: Vec<(KvDtype, Vec<usize>, Vec<usize>, usize)>,
     /// Per tensor: its shape and strides reordered by stride.
     pub normalised: Vec<(Vec<usize>, Vec<usize>)>,
-    pub geometry: Geometry,
-    /// Registered tensor indices of the object's layers, in object order.
-    pub group_layers: Vec<usize>,
+    /// Per tensor: its format and sizes.
+    pub layers: Vec<Geometry>,
+    /// The kernel groups, in object order.
+    pub groups: Vec<KernelGroup>,
+    /// One chunk: the groups' regions end to end. Shape and dtype are group
+    /// 0's, as 0.5.6's memory objects report them.
+    pub object_layout: ObjectLayout,
 }
 
 /// Checks and classifies a registration's tensors. `kv_layout_hint` is
@@ -262,7 +422,7 @@ pub struct Analysis {
 /// see [`default_kv_layout`]).
 pub fn analyse(
     tensors: &[ShmTensorSpec],
-    groups: &[KvGroupSpec],
+    groups: &[EngineGroupInfo],
     chunk_size_tokens: usize,
     kv_layout_hint: Option<&str>,
 ) -> Result<Analysis, DetectError> {
@@ -295,13 +455,19 @@ pub fn analyse(
         checked.push(check_tensor(index, spec)?);
     }
 
-    let mut geometry: Option<(Geometry, Vec<usize>)> = None;
+    let mut layers = Vec::with_capacity(tensors.len());
     let mut normalised = Vec::with_capacity(tensors.len());
     for (index, (dtype, shape, strides, _)) in checked.iter().enumerate() {
         let (n_shape, n_strides) = normalise_dims(shape, strides);
         let format = detect_format(&n_shape, *dtype, is_hnd)?;
         let axes = format.axes();
-        let this = Geometry {
+        if n_strides[axes.elem] != 1 {
+            return Err(unsupported(format!(
+                "tensor {index}: the head dimension has stride {} (must be 1)",
+                n_strides[axes.elem]
+            )));
+        }
+        layers.push(Geometry {
             format,
             dtype: *dtype,
             kv_size: format.kv_size(),
@@ -309,51 +475,31 @@ pub fn analyse(
             block_size: n_shape[axes.token],
             num_heads: axes.head.map_or(1, |h| n_shape[h]),
             head_size: n_shape[axes.elem],
-        };
-        match &geometry {
-            None => geometry = Some((this, n_shape.clone())),
-            Some((first, first_shape)) => {
-                if first.dtype != this.dtype || *first_shape != n_shape {
-                    return Err(unsupported(format!(
-                        "tensor {index} is {} {n_shape:?} but tensor 0 is {} \
-                             {first_shape:?}; layers of different shapes or dtypes form \
-                             several kernel groups",
-                        this.dtype.name(),
-                        first.dtype.name()
-                    )));
-                }
-            }
-        }
-        if n_strides[axes.elem] != 1 {
-            return Err(unsupported(format!(
-                "tensor {index}: the head dimension has stride {} (must be 1)",
-                n_strides[axes.elem]
-            )));
-        }
+        });
         normalised.push((n_shape, n_strides));
     }
-    let geometry = match geometry {
-        Some((g, _)) => g,
-        None => return Err(invalid("registration carries no KV tensors")),
-    };
-    if chunk_size_tokens % geometry.block_size != 0 {
+    let kernel = kernel_groups(&layers, groups, chunk_size_tokens)?;
+    let first = &kernel[0];
+    let total = kernel
+        .last()
+        .map_or(0, |k| k.object_offset + k.region_bytes);
+    if total > crate::object::MAX_OBJECT_BYTES {
         return Err(invalid(format!(
-            "chunk size {chunk_size_tokens} is not a multiple of the block size {}",
-            geometry.block_size
+            "the chunk object of {total} bytes is larger than kvshard accepts"
         )));
     }
-    let group_layers = group_layer_indices(
-        groups,
-        tensors.len(),
-        geometry.block_size,
-        chunk_size_tokens,
-    )?;
+    let object_layout = ObjectLayout {
+        bytes: total,
+        shape: first.region_shape(chunk_size_tokens).into(),
+        dtype: first.geometry.dtype.name().into(),
+    };
 
     Ok(Analysis {
         checked,
         normalised,
-        geometry,
-        group_layers,
+        layers,
+        groups: kernel,
+        object_layout,
     })
 }
 
@@ -387,7 +533,7 @@ impl DeviceGeometry {
     /// returns what the copy kernel needs.
     pub fn detect(
         tensors: &[ShmTensorSpec],
-        groups: &[KvGroupSpec],
+        groups: &[EngineGroupInfo],
         chunk_size_tokens: usize,
         kv_layout_hint: Option<&str>,
     ) -> Result<DeviceGeometry, DetectError> {
@@ -396,9 +542,39 @@ impl DeviceGeometry {
         let Analysis {
             checked,
             normalised,
-            geometry: g,
-            group_layers,
+            layers,
+            groups: kernel,
+            object_layout,
         } = analyse(tensors, groups, chunk_size_tokens, Some(hint))?;
+        if kernel.len() > 1 {
+            return Err(unsupported(format!(
+                "{} kernel groups (hybrid models: layers of different shapes, dtypes or \
+                 engine groups); the CUDA path transfers one",
+                kernel.len()
+            )));
+        }
+        let Some(KernelGroup {
+            geometry: g,
+            layers: group_layers,
+            blocks_per_chunk,
+            ..
+        }) = kernel.into_iter().next()
+        else {
+            return Err(invalid("registration carries no KV tensors"));
+        };
+        // The copy kernel and the checksums walk every registered layer alike.
+        for (index, (layer, (shape, _))) in layers.iter().zip(&normalised).enumerate() {
+            if *layer != g || *shape != normalised[group_layers[0]].0 {
+                return Err(unsupported(format!(
+                    "tensor {index} is {} {shape:?} but tensor {} is {} {:?}; the CUDA path \
+                     needs every layer in one shape and dtype",
+                    layer.dtype.name(),
+                    group_layers[0],
+                    g.dtype.name(),
+                    normalised[group_layers[0]].0
+                )));
+            }
+        }
         let axes = g.format.axes();
         let mut block_stride = None;
         let mut views = Vec::with_capacity(tensors.len());
@@ -443,15 +619,6 @@ impl DeviceGeometry {
             }
             views.push((*storage_offset as u64 * es, (last + 1) * es));
         }
-        let blocks_per_chunk = chunk_size_tokens / g.block_size;
-        let hidden = (g.num_heads * g.head_size) as u64;
-        let shape = vec![
-            g.kv_size as u64,
-            group_layers.len() as u64,
-            chunk_size_tokens as u64,
-            hidden,
-        ];
-        let bytes = shape.iter().product::<u64>() * g.dtype.size_bytes() as u64;
         Ok(DeviceGeometry {
             layer: g,
             group_layers,
@@ -460,11 +627,7 @@ impl DeviceGeometry {
             block_stride_elems: block_stride.unwrap_or(0),
             chunk_size_tokens,
             blocks_per_chunk,
-            object_layout: ObjectLayout {
-                shape: shape.into(),
-                dtype: g.dtype.name().into(),
-                bytes,
-            },
+            object_layout,
         })
     }
 }

@@ -8,7 +8,7 @@ use kvshard_wire as wire;
 use crate::error::{invalid, DetectError};
 
 /// Largest object kvshard accepts (a chunk of a very large model is well below this).
-const MAX_OBJECT_BYTES: u64 = 1 << 36;
+pub(crate) const MAX_OBJECT_BYTES: u64 = 1 << 36;
 
 /// Shape, dtype and length of the object of one full chunk. Shape and dtype
 /// are shared: every request of an instance takes a copy.

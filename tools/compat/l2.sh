@@ -10,7 +10,10 @@
 #  4. with --hash-algorithm sha256_cbor and the same PYTHONHASHSEED, lmcache server
 #     (vLLM's hashing from tools/compat/vllm_standin) and kvshard write the same
 #     object names and read each other's, with vLLM's none hash and with the
-#     fallback 0.5.6 uses where vLLM's kv_cache_utils does not import.
+#     fallback 0.5.6 uses where vLLM's kv_cache_utils does not import;
+#  5. a hybrid KV cache (MLA beside classical attention, mixed dtypes, two kernel
+#     groups) in lmcache_driven mode: lmcache server and kvshard write the same object
+#     names and bytes, and each reads the other's with every checksum passing.
 # Usage: tools/compat/l2.sh [path/to/kvshard]   (run tools/compat/run.sh first: it installs the client)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -61,10 +64,11 @@ for _ in range(600):
 sys.exit(1)
 PY
 }
+PHASE_ARGS=() # extra bench flags for the next phases
 phase() { # store|load sums mode start
     "$VENV/bin/python" tools/compat/l2_restart.py "$1" "$2" --mode cpu --transfer-mode "$3" \
         --rpc-url "tcp://127.0.0.1:$PORT" --url "http://127.0.0.1:$HTTP" \
-        --num-tokens "$TOKENS" --start "$4" --end "$(($4 + N))" 2>"$WORK/client.err" \
+        --num-tokens "$TOKENS" --start "$4" --end "$(($4 + N))" "${PHASE_ARGS[@]}" 2>"$WORK/client.err" \
         || { echo "compat-l2: $1 ($3) failed"; tail -20 "$WORK/client.err"; tail -30 "$LOG"; exit 1; }
 }
 CHUNKS=$((N * TOKENS / 256)) # one kv rank
@@ -135,4 +139,24 @@ for from in vllm fallback; do
     rm -rf "$dl" "$dk"
     echo "compat-l2: sha256_cbor ($from none hash): lmcache server and kvshard wrote the same $CHUNKS object names, $read, checksums match"
 done
+
+# 5. A hybrid cache: one object per chunk holding both kernel groups' regions.
+# kvshard writes with --separate-object-groups on (the groups share one object
+# group all the same); lmcache server with it off.
+PHASE_ARGS=(--kvcache-shape-spec "(2,1024,16,4,64):float16:2;(1,1024,16,1,576):bfloat16:1")
+dl="$WORK/hy-lmcache"; dk="$WORK/hy-kvshard"; mkdir -p "$dl" "$dk"
+start lmcache "$dl"; phase store "$WORK/sums-hy-l" lmcache_driven 600; wait_files "$dl" "$CHUNKS"; stop
+start kvshard "$dl"; phase load "$WORK/sums-hy-l" lmcache_driven 600; stop
+start kvshard "$dk" --separate-object-groups; phase store "$WORK/sums-hy-k" lmcache_driven 600
+wait_files "$dk" "$CHUNKS"; stop
+[ "$(names "$dl")" = "$(names "$dk")" ] \
+    || { echo "compat-l2: hybrid: the object names differ"; diff <(names "$dl") <(names "$dk"); exit 1; }
+for f in $(names "$dl"); do
+    cmp -s "$(find "$dl" -name "$f")" "$(find "$dk" -name "$f")" \
+        || { echo "compat-l2: hybrid: object $f differs between lmcache server and kvshard"; exit 1; }
+done
+start lmcache "$dk"; phase load "$WORK/sums-hy-k" lmcache_driven 600; stop
+PHASE_ARGS=()
+rm -rf "$dl" "$dk"
+echo "compat-l2: hybrid cache (2 kernel groups): lmcache server and kvshard wrote the same $CHUNKS objects byte for byte, each read the other's, checksums match"
 echo "compat-l2: all passed"

@@ -75,6 +75,14 @@ run_bench lmcache_driven --start 3000 --end "$((3000 + REQUESTS))" --num-tokens 
     --kvcache-shape-spec "(1,1024,16,1,576):bfloat16:16"
 run_bench engine_driven --start 4000 --end "$((4000 + REQUESTS))" --num-tokens 1024 --tp-size 2 --use-mla \
     --kvcache-shape-spec "(1,1024,16,1,576):bfloat16:16"
+# Hybrid caches, several kernel groups each: two head counts and dtypes; MLA beside
+# classical attention; three groups of fp8 (uint8), int8 and float32; TP 1 and 2.
+run_bench lmcache_driven --start 5000 --end "$((5000 + REQUESTS))" --num-tokens 1024 \
+    --kvcache-shape-spec "(2,1024,16,8,128):float16:4;(2,1024,16,4,64):bfloat16:4"
+run_bench lmcache_driven --start 6000 --end "$((6000 + REQUESTS))" --num-tokens 1024 --tp-size 2 \
+    --kvcache-shape-spec "(2,1024,16,8,128):float16:2;(1,1024,16,1,576):bfloat16:2"
+run_bench lmcache_driven --start 7000 --end "$((7000 + REQUESTS))" --num-tokens 1024 --tp-size 2 \
+    --kvcache-shape-spec "(2,1024,16,8,128):uint8:2;(2,1024,16,8,64):int8:1;(2,1024,16,2,64):float32:1"
 echo "compat: all checksums passed"
 
 # The lmcache CLI's HTTP commands against the same server.

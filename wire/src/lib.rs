@@ -445,6 +445,21 @@ pub struct EngineGroupInfo {
     pub recurrent_state: bool,
 }
 
+/// The fields' defaults in group_view.py (every field but `engine_group_id`
+/// may be left out on the wire).
+impl Default for EngineGroupInfo {
+    fn default() -> Self {
+        EngineGroupInfo {
+            engine_group_id: 0,
+            layer_indices: Vec::new(),
+            tokens_per_block: 0,
+            sw_size_tokens: -1,
+            extra_object_group_tag: 0,
+            recurrent_state: false,
+        }
+    }
+}
+
 /// `BlockAllocationRecord`: one request's GPU block allocation delta.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockAllocationRecord {
@@ -1259,14 +1274,7 @@ fn read_engine_driven(r: &mut Reader<'_>) -> Result<EngineDrivenPayload, DecodeE
 
 fn read_engine_group_info(r: &mut Reader<'_>) -> Result<EngineGroupInfo, DecodeError> {
     let mut engine_group_id = None;
-    let mut info = EngineGroupInfo {
-        engine_group_id: 0,
-        layer_indices: Vec::new(),
-        tokens_per_block: 0,
-        sw_size_tokens: -1,
-        extra_object_group_tag: 0,
-        recurrent_state: false,
-    };
+    let mut info = EngineGroupInfo::default();
     let offset = read_object(r, false, |name, r| {
         match name {
             "engine_group_id" => engine_group_id = Some(r.read_int()?),

@@ -517,29 +517,14 @@ impl Registry {
                     LmcTransfer::CpuShm(r) => (
                         serde_json::json!({
                             "num_layers": r.num_registered_tensors(),
-                            "num_blocks": r.num_blocks(),
+                            "num_blocks": r.kernel_groups()[0].geometry.num_blocks,
                             "cache_size_per_token": r.cache_size_per_token(),
-                            "kernel_groups": [{
-                                "kernel_group_idx": 0,
-                                "engine_group_idx": 0,
-                                "object_group_idx": 0,
-                                "num_layers": r.num_layers(),
-                                "layer_indices": r.layer_indices(),
-                                "tokens_per_block": r.block_size_tokens(),
-                                "slots_per_block": r.block_size_tokens(),
-                                "dtype": format!("torch.{}", r.dtype().name()),
-                                "engine_kv_concrete_shape": r.kv_format().concrete_shape(
-                                    r.num_layers(),
-                                    r.num_blocks(),
-                                    r.block_size_tokens(),
-                                    r.num_heads(),
-                                    r.head_size(),
-                                ),
-                                "is_mla": r.is_mla(),
-                                "engine_kv_format": r.kv_format().name(),
-                                "engine_kv_shape": r.kv_format().shape_description(),
-                                "attention_backend": r.kv_format().attention_backend(),
-                            }],
+                            "kernel_groups": r
+                                .kernel_groups()
+                                .iter()
+                                .enumerate()
+                                .map(|(i, k)| kernel_group_status(i, k.engine_group_id, &k.geometry, &k.layers))
+                                .collect::<Vec<_>>(),
                         }),
                         "cpu_shm".to_string(),
                     ),
@@ -551,27 +536,7 @@ impl Registry {
                                 "num_layers": g.views.len(),
                                 "num_blocks": g.layer.num_blocks,
                                 "cache_size_per_token": g.layer.kv_size * g.group_layers.len() * g.layer.num_heads * g.layer.head_size * es,
-                                "kernel_groups": [{
-                                    "kernel_group_idx": 0,
-                                    "engine_group_idx": 0,
-                                    "object_group_idx": 0,
-                                    "num_layers": g.group_layers.len(),
-                                    "layer_indices": g.group_layers,
-                                    "tokens_per_block": g.layer.block_size,
-                                    "slots_per_block": g.layer.block_size,
-                                    "dtype": format!("torch.{}", g.layer.dtype.name()),
-                                    "engine_kv_concrete_shape": g.layer.format.concrete_shape(
-                                        g.group_layers.len(),
-                                        g.layer.num_blocks,
-                                        g.layer.block_size,
-                                        g.layer.num_heads,
-                                        g.layer.head_size,
-                                    ),
-                                    "is_mla": g.layer.format.is_mla(),
-                                    "engine_kv_format": g.layer.format.name(),
-                                    "engine_kv_shape": g.layer.format.shape_description(),
-                                    "attention_backend": g.layer.format.attention_backend(),
-                                }],
+                                "kernel_groups": [kernel_group_status(0, 0, &g.layer, &g.group_layers)],
                             }),
                             format!("cuda:{}", c.ordinal),
                         )
@@ -585,6 +550,39 @@ impl Registry {
             .collect();
         serde_json::Value::Object(m)
     }
+}
+
+/// One entry of `/status`'s `kernel_groups`, as 0.5.6's
+/// `GPUCacheContext.report_status()` writes it (all kernel groups share
+/// object group 0).
+fn kernel_group_status(
+    index: usize,
+    engine_group_id: i64,
+    g: &kvshard_layout::Geometry,
+    layers: &[usize],
+) -> serde_json::Value {
+    let f = g.format;
+    serde_json::json!({
+        "kernel_group_idx": index,
+        "engine_group_idx": engine_group_id,
+        "object_group_idx": 0,
+        "num_layers": layers.len(),
+        "layer_indices": layers,
+        "tokens_per_block": g.block_size,
+        "slots_per_block": g.block_size,
+        "dtype": format!("torch.{}", g.dtype.name()),
+        "engine_kv_concrete_shape": f.concrete_shape(
+            layers.len(),
+            g.num_blocks,
+            g.block_size,
+            g.num_heads,
+            g.head_size,
+        ),
+        "is_mla": f.is_mla(),
+        "engine_kv_format": f.name(),
+        "engine_kv_shape": f.shape_description(),
+        "attention_backend": f.attention_backend(),
+    })
 }
 
 /// Opens a cpu_shm registration from the wire's descriptors; CUDA and other device
@@ -622,7 +620,6 @@ pub fn open_cpu_shm(
             }
         }
     }
-    let groups = kvshard_dataplane::cuda_transfer::group_specs(groups);
     let hint = kvshard_dataplane::cuda_transfer::kv_layout_hint(layout_hints);
     if engine_type != "vllm" && engine_type != "mock" {
         kvshard_io::log_limited!(
@@ -630,12 +627,6 @@ pub fn open_cpu_shm(
             "register_kv_cache: engine_type {engine_type:?} is treated like vllm's paged layout"
         );
     }
-    CpuShmRegistration::open(
-        &tensors,
-        &groups,
-        chunk_size,
-        hint.as_deref(),
-        null_block_id,
-    )
-    .map_err(RegistryError::CpuShm)
+    CpuShmRegistration::open(&tensors, groups, chunk_size, hint.as_deref(), null_block_id)
+        .map_err(RegistryError::CpuShm)
 }

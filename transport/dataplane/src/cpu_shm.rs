@@ -31,9 +31,8 @@ use kvshard_layout::checksum::{
     checksum_axis, digest_kv, index_select_runs, ChecksumDigests, ChecksumRefusal, ChecksumReport,
 };
 use kvshard_layout::geometry::{analyse, Analysis};
-use kvshard_layout::{
-    DetectError, Geometry, KvDtype, KvFormat, KvGroupSpec, ObjectLayout, ShmTensorSpec,
-};
+use kvshard_layout::{DetectError, Geometry, KernelGroup, ObjectLayout, ShmTensorSpec};
+use kvshard_wire::EngineGroupInfo;
 use md5::Md5;
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -151,6 +150,7 @@ struct Segment {
 
 /// Where one layer's tensor lives and how to walk it. All counts are elements.
 struct LayerView {
+    geometry: Geometry,
     segment: usize,
     storage_offset: usize,
     /// Normalised (stride-ordered) shape and strides, for checksums.
@@ -185,23 +185,35 @@ pub struct CpuShmRegistration {
     segments: Vec<Segment>,
     /// Every registered tensor, in registration order.
     layers: Vec<LayerView>,
-    /// Indices into `layers` of the object's layers, in object order.
-    group_layers: Vec<usize>,
-    geometry: Geometry,
+    /// The kernel groups, in object order; each reads its own block list.
+    groups: Vec<KernelGroup>,
+    object_layout: ObjectLayout,
     chunk_size_tokens: usize,
-    blocks_per_chunk: usize,
+    /// Block ids of one chunk, every group's end to end.
+    ids_per_chunk: usize,
     null_block_id: i64,
 }
 
 impl fmt::Debug for CpuShmRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let groups: Vec<String> = self
+            .groups
+            .iter()
+            .map(|k| {
+                let g = &k.geometry;
+                format!(
+                    "{} {} x{} ({} blocks of {})",
+                    g.format.name(),
+                    g.dtype.name(),
+                    k.layers.len(),
+                    g.num_blocks,
+                    g.block_size
+                )
+            })
+            .collect();
         f.debug_struct("CpuShmRegistration")
-            .field("format", &self.geometry.format.name())
-            .field("dtype", &self.geometry.dtype.name())
             .field("registered_tensors", &self.layers.len())
-            .field("object_layers", &self.group_layers.len())
-            .field("num_blocks", &self.geometry.num_blocks)
-            .field("block_size", &self.geometry.block_size)
+            .field("kernel_groups", &groups)
             .field(
                 "segments",
                 &self
@@ -289,7 +301,7 @@ impl CpuShmRegistration {
     /// `null_block_id` is the server's `--null-block-id`.
     pub fn open(
         tensors: &[ShmTensorSpec],
-        groups: &[KvGroupSpec],
+        groups: &[EngineGroupInfo],
         chunk_size_tokens: usize,
         kv_layout_hint: Option<&str>,
         null_block_id: i64,
@@ -297,8 +309,9 @@ impl CpuShmRegistration {
         let Analysis {
             checked,
             normalised,
-            geometry,
-            group_layers,
+            layers: geometries,
+            groups,
+            object_layout,
         } = analyse(tensors, groups, chunk_size_tokens, kv_layout_hint)?;
 
         // One mapping per distinct segment; layers may share one.
@@ -317,12 +330,14 @@ impl CpuShmRegistration {
             }
         }
 
-        let axes = geometry.format.axes();
-        let hidden = geometry.hidden();
         let mut layers = Vec::with_capacity(tensors.len());
-        for (spec, ((_, _, _, storage_offset), (shape, strides))) in
-            tensors.iter().zip(checked.into_iter().zip(normalised))
+        for ((spec, geometry), ((_, _, _, storage_offset), (shape, strides))) in tensors
+            .iter()
+            .zip(geometries)
+            .zip(checked.into_iter().zip(normalised))
         {
+            let axes = geometry.format.axes();
+            let hidden = geometry.hidden();
             let plane_stride = axes.plane.map_or(0, |p| strides[p]);
             let head_stride = axes.head.map_or(geometry.head_size, |h| strides[h]);
             let token_stride = strides[axes.token];
@@ -338,6 +353,7 @@ impl CpuShmRegistration {
             let blocks_adjacent =
                 runs == BlockRuns::Whole && block_stride == geometry.block_size * hidden;
             layers.push(LayerView {
+                geometry,
                 segment: segment_index[spec.shm_name.as_str()],
                 storage_offset,
                 shape,
@@ -354,176 +370,129 @@ impl CpuShmRegistration {
         Ok(CpuShmRegistration {
             segments,
             layers,
-            group_layers,
-            geometry,
+            ids_per_chunk: groups.iter().map(|k| k.blocks_per_chunk).sum(),
+            groups,
+            object_layout,
             chunk_size_tokens,
-            blocks_per_chunk: chunk_size_tokens / geometry.block_size,
             null_block_id,
         })
     }
 
-    /// Layers in one object (the group's layers).
-    pub fn num_layers(&self) -> usize {
-        self.group_layers.len()
+    /// The kernel groups, in object order.
+    pub fn kernel_groups(&self) -> &[KernelGroup] {
+        &self.groups
     }
 
-    /// All registered tensors, including any the group leaves out.
+    /// All registered tensors, including any no group holds.
     pub fn num_registered_tensors(&self) -> usize {
         self.layers.len()
     }
 
-    /// Registered tensor indices of the object's layers, in object order.
-    pub fn layer_indices(&self) -> &[usize] {
-        &self.group_layers
-    }
-
-    pub fn block_size_tokens(&self) -> usize {
-        self.geometry.block_size
-    }
-
-    pub fn blocks_per_chunk(&self) -> usize {
-        self.blocks_per_chunk
+    /// Block ids of one chunk: each group's `blocks_per_chunk`, end to end
+    /// in group order.
+    pub fn ids_per_chunk(&self) -> usize {
+        self.ids_per_chunk
     }
 
     pub fn chunk_size_tokens(&self) -> usize {
         self.chunk_size_tokens
     }
 
-    pub fn num_blocks(&self) -> usize {
-        self.geometry.num_blocks
-    }
-
-    pub fn is_mla(&self) -> bool {
-        self.geometry.format.is_mla()
-    }
-
-    pub fn kv_format(&self) -> KvFormat {
-        self.geometry.format
-    }
-
-    pub fn dtype(&self) -> KvDtype {
-        self.geometry.dtype
-    }
-
-    pub fn num_heads(&self) -> usize {
-        self.geometry.num_heads
-    }
-
-    pub fn head_size(&self) -> usize {
-        self.geometry.head_size
-    }
-
     pub fn null_block_id(&self) -> i64 {
         self.null_block_id
     }
 
-    /// Bytes of KV per token over all object layers (0.5.6's
-    /// `cache_size_per_token` for one uncompressed group).
+    /// Bytes of KV per token over every group's layers (0.5.6's
+    /// `cache_size_per_token` for uncompressed groups).
     pub fn cache_size_per_token(&self) -> usize {
-        self.geometry.kv_size
-            * self.num_layers()
-            * self.geometry.hidden()
-            * self.geometry.dtype.size_bytes()
+        self.groups.iter().map(KernelGroup::bytes_per_token).sum()
     }
 
     /// The object of one full chunk.
     pub fn object_layout(&self) -> ObjectLayout {
-        let shape = vec![
-            self.geometry.kv_size as u64,
-            self.num_layers() as u64,
-            self.chunk_size_tokens as u64,
-            self.geometry.hidden() as u64,
-        ];
-        ObjectLayout {
-            bytes: self.object_bytes() as u64,
-            shape: shape.into(),
-            dtype: self.geometry.dtype.name().into(),
-        }
+        self.object_layout.clone()
     }
 
-    fn object_bytes(&self) -> usize {
-        self.chunk_size_tokens * self.cache_size_per_token()
-    }
-
-    /// Block ids of chunk `chunk_index` within a request's block list (which
-    /// starts at the request's `key.start`); `None` when the list is too short.
-    pub fn chunk_block_ids<'a>(
-        &self,
+    /// Each group's slice of a chunk's block ids (`ids_per_chunk` long).
+    fn group_ids<'a>(
+        &'a self,
         block_ids: &'a [i64],
-        chunk_index: usize,
-    ) -> Option<&'a [i64]> {
-        let start = chunk_index.checked_mul(self.blocks_per_chunk)?;
-        block_ids.get(start..start.checked_add(self.blocks_per_chunk)?)
+    ) -> impl Iterator<Item = (&'a KernelGroup, &'a [i64])> + 'a {
+        let mut start = 0;
+        self.groups.iter().map(move |k| {
+            let ids = &block_ids[start..start + k.blocks_per_chunk];
+            start += k.blocks_per_chunk;
+            (k, ids)
+        })
     }
 
-    /// Every id must be a block of this cache or the null block id.
+    /// Every id of a chunk's list (`ids_per_chunk` long, the groups' ids
+    /// end to end) must be a block of its group's cache or the null block id.
     pub fn validate_block_ids(&self, block_ids: &[i64]) -> Result<(), TransferError> {
-        for &id in block_ids {
-            let in_range = usize::try_from(id).is_ok_and(|b| b < self.geometry.num_blocks);
-            if !in_range && id != self.null_block_id {
-                return Err(TransferError::BlockIdOutOfRange {
-                    block_id: id,
-                    num_blocks: self.geometry.num_blocks,
-                    null_block_id: self.null_block_id,
-                });
+        if block_ids.len() != self.ids_per_chunk {
+            return Err(TransferError::BlockCount {
+                expected: self.ids_per_chunk,
+                actual: block_ids.len(),
+            });
+        }
+        for (k, ids) in self.group_ids(block_ids) {
+            let num_blocks = k.geometry.num_blocks;
+            for &id in ids {
+                let in_range = usize::try_from(id).is_ok_and(|b| b < num_blocks);
+                if !in_range && id != self.null_block_id {
+                    return Err(TransferError::BlockIdOutOfRange {
+                        block_id: id,
+                        num_blocks,
+                        null_block_id: self.null_block_id,
+                    });
+                }
             }
         }
         Ok(())
     }
 
     fn check_chunk(&self, block_ids: &[i64], buf_len: usize) -> Result<(), TransferError> {
-        if block_ids.len() != self.blocks_per_chunk {
-            return Err(TransferError::BlockCount {
-                expected: self.blocks_per_chunk,
-                actual: block_ids.len(),
-            });
-        }
-        if buf_len != self.object_bytes() {
+        let bytes = self.object_layout.bytes as usize;
+        if buf_len != bytes {
             return Err(TransferError::BufferSize {
-                expected: self.object_bytes(),
+                expected: bytes,
                 actual: buf_len,
             });
         }
         self.validate_block_ids(block_ids)
     }
 
-    /// A block id that can be addressed, or `None` for a null id outside the
-    /// cache (validated ids only).
-    fn block_index(&self, id: i64) -> Option<usize> {
-        usize::try_from(id)
-            .ok()
-            .filter(|&b| b < self.geometry.num_blocks)
-    }
-
-    /// Copy the chunk's blocks (`block_ids.len() == blocks_per_chunk()`; the
-    /// worker's block ids for tokens `chunk_start..chunk_start + T`) into
-    /// `dst`, which is `object_layout().bytes` long. A null block id that is a
-    /// real block is read like any other block (as 0.5.6 does); one outside
-    /// the cache yields zeros.
+    /// Copy the chunk's blocks (`block_ids.len() == ids_per_chunk()`: each
+    /// group's block ids for tokens `chunk_start..chunk_start + T`, end to
+    /// end) into `dst`, which is `object_layout().bytes` long. A null block
+    /// id that is a real block is read like any other block (as 0.5.6 does);
+    /// one outside the cache yields zeros.
     pub fn gather(&self, block_ids: &[i64], dst: &mut [u8]) -> Result<(), TransferError> {
         self.check_chunk(block_ids, dst.len())?;
         let dst_len = dst.len();
         let dst_ptr = dst.as_mut_ptr();
-        self.for_each_span(block_ids, 0, false, |shm, obj, len| {
-            assert!(obj + len <= dst_len, "object range out of bounds");
-            match shm {
-                Some((seg, off)) => {
-                    let map = &self.segments[seg].map;
-                    assert!(off + len <= map.len(), "shm range out of bounds");
-                    // SAFETY: both ranges were bounds-checked just above; the
-                    // object buffer and the shm mapping never overlap.
-                    unsafe { copy_run(map.as_ptr().add(off), dst_ptr.add(obj), len) };
+        for (group, ids) in self.group_ids(block_ids) {
+            self.for_each_span(group, ids, 0, false, |shm, obj, len| {
+                assert!(obj + len <= dst_len, "object range out of bounds");
+                match shm {
+                    Some((seg, off)) => {
+                        let map = &self.segments[seg].map;
+                        assert!(off + len <= map.len(), "shm range out of bounds");
+                        // SAFETY: both ranges were bounds-checked just above;
+                        // the object buffer and the shm mapping never overlap.
+                        unsafe { copy_run(map.as_ptr().add(off), dst_ptr.add(obj), len) };
+                    }
+                    // SAFETY: range checked above.
+                    None => unsafe { ptr::write_bytes(dst_ptr.add(obj), 0, len) },
                 }
-                // SAFETY: range checked above.
-                None => unsafe { ptr::write_bytes(dst_ptr.add(obj), 0, len) },
-            }
-        });
+            });
+        }
         Ok(())
     }
 
     /// Copy `src` (one object) back into the chunk's blocks, leaving the first
     /// `skip_tokens` tokens of this chunk untouched (rounded down to whole
-    /// blocks, as 0.5.6 does). Null block ids are never written.
+    /// blocks of each group, as 0.5.6 does). Null block ids are never written.
     pub fn scatter(
         &self,
         src: &[u8],
@@ -531,44 +500,52 @@ impl CpuShmRegistration {
         skip_tokens: usize,
     ) -> Result<(), TransferError> {
         self.check_chunk(block_ids, src.len())?;
-        let skip_blocks = (skip_tokens / self.geometry.block_size).min(self.blocks_per_chunk);
         let src_len = src.len();
         let src_ptr = src.as_ptr();
-        self.for_each_span(block_ids, skip_blocks, true, |shm, obj, len| {
-            let Some((seg, off)) = shm else { return };
-            assert!(obj + len <= src_len, "object range out of bounds");
-            let map = &self.segments[seg].map;
-            assert!(off + len <= map.len(), "shm range out of bounds");
-            // SAFETY: both ranges were bounds-checked just above; the object
-            // buffer and the shm mapping never overlap.
-            unsafe { copy_run(src_ptr.add(obj), map.as_mut_ptr().add(off), len) };
-        });
+        for (group, ids) in self.group_ids(block_ids) {
+            let skip_blocks = (skip_tokens / group.geometry.block_size).min(ids.len());
+            self.for_each_span(group, ids, skip_blocks, true, |shm, obj, len| {
+                let Some((seg, off)) = shm else { return };
+                assert!(obj + len <= src_len, "object range out of bounds");
+                let map = &self.segments[seg].map;
+                assert!(off + len <= map.len(), "shm range out of bounds");
+                // SAFETY: both ranges were bounds-checked just above; the
+                // object buffer and the shm mapping never overlap.
+                unsafe { copy_run(src_ptr.add(obj), map.as_mut_ptr().add(off), len) };
+            });
+        }
         Ok(())
     }
 
-    /// Walk every contiguous run between the shm blocks and the object, in
-    /// object order, for chunk positions `first_block..blocks_per_chunk`.
-    /// `visit(shm, object_offset, len)` gets byte offsets; `shm` is
-    /// `(segment, offset)`, or `None` for a null block outside the cache.
-    /// With `skip_null`, null block ids are not visited at all.
+    /// Walk every contiguous run between the shm blocks of `group` and its
+    /// region of the object, in object order, for chunk positions
+    /// `first_block..block_ids.len()` of the group's ids. `visit(shm,
+    /// object_offset, len)` gets byte offsets; `shm` is `(segment, offset)`,
+    /// or `None` for a null block outside the cache. With `skip_null`, null
+    /// block ids are not visited at all.
     fn for_each_span(
         &self,
+        group: &KernelGroup,
         block_ids: &[i64],
         first_block: usize,
         skip_null: bool,
         mut visit: impl FnMut(Option<(usize, usize)>, usize, usize),
     ) {
-        let g = &self.geometry;
+        let g = &group.geometry;
         let es = g.dtype.size_bytes();
         let hidden = g.hidden();
         let row_bytes = hidden * es;
         let block_bytes = g.block_size * row_bytes;
-        let layers_in_object = self.group_layers.len();
-        for (object_layer, &layer_index) in self.group_layers.iter().enumerate() {
+        let layers_in_object = group.layers.len();
+        let region = group.object_offset as usize;
+        let block_index = |id: i64| usize::try_from(id).ok().filter(|&b| b < g.num_blocks);
+        for (object_layer, &layer_index) in group.layers.iter().enumerate() {
             let layer = &self.layers[layer_index];
             for plane in 0..g.kv_size {
-                let plane_obj =
-                    (plane * layers_in_object + object_layer) * self.chunk_size_tokens * row_bytes;
+                let plane_obj = region
+                    + (plane * layers_in_object + object_layer)
+                        * self.chunk_size_tokens
+                        * row_bytes;
                 let mut pos = first_block;
                 while pos < block_ids.len() {
                     let id = block_ids[pos];
@@ -577,7 +554,7 @@ impl CpuShmRegistration {
                         pos += 1;
                         continue;
                     }
-                    let Some(block) = self.block_index(id) else {
+                    let Some(block) = block_index(id) else {
                         visit(None, obj, block_bytes);
                         pos += 1;
                         continue;
@@ -630,49 +607,53 @@ impl CpuShmRegistration {
     }
 
     /// Why a `/cache/checksums` request for this worker is refused, found
-    /// before any block is read; else the block axis its blocks gather along.
+    /// before any block is read.
     pub fn checksum_check(
         &self,
         block_ids: &[i64],
         chunk_size_blocks: usize,
-    ) -> Result<usize, ChecksumRefusal> {
-        let block_axis = checksum_axis(self.geometry.format, block_ids, chunk_size_blocks)?;
-        // index_select rejects ids outside the cache, the null id included.
-        match block_ids.iter().find(|&&id| self.block_index(id).is_none()) {
-            None => Ok(block_axis),
-            Some(&block_id) => Err(ChecksumRefusal::bad_request(
-                TransferError::BlockIdOutOfRange {
-                    block_id,
-                    num_blocks: self.geometry.num_blocks,
-                    null_block_id: self.null_block_id,
-                }
-                .to_string(),
-            )),
+    ) -> Result<(), ChecksumRefusal> {
+        for layer in &self.layers {
+            checksum_axis(layer.geometry.format, block_ids, chunk_size_blocks)?;
+            // index_select rejects ids outside the layer, the null id included.
+            let num_blocks = layer.geometry.num_blocks;
+            if let Some(&block_id) = block_ids
+                .iter()
+                .find(|&&id| usize::try_from(id).map_or(true, |b| b >= num_blocks))
+            {
+                return Err(ChecksumRefusal::bad_request(
+                    TransferError::BlockIdOutOfRange {
+                        block_id,
+                        num_blocks,
+                        null_block_id: self.null_block_id,
+                    }
+                    .to_string(),
+                ));
+            }
         }
+        Ok(())
     }
 
     /// What 0.5.6's `POST /cache/checksums` computes: MD5 over every
     /// registered layer's blocks gathered on the layer's block axis, in groups
     /// of `chunk_size_blocks` blocks (the last group may be shorter), bfloat16
-    /// upcast to float32 first. Aggregated: one digest per chunk over all
-    /// layers in order. Layerwise: `layer_<i>` -> one digest per chunk.
+    /// upcast to float32 first. One block list serves every layer, whatever
+    /// its kernel group. Aggregated: one digest per chunk over all layers in
+    /// order. Layerwise: `layer_<i>` -> one digest per chunk.
     pub fn checksums(
         &self,
         block_ids: &[i64],
         chunk_size_blocks: usize,
         layerwise: bool,
     ) -> Result<ChecksumReport, ChecksumRefusal> {
-        let block_axis = self.checksum_check(block_ids, chunk_size_blocks)?;
+        self.checksum_check(block_ids, chunk_size_blocks)?;
         let mut digests = ChecksumDigests::new(self.layers.len(), layerwise);
         let mut scratch = Vec::new();
         for ids in block_ids.chunks(chunk_size_blocks) {
-            // Ids were checked against the cache above.
-            let indices: Vec<usize> = ids
-                .iter()
-                .map(|&id| self.block_index(id).expect("validated block id"))
-                .collect();
+            // Ids were checked against every layer above.
+            let indices: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
             digests.push_chunk(|l, md5| {
-                self.hash_layer_blocks(&self.layers[l], block_axis, &indices, &mut scratch, md5)
+                self.hash_layer_blocks(&self.layers[l], &indices, &mut scratch, md5)
             });
         }
         Ok(digests.report(block_ids, chunk_size_blocks))
@@ -682,12 +663,17 @@ impl CpuShmRegistration {
     fn hash_layer_blocks(
         &self,
         layer: &LayerView,
-        block_axis: usize,
         indices: &[usize],
         scratch: &mut Vec<u8>,
         md5: &mut Md5,
     ) {
-        let es = self.geometry.dtype.size_bytes();
+        let dtype = layer.geometry.dtype;
+        let es = dtype.size_bytes();
+        let block_axis = layer
+            .geometry
+            .format
+            .checksum_block_axis()
+            .expect("checked by checksum_check");
         let map = &self.segments[layer.segment].map;
         let first = layer.storage_offset * es;
         index_select_runs(
@@ -704,7 +690,7 @@ impl CpuShmRegistration {
                 unsafe {
                     ptr::copy_nonoverlapping(map.as_ptr().add(off), scratch.as_mut_ptr(), len)
                 };
-                digest_kv(md5, scratch, self.geometry.dtype);
+                digest_kv(md5, scratch, dtype);
             },
         );
     }
@@ -765,6 +751,7 @@ mod tests {
     use kvshard_layout::checksum::ChunkChecksums;
     use kvshard_layout::format::default_kv_layout;
     use kvshard_layout::geometry::{all_null, chunk_skip_tokens};
+    use kvshard_layout::{KvDtype, KvFormat};
     use kvshard_wire::hex;
     use md5::Digest;
 
@@ -984,9 +971,9 @@ mod tests {
                 .map(|s| spec(s, dtype, &phys.shape(), 0))
                 .collect();
             let reg = CpuShmRegistration::open(&specs, &[], 16, hint, 0).unwrap();
-            assert_eq!(reg.kv_format(), format, "{order}");
-            assert_eq!(reg.blocks_per_chunk(), 4);
-            assert_eq!(reg.num_blocks(), 9);
+            assert_eq!(reg.groups[0].geometry.format, format, "{order}");
+            assert_eq!(reg.ids_per_chunk(), 4);
+            assert_eq!(reg.groups[0].geometry.num_blocks, 9);
             let layout = reg.object_layout();
             assert_eq!(*layout.shape, [planes as u64, 3, 16, 24], "{order}");
             assert_eq!(&*layout.dtype, dtype);
@@ -1032,7 +1019,7 @@ mod tests {
             storage_offset: 0,
         };
         let reg = CpuShmRegistration::open(&[logical], &[], 8, Some("HND"), 0).unwrap();
-        assert_eq!(reg.kv_format(), KvFormat::TwoNbNhBsHs);
+        assert_eq!(reg.groups[0].geometry.format, KvFormat::TwoNbNhBsHs);
         let contents = seg.read();
         assert_eq!(
             gather_vec(&reg, &[4, 1]),
@@ -1058,8 +1045,8 @@ mod tests {
             .map(|s| spec(s, "bfloat16", &phys.shape(), 0))
             .collect();
         let reg = CpuShmRegistration::open(&specs, &[], 4, Some("NHD"), 0).unwrap();
-        assert!(reg.is_mla());
-        assert_eq!(reg.num_layers(), 5);
+        assert!(reg.groups[0].geometry.format.is_mla());
+        assert_eq!(reg.groups[0].layers.len(), 5);
         assert_eq!(*reg.object_layout().shape, [1, 5, 4, 16]);
         assert_eq!(reg.object_layout().bytes, 5 * 4 * 16 * 2);
         let contents: Vec<Vec<u8>> = segs.iter().map(|s| s.read()).collect();
@@ -1086,7 +1073,7 @@ mod tests {
             .map(|s| spec(s, "float16", &kv.shape(), 0))
             .collect();
         let reg = CpuShmRegistration::open(&specs, &[], 4, Some("NHD"), 0).unwrap();
-        assert!(!reg.is_mla());
+        assert!(!reg.groups[0].geometry.format.is_mla());
         assert_eq!(*reg.object_layout().shape, [2, 2, 4, 8]);
         assert_eq!(reg.cache_size_per_token(), 2 * 2 * 8 * 2);
         let contents: Vec<Vec<u8>> = segs.iter().map(|s| s.read()).collect();
@@ -1113,21 +1100,119 @@ mod tests {
         let specs: Vec<ShmTensorSpec> = (0..3)
             .map(|i| spec(&seg, "float16", &phys.shape(), i * per_layer))
             .collect();
-        let group = KvGroupSpec {
+        let group = EngineGroupInfo {
             layer_indices: vec![0, 2],
             tokens_per_block: 2,
-            ..KvGroupSpec::default()
+            ..EngineGroupInfo::default()
         };
         let reg = CpuShmRegistration::open(&specs, &[group], 4, Some("NHD"), 0).unwrap();
-        assert_eq!(reg.num_layers(), 2);
+        assert_eq!(reg.groups[0].layers.len(), 2);
         assert_eq!(reg.num_registered_tensors(), 3);
-        assert_eq!(reg.layer_indices(), &[0, 2]);
+        assert_eq!(&reg.groups[0].layers[..], &[0, 2]);
         let contents = seg.read();
         let layers = [(&contents[..], 0), (&contents[..], 2 * per_layer)];
         assert_eq!(
             gather_vec(&reg, &[3, 1]),
             reference_object(&phys, &layers, &[3, 1], 2)
         );
+    }
+
+    /// A hybrid registration: a classical float16 NHD group of two layers,
+    /// an MLA bfloat16 layer, and one more classical layer of another engine
+    /// group. Each group reads its own block list; the object is the groups'
+    /// regions end to end, each as 0.5.6 lays out a single group.
+    #[test]
+    fn kernel_groups_gather_and_scatter_their_own_blocks() {
+        let classic = nhd_phys();
+        let mla = Physical {
+            order: "BTE",
+            planes: 1,
+            blocks: 6,
+            block_size: 4,
+            heads: 1,
+            head_size: 8,
+        };
+        let segs: Vec<TestSegment> = (0..4)
+            .map(|i| TestSegment::with_pattern(classic.elems() * 2, 10 + i))
+            .collect();
+        let specs = vec![
+            spec(&segs[0], "float16", &classic.shape(), 0),
+            spec(&segs[1], "bfloat16", &mla.shape(), 0),
+            spec(&segs[2], "float16", &classic.shape(), 0),
+            spec(&segs[3], "float16", &classic.shape(), 0),
+        ];
+        let info = |engine_group_id: i64, layers: Vec<i64>| EngineGroupInfo {
+            engine_group_id,
+            layer_indices: layers,
+            ..EngineGroupInfo::default()
+        };
+        let infos = [info(0, vec![0, 2]), info(0, vec![1]), info(1, vec![3])];
+        let reg = CpuShmRegistration::open(&specs, &infos, 8, Some("NHD"), 0).unwrap();
+        let groups = reg.kernel_groups();
+        assert_eq!(groups.len(), 3);
+        assert_eq!(groups[0].layers, [0, 2]);
+        assert_eq!(groups[1].layers, [1]);
+        assert!(groups[1].geometry.format.is_mla());
+        assert_eq!(groups[2].engine_group_id, 1);
+        // 2 planes x 2 layers x 8 tokens x 8 + 1 x 1 x 8 x 8 + 2 x 1 x 8 x 8, 2 bytes each.
+        assert_eq!(reg.object_layout().bytes, (256 + 64 + 128) * 2);
+        assert_eq!(*reg.object_layout().shape, [2, 2, 8, 8]);
+        assert_eq!(reg.cache_size_per_token(), (32 + 8 + 16) * 2);
+        assert_eq!(reg.ids_per_chunk(), 6);
+
+        let contents: Vec<Vec<u8>> = segs.iter().map(|s| s.read()).collect();
+        let ids = [3, 7, 5, 0, 9, 2];
+        let mut expected = reference_object(
+            &classic,
+            &[(&contents[0], 0), (&contents[2], 0)],
+            &[3, 7],
+            2,
+        );
+        expected.extend(reference_object(&mla, &[(&contents[1], 0)], &[5, 0], 2));
+        expected.extend(reference_object(&classic, &[(&contents[3], 0)], &[9, 2], 2));
+        let object = gather_vec(&reg, &ids);
+        assert_eq!(object, expected);
+
+        // Block 6 is past the MLA group's 6 blocks but inside the others'.
+        assert!(matches!(
+            reg.validate_block_ids(&[6, 6, 6, 0, 6, 6]),
+            Err(TransferError::BlockIdOutOfRange {
+                block_id: 6,
+                num_blocks: 6,
+                ..
+            })
+        ));
+        reg.validate_block_ids(&[6, 6, 5, 0, 6, 6]).unwrap();
+
+        // Scatter into fresh caches at other blocks, skipping the first block
+        // of every group; gathering there gives the object back.
+        let dest: Vec<TestSegment> = (0..4)
+            .map(|_| TestSegment::new(classic.elems() * 2))
+            .collect();
+        let dest_specs: Vec<ShmTensorSpec> = specs
+            .iter()
+            .zip(&dest)
+            .map(|(s, d)| ShmTensorSpec {
+                shm_name: d.name.clone(),
+                nbytes: d.len as u64,
+                ..s.clone()
+            })
+            .collect();
+        let dest_reg = CpuShmRegistration::open(&dest_specs, &infos, 8, Some("NHD"), 0).unwrap();
+        let to = [1, 2, 3, 4, 5, 8];
+        dest_reg.scatter(&object, &to, 4).unwrap();
+        let back = gather_vec(&dest_reg, &to);
+        // The first block of every (plane, layer) slab of each group stayed 0.
+        let mut want = object.clone();
+        for k in dest_reg.kernel_groups() {
+            let g = &k.geometry;
+            let row = g.hidden() * g.dtype.size_bytes();
+            for slab in 0..g.kv_size * k.layers.len() {
+                let start = k.object_offset as usize + slab * 8 * row;
+                want[start..start + 4 * row].fill(0);
+            }
+        }
+        assert_eq!(back, want);
     }
 
     fn nhd_phys() -> Physical {
@@ -1237,10 +1322,17 @@ mod tests {
 
         // A null id outside the cache: accepted, gathered as zeros, skipped on scatter.
         let reg = CpuShmRegistration::open(&specs, &[], 16, Some("NHD"), -1).unwrap();
-        reg.validate_block_ids(&[-1, 0, 9]).unwrap();
+        reg.validate_block_ids(&[-1, 0, 9, 9]).unwrap();
         assert!(matches!(
-            reg.validate_block_ids(&[-2]),
+            reg.validate_block_ids(&[-2, 0, 0, 0]),
             Err(TransferError::BlockIdOutOfRange { block_id: -2, .. })
+        ));
+        assert!(matches!(
+            reg.validate_block_ids(&[0, 0, 0]),
+            Err(TransferError::BlockCount {
+                expected: 4,
+                actual: 3
+            })
         ));
         let mut expected = reference_object(&phys, &[(&contents, 0)], &[3, 3, 4, 5], 2);
         for p in 0..2 {
@@ -1274,17 +1366,14 @@ mod tests {
             0,
         )
         .unwrap();
-        let ids = [1, 2, 3, 4, 5];
-        assert_eq!(reg.chunk_block_ids(&ids, 0), Some(&ids[0..2]));
-        assert_eq!(reg.chunk_block_ids(&ids, 1), Some(&ids[2..4]));
-        assert_eq!(reg.chunk_block_ids(&ids, 2), None);
+        assert_eq!(reg.ids_per_chunk(), 2);
         assert_eq!(default_kv_layout(true), "NHD");
         assert_eq!(default_kv_layout(false), "HND");
     }
 
     fn open_err(
         specs: &[ShmTensorSpec],
-        groups: &[KvGroupSpec],
+        groups: &[EngineGroupInfo],
         chunk: usize,
         hint: Option<&str>,
     ) -> TransferError {
@@ -1321,18 +1410,32 @@ mod tests {
             TransferError::SegmentTooSmall { .. }
         ));
 
+        // Layers of another shape or dtype form a second kernel group: one
+        // group info for both is refused, as 0.5.6 refuses it.
         let other = TestSegment::new(bytes);
         let mut mismatched = spec(&other, "float16", &phys.shape(), 0);
         mismatched.shape[2] = 2;
         mismatched.stride = row_major_strides(&[2, 10, 2, 2, 4]);
+        let other_dtype = spec(&other, "bfloat16", &phys.shape(), 0);
+        let both = EngineGroupInfo {
+            layer_indices: vec![0, 1],
+            ..EngineGroupInfo::default()
+        };
+        for second in [mismatched, other_dtype] {
+            let pair = [good.clone(), second];
+            let reg = CpuShmRegistration::open(&pair, &[], 16, nhd, 0).unwrap();
+            assert_eq!(reg.kernel_groups().len(), 2);
+            assert!(matches!(
+                open_err(&pair, std::slice::from_ref(&both), 16, nhd),
+                TransferError::Invalid(_)
+            ));
+        }
+        // Same shape, fewer blocks: one kernel group whose layers disagree.
+        let mut fewer_blocks = spec(&other, "float16", &phys.shape(), 0);
+        fewer_blocks.shape[1] = 5;
+        fewer_blocks.stride = row_major_strides(&[2, 5, 4, 2, 4]);
         assert!(matches!(
-            open_err(&[good.clone(), mismatched], &[], 16, nhd),
-            TransferError::Unsupported(_)
-        ));
-        let mut other_dtype = spec(&other, "bfloat16", &phys.shape(), 0);
-        other_dtype.dtype = "bfloat16".into();
-        assert!(matches!(
-            open_err(&[good.clone(), other_dtype], &[], 16, nhd),
+            open_err(&[good.clone(), fewer_blocks], &[], 16, nhd),
             TransferError::Unsupported(_)
         ));
 
@@ -1417,57 +1520,58 @@ mod tests {
         ));
 
         let two_groups = [
-            KvGroupSpec {
+            EngineGroupInfo {
                 layer_indices: vec![0],
-                ..KvGroupSpec::default()
+                ..EngineGroupInfo::default()
             },
-            KvGroupSpec {
+            EngineGroupInfo {
                 engine_group_id: 1,
                 layer_indices: vec![0],
-                ..KvGroupSpec::default()
+                ..EngineGroupInfo::default()
             },
         ];
+        // Layer 0 listed twice.
         assert!(matches!(
             open_err(std::slice::from_ref(&good), &two_groups, 16, nhd),
-            TransferError::Unsupported(_)
+            TransferError::Invalid(_)
         ));
-        let window = KvGroupSpec {
+        let window = EngineGroupInfo {
             layer_indices: vec![0],
             sw_size_tokens: 8,
-            ..KvGroupSpec::default()
+            ..EngineGroupInfo::default()
         };
         assert!(matches!(
             open_err(std::slice::from_ref(&good), &[window], 16, nhd),
             TransferError::Unsupported(_)
         ));
-        let wide_window = KvGroupSpec {
+        let wide_window = EngineGroupInfo {
             layer_indices: vec![0],
             sw_size_tokens: 4096,
-            ..KvGroupSpec::default()
+            ..EngineGroupInfo::default()
         };
         CpuShmRegistration::open(std::slice::from_ref(&good), &[wide_window], 16, nhd, 0).unwrap();
-        let compressed = KvGroupSpec {
+        let compressed = EngineGroupInfo {
             layer_indices: vec![0],
             tokens_per_block: 8,
-            ..KvGroupSpec::default()
+            ..EngineGroupInfo::default()
         };
         assert!(matches!(
             open_err(std::slice::from_ref(&good), &[compressed], 16, nhd),
             TransferError::Unsupported(_)
         ));
         for layers in [vec![1], vec![], vec![-1]] {
-            let bad_layers = KvGroupSpec {
+            let bad_layers = EngineGroupInfo {
                 layer_indices: layers,
-                ..KvGroupSpec::default()
+                ..EngineGroupInfo::default()
             };
             assert!(matches!(
                 open_err(std::slice::from_ref(&good), &[bad_layers], 16, nhd),
                 TransferError::Invalid(_)
             ));
         }
-        let unsorted = KvGroupSpec {
+        let unsorted = EngineGroupInfo {
             layer_indices: vec![1, 0],
-            ..KvGroupSpec::default()
+            ..EngineGroupInfo::default()
         };
         assert!(matches!(
             open_err(&[good.clone(), good.clone()], &[unsorted], 16, nhd),

@@ -37,9 +37,7 @@ use kvshard_layout::checksum::{
     checksum_axis, digest_kv, index_select_runs, ChecksumDigests, ChecksumRefusal, ChecksumReport,
 };
 use kvshard_layout::stride::{PageBufferShape, StrideTable};
-use kvshard_layout::{
-    DetectError, DeviceGeometry, KvDtype, KvGroupSpec, ObjectLayout, ShmTensorSpec,
-};
+use kvshard_layout::{DetectError, DeviceGeometry, KvDtype, ObjectLayout, ShmTensorSpec};
 use kvshard_wire::msgpack::Value;
 use kvshard_wire::{EngineGroupInfo, InstanceId, IpcData, TensorMetadata, VmmKind};
 use std::sync::mpsc;
@@ -209,21 +207,6 @@ pub fn kv_layout_hint(layout_hints: &Value) -> Option<String> {
     }
 }
 
-/// The KV groups of a registration, as the layout detection takes them.
-pub fn group_specs(groups: &[EngineGroupInfo]) -> Vec<KvGroupSpec> {
-    groups
-        .iter()
-        .map(|g| KvGroupSpec {
-            engine_group_id: g.engine_group_id,
-            layer_indices: g.layer_indices.clone(),
-            tokens_per_block: g.tokens_per_block,
-            sw_size_tokens: g.sw_size_tokens,
-            extra_object_group_tag: g.extra_object_group_tag,
-            recurrent_state: g.recurrent_state,
-        })
-        .collect()
-}
-
 /// Builds the front's view and the device thread's spec of a CUDA
 /// registration, checking everything that can be checked without the GPU.
 /// `devices` are the GPUs the server sees.
@@ -275,19 +258,19 @@ pub fn build(
         )
     })?;
     let hint = kv_layout_hint(layout_hints);
-    let geometry =
-        DeviceGeometry::detect(&tensors, &group_specs(groups), chunk_size, hint.as_deref())
-            .map_err(|e| match e {
-                DetectError::SegmentTooSmall {
-                    name,
-                    needed_bytes,
-                    segment_bytes,
-                } => format!(
-                    "CUDA registration: {name} shares {segment_bytes} bytes but its view needs \
+    let geometry = DeviceGeometry::detect(&tensors, groups, chunk_size, hint.as_deref()).map_err(
+        |e| match e {
+            DetectError::SegmentTooSmall {
+                name,
+                needed_bytes,
+                segment_bytes,
+            } => format!(
+                "CUDA registration: {name} shares {segment_bytes} bytes but its view needs \
                      {needed_bytes}"
-                ),
-                e => format!("CUDA registration: {e}"),
-            })?;
+            ),
+            e => format!("CUDA registration: {e}"),
+        },
+    )?;
     let shape = PageBufferShape {
         kv_size: geometry.layer.kv_size as u32,
         nl: geometry.group_layers.len() as u32,

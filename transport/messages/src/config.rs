@@ -307,6 +307,9 @@ pub struct ServerConfig {
     pub worker_registration_grace: Duration,
     /// Engine block id that means "no KV data here" (`--null-block-id`).
     pub null_block_id: i64,
+    /// `--separate-object-groups`: kernel groups of different sliding windows
+    /// would form separate object groups; kvshard refuses such registrations.
+    pub separate_object_groups: bool,
     /// CPU store/eviction records kept for KV-event subscribers; 0 disables the channel.
     pub kv_event_log_size: usize,
     pub l1: L1Settings,
@@ -376,6 +379,7 @@ impl ServerConfig {
             worker_reap_timeout: Duration::from_secs(120),
             worker_registration_grace: Duration::from_secs(3600),
             null_block_id: 0,
+            separate_object_groups: false,
             kv_event_log_size: 32768,
             l1: L1Settings {
                 size_bytes: 1 << 30,

@@ -88,6 +88,16 @@ impl Front {
                 )
             }
         };
+        if self.cfg.separate_object_groups {
+            let chunk = self.cfg.chunk_size;
+            if let Err(e) = kvshard_layout::geometry::check_one_object_group(groups, chunk) {
+                self.metrics.failed_registrations += 1;
+                return log_limited!(
+                    Level::Error,
+                    "register_kv_cache from instance {iid} failed: {e}"
+                );
+            }
+        }
         if self.refuse_cuda(iid, kv_cache, &model_name, world_size, now) {
             return;
         }
@@ -132,29 +142,43 @@ impl Front {
         log_limited!(Level::Info, "registered lmcache_driven cpu_shm instance {iid} (model={model_name}, world_size={ws}, {} layers)", kv_cache.len());
     }
 
-    /// Per-chunk block id lists of group 0 (`bpc` ids per chunk, each list
-    /// checked by `validate`), or why they do not fit.
+    /// Per-chunk block id lists: for each chunk, every kernel group's
+    /// `bpc[g]` ids end to end, each list checked by `validate`; or why the
+    /// request's lists (one per kernel group) do not fit.
     pub(super) fn chunk_blocks<E: std::error::Error + Send + Sync + 'static>(
-        bpc: usize,
+        bpc: &[usize],
         block_ids: &[Vec<i64>],
         num_chunks: usize,
         validate: impl Fn(&[i64]) -> Result<(), E>,
     ) -> Result<Vec<Vec<i64>>, ChunksError> {
-        let Some(blocks) = block_ids.first() else {
+        if block_ids.is_empty() {
             return Err(ChunksError::NoBlocks);
-        };
-        if block_ids.len() > 1 {
-            return Err(ChunksError::Groups(block_ids.len()));
         }
-        if blocks.len() < num_chunks * bpc {
-            return Err(ChunksError::TooFewBlocks {
-                have: blocks.len(),
-                chunks: num_chunks,
-                per_chunk: bpc,
+        if block_ids.len() != bpc.len() {
+            return Err(ChunksError::Groups {
+                sent: block_ids.len(),
+                registered: bpc.len(),
             });
         }
+        for (group, (blocks, &per_chunk)) in block_ids.iter().zip(bpc).enumerate() {
+            if blocks.len() < num_chunks * per_chunk {
+                return Err(ChunksError::TooFewBlocks {
+                    group,
+                    have: blocks.len(),
+                    chunks: num_chunks,
+                    per_chunk,
+                });
+            }
+        }
+        let width: usize = bpc.iter().sum();
         let out: Vec<Vec<i64>> = (0..num_chunks)
-            .map(|c| blocks[c * bpc..(c + 1) * bpc].to_vec())
+            .map(|c| {
+                let mut ids = Vec::with_capacity(width);
+                for (blocks, &per_chunk) in block_ids.iter().zip(bpc) {
+                    ids.extend_from_slice(&blocks[c * per_chunk..(c + 1) * per_chunk]);
+                }
+                ids
+            })
             .collect();
         for b in &out {
             validate(b).map_err(|e| ChunksError::BadBlocks(Box::new(e)))?;
@@ -179,12 +203,15 @@ impl Front {
             .and_then(|objs| {
                 let blocks = match reg {
                     LmcTransfer::CpuShm(r) => {
-                        Self::chunk_blocks(r.blocks_per_chunk(), block_ids, objs.len(), |b| {
-                            r.validate_block_ids(b)
-                        })
+                        let bpc: Vec<usize> = r
+                            .kernel_groups()
+                            .iter()
+                            .map(|k| k.blocks_per_chunk)
+                            .collect();
+                        Self::chunk_blocks(&bpc, block_ids, objs.len(), |b| r.validate_block_ids(b))
                     }
                     LmcTransfer::Cuda(c) => {
-                        Self::chunk_blocks(c.blocks_per_chunk(), block_ids, objs.len(), |b| {
+                        Self::chunk_blocks(&[c.blocks_per_chunk()], block_ids, objs.len(), |b| {
                             c.validate_block_ids(b)
                         })
                     }
@@ -219,7 +246,8 @@ impl Front {
         else {
             return;
         };
-        // All-null chunks carry no KV (align-mode recurrent layers): never store them.
+        // All-null chunks (every block of every group null) carry no KV
+        // (align-mode recurrent layers): never store them.
         let null = self.cfg.null_block_id;
         let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = objs
             .into_iter()
@@ -420,9 +448,13 @@ impl Front {
 pub(super) enum ChunksError {
     Key(KeyError),
     NoBlocks,
-    /// Several KV groups' block lists were sent.
-    Groups(usize),
+    /// Not one block list per kernel group.
+    Groups {
+        sent: usize,
+        registered: usize,
+    },
     TooFewBlocks {
+        group: usize,
         have: usize,
         chunks: usize,
         per_chunk: usize,
@@ -436,14 +468,19 @@ impl std::fmt::Display for ChunksError {
         match self {
             ChunksError::Key(e) => e.fmt(f),
             ChunksError::NoBlocks => f.write_str("block_ids is empty"),
-            ChunksError::Groups(n) => write!(f, "{n} KV groups sent; kvshard supports one"),
+            ChunksError::Groups { sent, registered } => write!(
+                f,
+                "{sent} block id lists for a registration of {registered} kernel groups \
+                 (one list per group)"
+            ),
             ChunksError::TooFewBlocks {
+                group,
                 have,
                 chunks,
                 per_chunk,
             } => write!(
                 f,
-                "{have} block ids for {chunks} chunks of {per_chunk} blocks"
+                "group {group}: {have} block ids for {chunks} chunks of {per_chunk} blocks"
             ),
             ChunksError::BadBlocks(e) => write!(f, "{e}"),
         }
