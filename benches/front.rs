@@ -12,7 +12,10 @@
 //! leaves no way around, measured in the same run: the chained blake3
 //! hashing of the request's chunks. The decode of the same token ids from
 //! msgpack, the other per-token work of a request its session has not seen,
-//! is printed beside it.
+//! is printed beside it, and so is `--hash-algorithm sha256_cbor`'s chained
+//! hashing of the same chunks, with vLLM's own (CPython, cbor2 and hashlib,
+//! what lmcache server runs) timed in the same run where a Python with cbor2
+//! is found: `$KVSHARD_BENCH_PYTHON`, the compat venv's, or `python3`.
 //!
 //! `cargo bench --bench front`; under `cargo test` it runs a few iterations.
 
@@ -25,7 +28,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
-use kvshard_engine::keys::chunk_hashes;
+use kvshard_engine::keys::{chunk_hashes, sha256_cbor_fallback_none_hash, TokenHasher};
 use kvshard_engine::slab::Slab;
 use kvshard_io::mailbox::{mailbox, notify_queue, MailboxReceiver};
 use kvshard_transport::config::ServerConfig;
@@ -188,6 +191,61 @@ fn tokens(seed: usize) -> Vec<u32> {
         .collect()
 }
 
+/// vLLM's chained sha256_cbor over `tokens` in CPython, `n` times: the
+/// per-request nanoseconds at p50, or why it could not run.
+fn python_sha256_cbor_p50(tokens: &[u32], n: usize) -> Result<f64, String> {
+    const SCRIPT: &str = r#"
+import hashlib, sys, time, cbor2
+chunk, n = int(sys.argv[1]), int(sys.argv[2])
+toks = [int(t) for t in sys.stdin.read().split()]
+none = hashlib.sha256(cbor2.dumps((0, (0,), None), canonical=True)).digest()
+def chained():
+    prefix, out = none, []
+    for i in range(0, len(toks) - len(toks) % chunk, chunk):
+        prefix = hashlib.sha256(cbor2.dumps((prefix, tuple(toks[i:i + chunk]), None), canonical=True)).digest()
+        out.append(prefix)
+    return out
+ts = []
+for _ in range(n):
+    t = time.perf_counter_ns(); chained(); ts.append(time.perf_counter_ns() - t)
+ts.sort(); print(ts[len(ts) // 2])
+"#;
+    use std::io::Write;
+    let venv = std::env::var("HOME")
+        .map(|h| format!("{h}/.cache/kvshard/lmcache-0.5.6/bin/python"))
+        .unwrap_or_default();
+    let candidates = std::env::var("KVSHARD_BENCH_PYTHON")
+        .into_iter()
+        .chain([venv, "python3".to_string()]);
+    let mut why = String::from("no python found");
+    for python in candidates {
+        let child = std::process::Command::new(&python)
+            .args(["-c", SCRIPT, &CHUNK.to_string(), &n.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn();
+        let Ok(mut child) = child else { continue };
+        let text: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(text.join(" ").as_bytes());
+        }
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        if out.status.success() {
+            let p50 = String::from_utf8_lossy(&out.stdout).trim().parse::<f64>();
+            return p50.map_err(|e| format!("{python}: {e}"));
+        }
+        why = format!(
+            "{python}: {}",
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("failed")
+        );
+    }
+    Err(why)
+}
+
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     if !full {
@@ -210,6 +268,10 @@ fn main() {
     let end = TOKENS as i64;
 
     let (mut floor, mut decode, mut noop) = (hist(), hist(), hist());
+    let sha = TokenHasher::Sha256Cbor {
+        none_hash: sha256_cbor_fallback_none_hash(),
+    };
+    let mut sha_hist = hist();
     let mut ids = Vec::with_capacity(TOKENS);
     let (mut prep_reply, mut prep_whole, mut commit) = (hist(), hist(), hist());
     let (mut end_session, mut lookup, mut status) = (hist(), hist(), hist());
@@ -227,6 +289,10 @@ fn main() {
         let t = Instant::now();
         let hashes = chunk_hashes(&cold, CHUNK, 0, TOKENS).expect("aligned");
         floor.record(t.elapsed().as_nanos() as u64).unwrap();
+        std::hint::black_box(hashes);
+        let t = Instant::now();
+        let hashes = sha.chunk_hashes(&cold, CHUNK, 0, TOKENS).expect("aligned");
+        sha_hist.record(t.elapsed().as_nanos() as u64).unwrap();
         std::hint::black_box(hashes);
 
         let array = enc_tokens(&cold);
@@ -287,6 +353,20 @@ fn main() {
     assert_eq!(answered, 8 * n as u64, "every request answered");
 
     report("chained chunk hashing (the floor)", &floor, &floor);
+    report(
+        "  the same, --hash-algorithm sha256_cbor",
+        &sha_hist,
+        &floor,
+    );
+    match python_sha256_cbor_p50(&tokens(0), if full { 2_000 } else { 5 }) {
+        Ok(p50) => println!(
+            "{:<44} p50={:>7.2}us  p50 {:>5.2}x kvshard's sha256_cbor",
+            "  vLLM's sha256_cbor in CPython (cbor2)",
+            p50 / 1e3,
+            p50 / sha_hist.value_at_quantile(0.5) as f64
+        ),
+        Err(why) => println!("  vLLM's sha256_cbor in CPython: not measured ({why})"),
+    }
     report("msgpack decode of the 2048 token ids", &decode, &floor);
     report("noop", &noop, &floor);
     println!("a store with no lookup before it:");
