@@ -7,7 +7,11 @@
 #  2. two kvshard processes share one bucket: what one stored is a hit on the
 #     other;
 #  3. `kvshard server --config FILE` with an lmcache YAML S3 configuration
-#     (local_cpu: False) does the same through the mapped adapter.
+#     (local_cpu: False) does the same through the mapped adapter;
+#  4. with --hash-algorithm sha256_cbor and the same PYTHONHASHSEED, lmcache server
+#     (its own S3 adapter, vLLM's hashing from tools/compat/vllm_standin) and kvshard
+#     write the same object names to a bucket, byte for byte the same objects, and
+#     each reads the other's with every checksum passing.
 # Usage: tools/compat/s3.sh [path/to/kvshard]   (run tools/compat/run.sh first: it installs the client)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,7 +38,7 @@ trap cleanup EXIT
 AK=compat-ak
 SK=compat-secret
 S3PORT=$(free_port)
-mkdir -p "$WORK/s3/kv1" "$WORK/s3/kv2" "$WORK/s3/kv3"
+mkdir -p "$WORK/s3/kv1" "$WORK/s3/kv2" "$WORK/s3/kv3" "$WORK/s3/sha-l" "$WORK/s3/sha-k"
 "$S3S" --host 127.0.0.1 --port "$S3PORT" --access-key "$AK" --secret-key "$SK" \
     --domain "localhost:$S3PORT" "$WORK/s3" >"$WORK/s3s.log" 2>&1 &
 S3PID=$!
@@ -42,12 +46,22 @@ adapter() { # bucket
     echo "{\"type\":\"s3\",\"s3_endpoint\":\"$1.localhost:$S3PORT\",\"s3_region\":\"us-east-1\",\"disable_tls\":true,\"aws_access_key_id\":\"$AK\",\"aws_secret_access_key\":\"$SK\"}"
 }
 
+START_ENV=() # extra environment for the next start
+start_lmcache() { # [flags...]; sets PORT, HTTP
+    PORT=$(free_port); HTTP=$(free_port)
+    env "${START_ENV[@]}" "$VENV/bin/lmcache" server --l1-size-gb 2 --eviction-policy LRU \
+        --supported-transfer-mode auto --host 127.0.0.1 --port "$PORT" --http-port "$HTTP" \
+        --shm-name "s3c_$$_$PORT" --no-l1-use-lazy "$@" >"$LOG" 2>&1 &
+    PIDS+=($!)
+    # lmcache server takes a while to import torch.
+    wait_http "$HTTP" 180 || { echo "compat-s3: lmcache server did not start"; cat "$LOG"; exit 1; }
+}
 start() { # [flags...]; sets PORT, HTTP
     PORT=$(free_port); HTTP=$(free_port)
     # Every warm lookup must hit from S3: 128 MiB a lookup from s3s-fs on a
     # shared machine can take longer than the 0.5 s default wait for L2, after
     # which a lookup concludes without it (tests/l2_health.rs checks that).
-    "$BIN" server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT" \
+    env "${START_ENV[@]}" "$BIN" server --l1-size-gb 2 --eviction-policy LRU --host 127.0.0.1 --port "$PORT" \
         --http-port "$HTTP" --shm-name "s3c_$$_$PORT" --l2-prefetch-load-timeout 60 "$@" >"$LOG" 2>&1 &
     PIDS+=($!)
     wait_http "$HTTP" 60 || { echo "compat-s3: kvshard did not start"; cat "$LOG"; exit 1; }
@@ -131,4 +145,39 @@ phase load "$WORK/sums-yaml" engine_driven 300 "$PORT" "$HTTP"
 hits=$(metric "$HTTP" lmcache_mp_lookup_hit_l2_keys_total); stop_all
 [ "$hits" -eq "$CHUNKS" ] || { echo "compat-s3: --config: $hits of $CHUNKS keys came from S3"; exit 1; }
 echo "compat-s3: --config (lmcache YAML, local_cpu False): $N/$N requests hit from S3 ($hits keys), checksums match"
+
+# 4. sha256_cbor keys across lmcache server and kvshard, on S3. lmcache's adapter
+# (awscrt) resolves the virtual-hosted bucket names through the system resolver,
+# which does not know *.localhost: they go into /etc/hosts.
+for h in sha-l.localhost sha-k.localhost; do
+    getent hosts "$h" >/dev/null || echo "127.0.0.1 $h" >>/etc/hosts \
+        || { echo "compat-s3: $h does not resolve and /etc/hosts is not writable (run as root)"; exit 1; }
+done
+objects() { (cd "$WORK/s3/$1" && find . -type f ! -name '.*' | sort); }
+STANDIN="$(pwd)/tools/compat/vllm_standin"
+START_ENV=(PYTHONHASHSEED=11 PYTHONPATH="$STANDIN")
+start_lmcache --l2-adapter "$(adapter sha-l)" --hash-algorithm sha256_cbor
+phase store "$WORK/sums-sha-l" engine_driven 400 "$PORT" "$HTTP"; wait_objects sha-l "$CHUNKS"; stop_all
+START_ENV=(PYTHONHASHSEED=11)
+start --l2-adapter "$(adapter sha-l)" --hash-algorithm sha256_cbor
+phase load "$WORK/sums-sha-l" engine_driven 400 "$PORT" "$HTTP"
+hits=$(metric "$HTTP" lmcache_mp_lookup_hit_l2_keys_total); stop_all
+[ "$hits" -eq "$CHUNKS" ] || { echo "compat-s3: sha256_cbor: $hits of $CHUNKS keys lmcache server wrote came from S3"; exit 1; }
+start --l2-adapter "$(adapter sha-k)" --hash-algorithm sha256_cbor
+phase store "$WORK/sums-sha-k" engine_driven 400 "$PORT" "$HTTP"; wait_objects sha-k "$CHUNKS"
+for _ in $(seq 300); do
+    [ "$(metric "$HTTP" lmcache_mp_l2_store_completed_objects_chunks_total)" -ge "$CHUNKS" ] && break; sleep 0.1
+done
+stop_all
+[ "$(objects sha-l)" = "$(objects sha-k)" ] \
+    || { echo "compat-s3: sha256_cbor: the object names differ"; diff <(objects sha-l) <(objects sha-k); exit 1; }
+for f in $(objects sha-l); do
+    cmp -s "$WORK/s3/sha-l/$f" "$WORK/s3/sha-k/$f" \
+        || { echo "compat-s3: sha256_cbor: object $f differs between lmcache server and kvshard"; exit 1; }
+done
+START_ENV=(PYTHONHASHSEED=11 PYTHONPATH="$STANDIN")
+start_lmcache --l2-adapter "$(adapter sha-k)" --hash-algorithm sha256_cbor
+phase load "$WORK/sums-sha-k" engine_driven 400 "$PORT" "$HTTP"; stop_all
+START_ENV=()
+echo "compat-s3: sha256_cbor: lmcache server and kvshard wrote the same $CHUNKS objects to S3, each read the other's, checksums match"
 echo "compat-s3: all passed"
