@@ -986,16 +986,6 @@ fn kernel_groups_round_trip_each_through_its_own_block_list() {
             )
         })
         .collect();
-    let group = |engine: i64, layers: &[i64]| {
-        map(&[
-            ("engine_group_id", V::I(engine)),
-            ("layer_indices", ids(layers)),
-            ("tokens_per_block", V::I(BS as i64)),
-            ("sw_size_tokens", V::I(-1)),
-            ("extra_object_group_tag", V::I(0)),
-            ("recurrent_state", V::B(false)),
-        ])
-    };
     let iid = 300;
     let args = [
         V::I(iid),
@@ -1004,7 +994,7 @@ fn kernel_groups_round_trip_each_through_its_own_block_list() {
         V::I(1),
         s("vllm"),
         map(&[("kv_layout", s("NHD"))]),
-        V::A(vec![group(0, &[0, 2]), group(1, &[1])]),
+        V::A(vec![kv_group_of(0, &[0, 2], BS), kv_group_of(1, &[1], BS)]),
     ];
     assert_eq!(c.call(OP_REGISTER_KV_CACHE, &args), None);
     assert!(registered_gpu_ids(&srv).contains(&iid), "hybrid registered");

@@ -312,11 +312,18 @@ pub fn cpu_shm_wrapper(
 /// One `EngineGroupInfo` of a plain full-attention model: layers
 /// `0..layers`, `tokens_per_block` tokens per block, engine group 0.
 pub fn kv_group(layers: usize, tokens_per_block: usize) -> V {
+    let all: Vec<i64> = (0..layers as i64).collect();
+    kv_group_of(0, &all, tokens_per_block)
+}
+
+/// A full-attention `EngineGroupInfo` of engine group `engine_group_id` over
+/// registered tensors `layers`.
+pub fn kv_group_of(engine_group_id: i64, layers: &[i64], tokens_per_block: usize) -> V {
     map(&[
-        ("engine_group_id", V::I(0)),
+        ("engine_group_id", V::I(engine_group_id)),
         (
             "layer_indices",
-            V::A((0..layers as i64).map(V::I).collect()),
+            V::A(layers.iter().map(|&l| V::I(l)).collect()),
         ),
         ("tokens_per_block", V::I(tokens_per_block as i64)),
         ("sw_size_tokens", V::I(-1)),
