@@ -176,8 +176,9 @@ pub struct MpServerArgs {
     #[arg(long, value_name = "MODE", value_parser = ["lmcache_driven", "engine_driven", "auto"], default_value = "auto")]
     pub supported_transfer_mode: String,
 
-    /// Use IPC that works across containers sharing no IPC namespace. Not supported by kvshard
-    /// [default: off].
+    /// Use IPC that works across containers sharing no IPC namespace: CUDA workers'
+    /// events are timeline semaphores over CUDA IPC memory (as the workers' own
+    /// lmcache.mp.isolated_ipc) [default: off].
     #[arg(long, overrides_with = "no_isolated_ipc")]
     pub isolated_ipc: bool,
     /// Turn --isolated-ipc off.
@@ -1059,6 +1060,7 @@ impl ServerArgs {
             null_block_id: mp.null_block_id,
             kv_event_log_size: mp.kv_event_log_size,
             separate_object_groups: mp.separate_object_groups,
+            isolated_ipc: mp.isolated_ipc,
             l1: L1Settings {
                 size_bytes: memory.size_bytes,
                 use_lazy: memory.use_lazy,
@@ -1120,6 +1122,7 @@ struct MpServer {
     null_block_id: i64,
     kv_event_log_size: usize,
     separate_object_groups: bool,
+    isolated_ipc: bool,
 }
 
 impl MpServerArgs {
@@ -1163,12 +1166,6 @@ impl MpServerArgs {
             refuse(
                 "--engine-type",
                 "CacheBlend engines (blend, blend_legacy) are not implemented; use default",
-            )?;
-        }
-        if self.isolated_ipc && !self.no_isolated_ipc {
-            refuse(
-                "--isolated-ipc",
-                "IPC across isolated containers (timeline-semaphore events) is not implemented",
             )?;
         }
         if !self.runtime_plugin_locations.is_empty() {
@@ -1329,6 +1326,7 @@ impl MpServerArgs {
             null_block_id: self.null_block_id,
             kv_event_log_size,
             separate_object_groups: self.separate_object_groups && !self.no_separate_object_groups,
+            isolated_ipc: self.isolated_ipc && !self.no_isolated_ipc,
         })
     }
 }
@@ -2372,13 +2370,9 @@ mod tests {
         }
         assert!(config(&["--separate-object-groups"]).separate_object_groups);
         assert!(!config(&[]).separate_object_groups);
-        // Turning an unsupported feature on and back off is accepted.
-        config(&["--isolated-ipc", "--no-isolated-ipc"]);
-        rejected(
-            &["--no-isolated-ipc", "--isolated-ipc"],
-            "--isolated-ipc",
-            true,
-        );
+        assert!(config(&["--no-isolated-ipc", "--isolated-ipc"]).isolated_ipc);
+        assert!(!config(&["--isolated-ipc", "--no-isolated-ipc"]).isolated_ipc);
+        assert!(!config(&[]).isolated_ipc);
         // The hugetlb pool needs the SHM pool off, and turns lazy allocation off.
         rejected(&["--l1-use-hugepages"], "--l1-use-hugepages", false);
         let c = config(&["--l1-use-hugepages", "--shm-name", ""]);

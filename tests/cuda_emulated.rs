@@ -49,22 +49,46 @@ fn strides() -> Vec<i64> {
     vec![nb * bs * nh * hs, bs * nh * hs, nh * hs, hs, 1]
 }
 
-/// A `cuda_raw` descriptor whose 64-byte handle names the shm segment.
+/// A `cuda_raw` descriptor of one float16 layer of this file's shape whose
+/// 64-byte handle names the shm segment.
 fn cuda_raw(shm: &str, uuid: &str) -> V {
+    let tensor = RawTensor {
+        alloc_offset: ALLOC_OFFSET,
+        nbytes: LAYER,
+        dtype: "float16",
+        shape: shape(),
+        stride: strides(),
+    };
+    cuda_raw_of(shm, &tensor, uuid)
+}
+
+/// One tensor of a `cuda_raw` registration.
+struct RawTensor<'a> {
+    alloc_offset: usize,
+    nbytes: usize,
+    dtype: &'a str,
+    shape: Vec<i64>,
+    stride: Vec<i64>,
+}
+
+/// A `cuda_raw` descriptor of `t` whose 64-byte handle names the shm
+/// segment.
+fn cuda_raw_of(shm: &str, t: &RawTensor, uuid: &str) -> V {
     let mut handle = format!("/{shm}").into_bytes();
     handle.resize(64, 0);
+    let ints = |v: &[i64]| V::A(v.iter().map(|&x| V::I(x)).collect());
     let inner = map(&[
         ("type", s("cuda_raw")),
         ("ipc_handle", V::Bin(handle)),
-        ("alloc_offset", V::I(ALLOC_OFFSET as i64)),
-        ("nbytes", V::I(LAYER as i64)),
+        ("alloc_offset", V::I(t.alloc_offset as i64)),
+        ("nbytes", V::I(t.nbytes as i64)),
         ("version", V::I(1)),
         (
             "metadata",
             map(&[
-                ("dtype", s("float16")),
-                ("shape", V::A(shape().into_iter().map(V::I).collect())),
-                ("stride", V::A(strides().into_iter().map(V::I).collect())),
+                ("dtype", s(t.dtype)),
+                ("shape", ints(&t.shape)),
+                ("stride", ints(&t.stride)),
                 ("storage_offset", V::I(0)),
                 ("device_uuid", s(uuid)),
             ]),
@@ -366,8 +390,9 @@ fn gpu_worker_failures_are_answered_and_refusals_reported() {
     assert_eq!(lookup(&mut c, &toks, "miss"), 0);
     assert_eq!(c.call(OP_END_SESSION, &[s("miss")]), None);
     // An isolated_ipc worker's 81-byte timeline-semaphore event is refused
-    // (and so is any handle that is not CUDA's 64 bytes), its reservations
-    // dropped: a good store of the same chunks works right after.
+    // by a server without --isolated-ipc (and so is any handle that is not
+    // CUDA's 64 bytes), its reservations dropped: a good store of the same
+    // chunks works right after.
     let store_with_event = |c: &mut Client, ev: Vec<u8>| {
         transfer_outcome(c.call(
             OP_STORE,
@@ -382,7 +407,10 @@ fn gpu_worker_failures_are_answered_and_refusals_reported() {
     assert_eq!(store_with_event(&mut c, vec![1; 81]), (vec![], false));
     assert_eq!(store_with_event(&mut c, vec![1; 63]), (vec![], false));
     let text = std::fs::read_to_string(dir.join("server.log")).unwrap();
-    assert!(text.contains("isolated_ipc timeline-semaphore"), "{text}");
+    assert!(
+        text.contains("isolated_ipc timeline-semaphore form: start kvshard with --isolated-ipc"),
+        "{text}"
+    );
     assert_eq!(lookup(&mut c, &toks, "miss2"), 0);
     assert_eq!(c.call(OP_END_SESSION, &[s("miss2")]), None);
     // A retrieve without the lookup's locks fails and changes nothing.
@@ -454,4 +482,399 @@ fn gpu_workers_need_the_l1_in_memory() {
     drop(srv);
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&slabs);
+}
+
+// -- hybrid (multi-group) caches against lmcache 0.5.6's own gathers --------
+
+/// lmcache 0.5.6's multi-group gathers and scatters, made by its own
+/// `transfer_kv_per_object_group` over a `CPUCacheContext`
+/// (gds/tests/golden/make_group_golden.py).
+const GROUP_GOLDEN: &str = include_str!("../gds/tests/golden/golden_group_gather.json");
+
+/// Byte `i` of golden tensor `t`'s storage.
+fn golden_fill(bytes: usize, t: usize) -> Vec<u8> {
+    (0..bytes)
+        .map(|i| ((i * 31 + t * 7 + 1) % 251) as u8)
+        .collect()
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, b)
+        .as_ref()
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+fn ints(v: &serde_json::Value) -> Vec<i64> {
+    v.as_array()
+        .expect("an array")
+        .iter()
+        .map(|x| x.as_i64().expect("an integer"))
+        .collect()
+}
+
+fn unhex(h: &str) -> Vec<u8> {
+    (0..h.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// One block list per kernel group, as STORE and RETRIEVE carry them.
+fn lists(v: &serde_json::Value) -> V {
+    V::A(
+        v.as_array()
+            .expect("lists")
+            .iter()
+            .map(|l| V::A(ints(l).into_iter().map(V::I).collect()))
+            .collect(),
+    )
+}
+
+/// Every `.data` file under `dir`, read.
+fn data_files(dir: &std::path::Path) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "data") {
+                out.push(std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// A GPU worker of each hybrid layout lmcache 0.5.6 serves (two classical
+/// groups of different heads and dtypes, MLA beside classical, uint8, int8
+/// and float32 groups, different block sizes, interleaved layers) stores
+/// chunk objects byte for byte 0.5.6's (read back from the fs L2), and a
+/// RETRIEVE with skip_first_n_tokens into fresh GPU memory, and into a CPU
+/// worker of the same layout, leaves every tensor as 0.5.6's scatter does.
+#[test]
+fn hybrid_gpu_workers_move_the_0_5_6_objects() {
+    let golden: serde_json::Value = serde_json::from_str(GROUP_GOLDEN).unwrap();
+    for case in golden["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        assert_eq!(
+            case["chunk_size"], CS as u64,
+            "{name}: the server's chunk size"
+        );
+        let dir = std::env::temp_dir().join(unique("cuda-emu-groups"));
+        let l2 = dir.join("l2");
+        std::fs::create_dir_all(&l2).unwrap();
+        let adapter = format!(r#"{{"type":"fs","base_path":"{}"}}"#, l2.display());
+        let srv = start(&dir, &["--l2-adapter", &adapter]);
+        let mut c = srv.client();
+        let tensors = case["tensors"].as_array().unwrap();
+        let groups: Vec<V> = case["engine_group_infos"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| {
+                kv_group_of(
+                    g["engine_group_id"].as_i64().unwrap(),
+                    &ints(&g["layer_indices"]),
+                    g["tokens_per_block"].as_u64().unwrap() as usize,
+                )
+            })
+            .collect();
+        let hint = case["layout_hint"].as_str().unwrap();
+        let register = |c: &mut Client, iid: i64, descs: Vec<V>| {
+            let frames = vec![
+                V::I(iid),
+                V::A(descs),
+                s(MODEL),
+                V::I(1),
+                s("vllm"),
+                map(&[("kv_layout", s(hint))]),
+                V::A(groups.clone()),
+            ];
+            assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None, "{name}");
+        };
+        // Per tensor: shm "device memory", filled (source) or zeroed.
+        let segments = |prefix: &str, filled: bool| -> (Vec<String>, Vec<ShmMap>) {
+            tensors
+                .iter()
+                .enumerate()
+                .map(|(t, spec)| {
+                    let bytes = spec["storage_bytes"].as_u64().unwrap() as usize;
+                    let name = unique(prefix);
+                    let mut seg = ShmMap::create(&name, bytes);
+                    if filled {
+                        seg.bytes_mut().copy_from_slice(&golden_fill(bytes, t));
+                    }
+                    (name, seg)
+                })
+                .unzip()
+        };
+        let raw = |names: &[String]| -> Vec<V> {
+            names
+                .iter()
+                .zip(tensors)
+                .map(|(n, spec)| {
+                    let t = RawTensor {
+                        alloc_offset: 0,
+                        nbytes: spec["storage_bytes"].as_u64().unwrap() as usize,
+                        dtype: spec["dtype"].as_str().unwrap(),
+                        shape: ints(&spec["shape"]),
+                        stride: ints(&spec["stride"]),
+                    };
+                    cuda_raw_of(n, &t, GPU_UUID)
+                })
+                .collect()
+        };
+        let (src_names, _src) = segments("kvt_gsrc", true);
+        register(&mut c, 400, raw(&src_names));
+        let meta = &srv.get_json("/status")["cache_context_meta"]["400"]["kv_cache_layout"];
+        let want_groups = case["kernel_groups"].as_array().unwrap();
+        assert_eq!(
+            meta["kernel_groups"].as_array().map(Vec::len),
+            Some(want_groups.len()),
+            "{name}: {meta}"
+        );
+        for (k, want) in meta["kernel_groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(want_groups)
+        {
+            assert_eq!(k["layer_indices"], want["layers"], "{name}: {meta}");
+            assert_eq!(
+                k["engine_kv_format"], want["engine_kv_format"],
+                "{name}: {meta}"
+            );
+        }
+
+        let chunks = case["num_chunks"].as_u64().unwrap() as usize;
+        let toks = ed_tokens(40, chunks * CS);
+        let store = &case["store"];
+        let (_, ok) = transfer_outcome(c.call(
+            OP_STORE,
+            &[
+                key(&toks, Some(0), "gstore"),
+                V::I(400),
+                lists(&store["block_ids"]),
+                V::Bin(vec![7; 64]),
+            ],
+        ));
+        assert!(ok, "{name}: store");
+        assert_eq!(c.call(OP_END_SESSION, &[s("gstore")]), None);
+        // The objects 0.5.6 gathers, as the fs L2 holds them.
+        let mut want: Vec<Vec<u8>> = store["objects_hex"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| unhex(h.as_str().unwrap()))
+            .collect();
+        want.sort();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let mut got = data_files(&l2);
+        while got.len() < chunks && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            got = data_files(&l2);
+        }
+        got.sort();
+        assert_eq!(got.len(), chunks, "{name}: objects in the fs L2");
+        assert!(
+            got == want,
+            "{name}: the stored objects differ from lmcache 0.5.6's gathers"
+        );
+
+        // RETRIEVE into zeroed memory of a GPU worker, then of a CPU worker.
+        let retrieve = &case["retrieve"];
+        let skip = retrieve["skip_first_n_tokens"].as_i64().unwrap();
+        let want_sums: Vec<String> = retrieve["paged_sha256"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_str().unwrap().to_string())
+            .collect();
+        let (dst_names, dst) = segments("kvt_gdst", false);
+        register(&mut c, 401, raw(&dst_names));
+        let (cpu_names, cpu) = segments("kvt_gcpu", false);
+        let cpu_descs = cpu_names
+            .iter()
+            .zip(tensors)
+            .map(|(n, spec)| {
+                cpu_shm_wrapper(
+                    &format!("/{n}"),
+                    spec["storage_bytes"].as_i64().unwrap(),
+                    spec["dtype"].as_str().unwrap(),
+                    &ints(&spec["shape"]),
+                    &ints(&spec["stride"]),
+                )
+            })
+            .collect();
+        register(&mut c, 402, cpu_descs);
+        for (iid, segs, rid) in [(401, &dst, "gr1"), (402, &cpu, "gr2")] {
+            assert_eq!(lookup(&mut c, &toks, rid), chunks as i64, "{name}");
+            let (_, ok) = transfer_outcome(c.call(
+                OP_RETRIEVE,
+                &[
+                    key(&toks, Some(0), rid),
+                    V::I(iid),
+                    lists(&retrieve["block_ids"]),
+                    V::Bin(vec![7; 64]),
+                    V::I(skip),
+                ],
+            ));
+            assert!(ok, "{name}: retrieve into {iid}");
+            assert_eq!(c.call(OP_END_SESSION, &[s(rid)]), None);
+            let sums: Vec<String> = segs.iter().map(|m| sha256_hex(m.bytes())).collect();
+            assert_eq!(
+                sums, want_sums,
+                "{name}: instance {iid}'s tensors after the retrieve"
+            );
+        }
+        drop(srv);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+// -- --isolated-ipc: timeline-semaphore events -------------------------------
+
+/// Slots of a semaphore buffer, 8 bytes each (lmcache 0.5.6's).
+const SEM_SLOTS: usize = 4096;
+
+/// lmcache 0.5.6's timeline-semaphore event (`!B64sQQ`) naming the shm
+/// segment that stands in for the semaphore buffer's CUDA IPC handle.
+fn timeline_event(sem: &str, slot_offset: u64, seq: u64) -> Vec<u8> {
+    let mut handle = format!("/{sem}").into_bytes();
+    handle.resize(64, 0);
+    let mut ev = vec![1u8];
+    ev.extend_from_slice(&handle);
+    ev.extend_from_slice(&slot_offset.to_be_bytes());
+    ev.extend_from_slice(&seq.to_be_bytes());
+    ev
+}
+
+/// An 81-byte event's (buffer name, slot offset, seq).
+fn parse_timeline(ev: &[u8]) -> (String, u64, u64) {
+    assert_eq!(ev.len(), 81, "{ev:?}");
+    assert_eq!(ev[0], 1, "version");
+    let end = ev[1..65].iter().position(|&b| b == 0).unwrap_or(64);
+    let name = String::from_utf8(ev[1..1 + end].to_vec()).unwrap();
+    let be = |at: usize| u64::from_be_bytes(ev[at..at + 8].try_into().unwrap());
+    (name, be(65), be(73))
+}
+
+fn slot_value(map: &ShmMap, slot_offset: u64) -> u64 {
+    let at = slot_offset as usize;
+    u64::from_le_bytes(map.bytes()[at..at + 8].try_into().unwrap())
+}
+
+fn set_slot(map: &mut ShmMap, slot_offset: u64, value: u64) {
+    let at = slot_offset as usize;
+    map.bytes_mut()[at..at + 8].copy_from_slice(&value.to_le_bytes());
+}
+
+/// With `--isolated-ipc` (workers in containers that share no IPC
+/// namespace), STORE and RETRIEVE carry lmcache 0.5.6's timeline-semaphore
+/// events: the server copies only once the worker's semaphore slot has
+/// reached the event's sequence, and answers with an 81-byte event of its
+/// own semaphore buffer whose slot holds that event's sequence once the
+/// copies are done. A CUDA IPC event handle is refused there, with the cause.
+#[test]
+fn isolated_ipc_transfers_wait_on_and_answer_timeline_semaphores() {
+    let dir = std::env::temp_dir().join(unique("cuda-emu-iso"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let srv = start(&dir, &["--isolated-ipc"]);
+    assert_eq!(srv.get_json("/config")["isolated_ipc"], true);
+    let mut c = srv.client();
+    let mut gpu = Layers::new("kvt_iso", ALLOC_OFFSET, 3);
+    let descs = gpu.names.iter().map(|n| cuda_raw(n, GPU_UUID)).collect();
+    assert_eq!(
+        c.call(OP_REGISTER_KV_CACHE, &register_frames(500, descs)),
+        None
+    );
+    assert!(registered_gpu_ids(&srv).contains(&500));
+    // The worker's semaphore buffer; its stream signals slot 1.
+    let sem_name = unique("kvt_sem");
+    let mut sem = ShmMap::create(&sem_name, SEM_SLOTS * 8);
+    set_slot(&mut sem, 8, 5);
+
+    let toks = ed_tokens(9, 3 * CS);
+    let stored = gpu.blocks(&SRC);
+    let (reply, ok) = transfer_outcome(c.call(
+        OP_STORE,
+        &[
+            key(&toks, Some(0), "iso-s"),
+            V::I(500),
+            group_ids(&SRC),
+            V::Bin(timeline_event(&sem_name, 8, 5)),
+        ],
+    ));
+    assert!(ok, "a store whose semaphore already reached its sequence");
+    let (server_sem, slot, seq) = parse_timeline(&reply);
+    assert!(server_sem.starts_with('/'), "{server_sem}");
+    assert!(
+        slot > 0 && slot % 8 == 0 && (slot as usize) < SEM_SLOTS * 8,
+        "{slot}"
+    );
+    let server = ShmMap::open(server_sem.trim_start_matches('/'), SEM_SLOTS * 8);
+    assert!(
+        slot_value(&server, slot) >= seq,
+        "the server's slot reached its event"
+    );
+    assert_eq!(c.call(OP_END_SESSION, &[s("iso-s")]), None);
+
+    // A retrieve whose sequence the worker reaches 300 ms later waits for it.
+    gpu.fill(&DST, 0);
+    assert_eq!(lookup(&mut c, &toks, "iso-r"), 3);
+    let writer = {
+        let name = sem_name.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            let mut m = ShmMap::open(&name, SEM_SLOTS * 8);
+            set_slot(&mut m, 8, 6);
+        })
+    };
+    let (reply, ok) = transfer_outcome(c.call(
+        OP_RETRIEVE,
+        &[
+            key(&toks, Some(0), "iso-r"),
+            V::I(500),
+            group_ids(&DST),
+            V::Bin(timeline_event(&sem_name, 8, 6)),
+            V::I(0),
+        ],
+    ));
+    assert!(ok, "retrieve");
+    assert_eq!(
+        slot_value(&sem, 8),
+        6,
+        "the server answered before the worker's semaphore reached the event"
+    );
+    writer.join().unwrap();
+    assert_eq!(gpu.blocks(&DST), stored, "retrieved after the wait");
+    let (name2, slot2, seq2) = parse_timeline(&reply);
+    assert_eq!((name2, slot2), (server_sem, slot), "one slot per instance");
+    assert_eq!(seq2, seq + 1, "each event a later sequence");
+    assert!(slot_value(&server, slot) >= seq2);
+    assert_eq!(c.call(OP_END_SESSION, &[s("iso-r")]), None);
+
+    // A CUDA IPC event handle is refused under --isolated-ipc, with the cause.
+    let (reply, ok) = transfer_outcome(c.call(
+        OP_STORE,
+        &[
+            key(&ed_tokens(10, CS), Some(0), "iso-bad"),
+            V::I(500),
+            group_ids(&SRC[..BPC]),
+            V::Bin(vec![7; 64]),
+        ],
+    ));
+    assert_eq!((reply, ok), (vec![], false));
+    let text = std::fs::read_to_string(dir.join("server.log")).unwrap();
+    assert!(
+        text.contains("64 bytes is a CUDA IPC event handle")
+            && text.contains("without --isolated-ipc"),
+        "{text}"
+    );
+    drop(srv);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -37,7 +37,8 @@ use kvshard_gds::cuda::CudaEnv;
 use kvshard_gds::device::exec::{CompletionEvent, DeviceBuffer, KernelModule, LaunchArgs, Stream};
 use kvshard_gds::device::pin::{PinnedRegion, DEFAULT_PIECE_BYTES};
 use kvshard_gds::device::worker::{
-    host_copy_parts, plan_batches, Batch, ChunkCopy, CopyDir, HostPart, PinView,
+    host_copy_parts, plan_batches, Batch, ChunkCopy, CopyDir, GroupSpec, HostPart, InstanceSpec,
+    PinView,
 };
 use kvshard_gds::device::Device;
 use kvshard_gds::kernel::{CopyDirection, KernelLaunch, KernelObjects};
@@ -260,11 +261,12 @@ impl KernelPath<'_> {
                 objects,
                 ids: self.ids.ptr(),
             };
-            // SAFETY: `b.ids` lives until the wait below; the range fits
-            // the ids buffer (checked).
+            let ids = &b.groups[0].ids;
+            // SAFETY: `ids` lives until the wait below; the range fits the
+            // ids buffer (checked).
             unsafe {
                 self.stream
-                    .copy_to_device(self.ids, 0, b.ids.as_ptr().cast(), b.ids.len() * 8)
+                    .copy_to_device(self.ids, 0, ids.as_ptr().cast(), ids.len() * 8)
             }
             .map_err(s)?;
             if host && direction == CopyDirection::Scatter {
@@ -531,16 +533,37 @@ fn run(env: &CudaEnv, device: &Device) -> BenchResult<()> {
         .map(|c| ChunkCopy {
             host_addr: arena.addr() + c * object_bytes,
             block_ids: ids[c * BLOCKS_PER_CHUNK..(c + 1) * BLOCKS_PER_CHUNK].to_vec(),
-            skip_blocks: 0,
+            skip_tokens: 0,
         })
         .collect();
-    let batches = plan_batches(&chunks, BLOCKS_PER_CHUNK);
+    // One kernel group: the plan only reads the groups and the chunk size.
+    let spec = InstanceSpec {
+        ordinal: 0,
+        layers: Vec::new(),
+        groups: vec![GroupSpec {
+            kernel_layers: (0..NL as usize).collect(),
+            table,
+            blocks_per_chunk: BLOCKS_PER_CHUNK,
+            object_offset: 0,
+        }],
+        chunk_slots: CHUNK_TOKENS,
+        object_bytes: object_bytes as u64,
+        isolated_ipc: false,
+    };
+    let batches = plan_batches(&chunks, &spec);
     let launches = |dir| -> BenchResult<Vec<KernelLaunch>> {
         batches
             .iter()
             .map(|b| {
-                KernelLaunch::new(&table, dir, b.chunks, b.ids.len(), CHUNK_TOKENS, 0)
-                    .map_err(|e| format!("kernel launch: {e}"))
+                KernelLaunch::new(
+                    &table,
+                    dir,
+                    b.chunks,
+                    b.groups[0].ids.len(),
+                    CHUNK_TOKENS,
+                    0,
+                )
+                .map_err(|e| format!("kernel launch: {e}"))
             })
             .collect()
     };

@@ -41,8 +41,8 @@ use kvshard_gds::device::exec::{DeviceBuffer, KernelModule, LaunchArgs, Stream};
 use kvshard_gds::device::ipc::IpcMemHandle;
 use kvshard_gds::device::pin::PinnedRegion;
 use kvshard_gds::device::worker::{
-    host_copy_parts, ChunkCopy, CopyDir, DeviceJob, DeviceThreads, InstanceSpec, LayerMemory,
-    LayerSpec, PinView,
+    host_copy_parts, ChunkCopy, CopyDir, DeviceJob, DeviceThreads, GroupSpec, InstanceSpec,
+    LayerMemory, LayerSpec, PinView,
 };
 use kvshard_gds::device::{require_symbols, Device, WorkerError};
 use kvshard_gds::kernel::{CopyDirection, KernelLaunch, KernelObjects};
@@ -688,12 +688,16 @@ fn spec_for(c: &Case, exports: &Exports, n: usize, src: bool) -> InstanceSpec {
         .collect();
     InstanceSpec {
         ordinal: 0,
-        kernel_layers: (0..layers.len()).collect(),
+        groups: vec![GroupSpec {
+            kernel_layers: (0..layers.len()).collect(),
+            table,
+            blocks_per_chunk: c.blocks_per_object(),
+            object_offset: 0,
+        }],
         layers,
-        table,
         chunk_slots: c.chunk_slots,
-        blocks_per_chunk: c.blocks_per_object(),
         object_bytes: table.object_bytes(c.chunk_slots).expect("object bytes"),
+        isolated_ipc: false,
     }
 }
 
@@ -752,7 +756,7 @@ fn worker_store_and_retrieve_match_golden() {
                 .map(|o| ChunkCopy {
                     host_addr: base + o * obj,
                     block_ids: c.ids[o * bpo..(o + 1) * bpo].to_vec(),
-                    skip_blocks: skip.saturating_sub(o * bpo).min(bpo),
+                    skip_tokens: skip.saturating_sub(o * bpo).min(bpo) * c.shape.bs as usize,
                 })
                 .collect();
             run_job(&threads, |done| DeviceJob::Transfer {

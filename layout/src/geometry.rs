@@ -504,26 +504,26 @@ pub fn analyse(
 }
 
 /// The geometry of a registration whose tensors live in GPU memory, as the
-/// CUDA copy kernel needs it: the same detection as the cpu_shm path, plus
-/// the kernel's requirement that each layer is laid out tightly in its
-/// format (only a padded block axis is allowed, for the formats whose block
-/// axis is outermost).
+/// CUDA copy kernel needs it: the same detection and kernel groups as the
+/// cpu_shm path, plus the kernel's requirement that each layer is laid out
+/// tightly in its format (only a padded block axis is allowed, for the
+/// formats whose block axis is outermost, and the same padding across a
+/// group, whose layers one stride table walks).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceGeometry {
-    /// What every registered layer shares.
-    pub layer: Geometry,
-    /// Registered tensor indices of the object's layers, in object order.
-    pub group_layers: Vec<usize>,
+    /// The kernel groups, in object order; the kernel runs once per group.
+    pub groups: Vec<KernelGroup>,
+    /// Per kernel group: elements from one block to the next when the block
+    /// axis is padded; 0 when tight.
+    pub block_stride_elems: Vec<u64>,
+    /// Per registered tensor: its format and sizes.
+    pub layers: Vec<Geometry>,
     /// Per registered tensor: bytes from its storage start to its first
     /// element, and bytes its view spans from there.
     pub views: Vec<(u64, u64)>,
     /// Per registered tensor: its normalised shape and strides (elements).
     pub layer_dims: Vec<(Vec<usize>, Vec<usize>)>,
-    /// Elements from one block to the next when the block axis is padded;
-    /// 0 when tight.
-    pub block_stride_elems: u64,
     pub chunk_size_tokens: usize,
-    pub blocks_per_chunk: usize,
     pub object_layout: ObjectLayout,
 }
 
@@ -546,41 +546,16 @@ impl DeviceGeometry {
             groups: kernel,
             object_layout,
         } = analyse(tensors, groups, chunk_size_tokens, Some(hint))?;
-        if kernel.len() > 1 {
-            return Err(unsupported(format!(
-                "{} kernel groups (hybrid models: layers of different shapes, dtypes or \
-                 engine groups); the CUDA path transfers one",
-                kernel.len()
-            )));
-        }
-        let Some(KernelGroup {
-            geometry: g,
-            layers: group_layers,
-            blocks_per_chunk,
-            ..
-        }) = kernel.into_iter().next()
-        else {
+        if kernel.is_empty() {
             return Err(invalid("registration carries no KV tensors"));
-        };
-        // The copy kernel and the checksums walk every registered layer alike.
-        for (index, (layer, (shape, _))) in layers.iter().zip(&normalised).enumerate() {
-            if *layer != g || *shape != normalised[group_layers[0]].0 {
-                return Err(unsupported(format!(
-                    "tensor {index} is {} {shape:?} but tensor {} is {} {:?}; the CUDA path \
-                     needs every layer in one shape and dtype",
-                    layer.dtype.name(),
-                    group_layers[0],
-                    g.dtype.name(),
-                    normalised[group_layers[0]].0
-                )));
-            }
         }
-        let axes = g.format.axes();
-        let mut block_stride = None;
+        let mut block_strides = Vec::with_capacity(tensors.len());
         let mut views = Vec::with_capacity(tensors.len());
         for (index, ((dtype, _, _, storage_offset), (shape, strides))) in
             checked.iter().zip(&normalised).enumerate()
         {
+            let format = layers[index].format;
+            let axes = format.axes();
             // Row-major strides of the normalised shape: the kernel's layout.
             let mut tight = vec![1usize; shape.len()];
             for d in (0..shape.len().saturating_sub(1)).rev() {
@@ -594,24 +569,14 @@ impl DeviceGeometry {
                     "tensor {index}: strides {strides:?} of shape {shape:?} are not the tight \
                      {} layout the GPU copy kernel reads (only a padded block axis is allowed, \
                      for block-first formats)",
-                    g.format.name()
+                    format.name()
                 )));
             }
-            let stride = if strides[0] == tight[0] {
+            block_strides.push(if strides[0] == tight[0] {
                 0
             } else {
                 strides[0] as u64
-            };
-            match block_stride {
-                None => block_stride = Some(stride),
-                Some(s) if s != stride => {
-                    return Err(unsupported(format!(
-                        "tensor {index}: block stride {stride} differs from tensor 0's {s}; \
-                         layers must share one layout"
-                    )))
-                }
-                Some(_) => {}
-            }
+            });
             let es = dtype.size_bytes() as u64;
             let mut last = 0u64;
             for (&d, &st) in shape.iter().zip(strides) {
@@ -619,15 +584,36 @@ impl DeviceGeometry {
             }
             views.push((*storage_offset as u64 * es, (last + 1) * es));
         }
+        // One stride table walks a group's layers: they share one padding.
+        let mut group_strides = Vec::with_capacity(kernel.len());
+        for (gi, group) in kernel.iter().enumerate() {
+            let first = group.layers[0];
+            if let Some(&other) = group
+                .layers
+                .iter()
+                .find(|&&l| block_strides[l] != block_strides[first])
+            {
+                return Err(unsupported(format!(
+                    "tensor {other}: block stride {} differs from tensor {first}'s {} in kernel \
+                     group {gi}; the layers of a group must share one layout",
+                    block_strides[other], block_strides[first]
+                )));
+            }
+            group_strides.push(block_strides[first]);
+        }
         Ok(DeviceGeometry {
-            layer: g,
-            group_layers,
+            groups: kernel,
+            block_stride_elems: group_strides,
+            layers,
             views,
             layer_dims: normalised,
-            block_stride_elems: block_stride.unwrap_or(0),
             chunk_size_tokens,
-            blocks_per_chunk,
             object_layout,
         })
+    }
+
+    /// Block ids of one chunk over every group, end to end.
+    pub fn ids_per_chunk(&self) -> usize {
+        self.groups.iter().map(|g| g.blocks_per_chunk).sum()
     }
 }

@@ -28,10 +28,14 @@ use crate::cuda::{CudaDevice, CudaEnv};
 use kvshard_layout::stride;
 
 use super::error::WorkerError;
+use super::event::{TimelineEvent, WorkerEvent, TIMELINE_SLOTS};
+use super::ipc::IpcMemHandle;
 use super::worker::{
     check_spec, plan_batches, read_len, validate_chunks, CopyDir, DeviceJob, InstanceSpec,
     LayerMemory, LayerRead,
 };
+use super::DeviceError;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The environment variable that turns the emulation on (value `1`).
 pub const EMULATION_ENV: &str = "KVSHARD_CUDA_EMULATION";
@@ -43,8 +47,131 @@ pub const SETUP_MS_ENV: &str = "KVSHARD_CUDA_EMULATION_SETUP_MS";
 /// The UUID of the emulated GPU (torch's format).
 pub const EMULATED_UUID: &str = "00000000-0000-4000-8000-0000000ee0e0";
 
-/// The event handle every emulated transfer answers with.
+/// The event handle every emulated transfer answers with (without
+/// `--isolated-ipc`).
 pub const EMULATED_EVENT: [u8; 64] = [0xee; 64];
+
+/// How long a transfer waits for a worker's timeline semaphore to reach its
+/// sequence.
+pub const TIMELINE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The emulated GPU's semaphore buffer (`--isolated-ipc`): a shm segment of
+/// [`TIMELINE_SLOTS`] 8-byte slots whose name the exported events carry.
+struct SemaphoreBuffer {
+    name: String,
+    map: Mapping,
+    next_slot: u64,
+}
+
+impl SemaphoreBuffer {
+    fn create() -> Result<Self, WorkerError> {
+        let name = format!("/kvshard_emu_sem_{}", std::process::id());
+        let len = (TIMELINE_SLOTS * 8) as usize;
+        let c = CString::new(name.clone()).map_err(|_| WorkerError::NotAShmName)?;
+        let shm_err = |call| WorkerError::Shm {
+            call,
+            name: name.clone(),
+            bytes: Some(len),
+            source: Arc::new(std::io::Error::last_os_error()),
+        };
+        // SAFETY: a NUL-terminated name; the descriptor is closed below.
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT, 0o600) };
+        if fd < 0 {
+            return Err(shm_err("shm_open"));
+        }
+        // SAFETY: `fd` is open; sizing a fresh or stale segment (zeroed).
+        let sized = unsafe { libc::ftruncate(fd, 0) == 0 && libc::ftruncate(fd, len as i64) == 0 };
+        // SAFETY: `fd` is open and owned here.
+        unsafe { libc::close(fd) };
+        if !sized {
+            return Err(shm_err("ftruncate"));
+        }
+        let mut handle = [0u8; 64];
+        handle[..name.len()].copy_from_slice(name.as_bytes());
+        let map = map_handle(&handle, len)?;
+        Ok(Self {
+            name,
+            map,
+            next_slot: 1,
+        })
+    }
+
+    fn handle(&self) -> IpcMemHandle {
+        let mut h = [0u8; 64];
+        h[..self.name.len()].copy_from_slice(self.name.as_bytes());
+        IpcMemHandle(h)
+    }
+
+    fn claim_slot(&mut self) -> Result<u64, WorkerError> {
+        if self.next_slot >= TIMELINE_SLOTS {
+            return Err(WorkerError::Device(DeviceError::invalid(
+                "all semaphore slots are taken",
+                "giving an instance a timeline-semaphore slot",
+            )));
+        }
+        self.next_slot += 1;
+        Ok((self.next_slot - 1) * 8)
+    }
+
+    /// Writes `seq` into the slot (what `cuStreamWriteValue64` does).
+    fn signal(&self, slot_offset: u64, seq: u64) -> TimelineEvent {
+        // SAFETY: the slot is one of the mapping's 8-byte slots (claim_slot).
+        unsafe {
+            let p = self.map.addr.add(slot_offset as usize).cast::<AtomicU64>();
+            (*p).store(seq, Ordering::Release);
+        }
+        TimelineEvent {
+            buffer: self.handle(),
+            slot_offset,
+            seq,
+        }
+    }
+}
+
+impl Drop for SemaphoreBuffer {
+    fn drop(&mut self) {
+        if let Ok(c) = CString::new(self.name.clone()) {
+            // SAFETY: a NUL-terminated name.
+            unsafe { libc::shm_unlink(c.as_ptr()) };
+        }
+    }
+}
+
+/// Waits until the 64-bit value in `ev`'s slot of the worker's mapped
+/// semaphore buffer reaches `ev.seq` (what `cuStreamWaitValue64` GEQ does).
+fn wait_timeline(map: &Mapping, ev: &TimelineEvent) -> Result<(), WorkerError> {
+    if ev.slot_offset as usize + 8 > map.len {
+        return Err(WorkerError::Device(DeviceError::invalid(
+            format!(
+                "slot {} is outside the worker's semaphore buffer",
+                ev.slot_offset
+            ),
+            "waiting on a worker's timeline semaphore",
+        )));
+    }
+    // SAFETY: inside the mapping (checked above), 8-byte aligned
+    // (TimelineEvent::from_bytes); the worker writes it concurrently, hence
+    // the atomic load.
+    let slot = unsafe { &*map.addr.add(ev.slot_offset as usize).cast::<AtomicU64>() };
+    let deadline = std::time::Instant::now() + TIMELINE_WAIT;
+    loop {
+        let value = slot.load(Ordering::Acquire);
+        if value >= ev.seq {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(WorkerError::Device(DeviceError::invalid(
+                format!(
+                    "the worker's semaphore is at {value} after {} s, short of {}",
+                    TIMELINE_WAIT.as_secs(),
+                    ev.seq
+                ),
+                "waiting on a worker's timeline semaphore",
+            )));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
 
 /// Whether the environment asks for the emulation.
 pub fn enabled() -> bool {
@@ -136,8 +263,20 @@ struct Instance {
     /// Per registered tensor: the address of its first element and the
     /// bytes its view spans.
     views: Vec<(usize, u64)>,
-    /// Per kernel pointer: first byte and length of the paged buffer.
-    paged: Vec<(usize, usize)>,
+    /// Per kernel group, per kernel pointer: first byte and length of the
+    /// paged buffer.
+    paged: Vec<Vec<(usize, usize)>>,
+    /// `--isolated-ipc`: this instance's slot of the device's semaphore
+    /// buffer, its last sequence, and the worker's buffer as mapped here.
+    timeline: Option<Timeline>,
+}
+
+/// An instance's timeline-semaphore state (`--isolated-ipc`).
+struct Timeline {
+    slot_offset: u64,
+    seq: u64,
+    /// The worker's semaphore buffer, mapped.
+    import: Option<(IpcMemHandle, Mapping)>,
 }
 
 fn register(spec: InstanceSpec) -> Result<Instance, WorkerError> {
@@ -161,11 +300,13 @@ fn register(spec: InstanceSpec) -> Result<Instance, WorkerError> {
         firsts.push(map.addr as usize + (*alloc_offset + layer.view_offset) as usize);
         maps.push(map);
     }
-    let span = spec.table.paged_span_bytes() as usize;
     let paged = spec
-        .kernel_layers
+        .groups
         .iter()
-        .map(|&l| (firsts[l], span))
+        .map(|g| {
+            let span = g.table.paged_span_bytes() as usize;
+            g.kernel_layers.iter().map(|&l| (firsts[l], span)).collect()
+        })
         .collect();
     let views = firsts
         .iter()
@@ -177,6 +318,7 @@ fn register(spec: InstanceSpec) -> Result<Instance, WorkerError> {
         _maps: maps,
         views,
         paged,
+        timeline: None,
     })
 }
 
@@ -186,72 +328,77 @@ fn transfer(
     chunks: &[super::worker::ChunkCopy],
 ) -> Result<(), WorkerError> {
     let s = &inst.spec;
-    validate_chunks(
-        chunks,
-        dir,
-        s.blocks_per_chunk,
-        s.table.shape().nb,
-        s.object_bytes,
-    )?;
+    validate_chunks(chunks, dir, s)?;
     let object = s.object_bytes as usize;
-    for batch in plan_batches(chunks, s.blocks_per_chunk) {
-        if batch.fully_skipped() {
-            continue;
-        }
+    for batch in plan_batches(chunks, s) {
         let hosts = &chunks[batch.first_chunk..batch.first_chunk + batch.chunks];
-        // SAFETY (all slices below): the paged buffers are inside this
-        // instance's live mappings (check_spec checked their spans), and each
-        // host object is the caller's reserved or read-locked L1 object of
-        // `object_bytes` (the DeviceJob contract); the worker does not touch
-        // these blocks while it waits for the transfer.
-        let res = match dir {
-            CopyDir::ToHost => {
-                let paged: Vec<&[u8]> = inst
-                    .paged
-                    .iter()
-                    .map(|&(a, n)| unsafe { std::slice::from_raw_parts(a as *const u8, n) })
-                    .collect();
-                let mut objs: Vec<&mut [u8]> = hosts
-                    .iter()
-                    .map(|c| unsafe {
-                        std::slice::from_raw_parts_mut(c.host_addr as *mut u8, object)
-                    })
-                    .collect();
-                stride::gather(
-                    &s.table,
-                    &paged,
-                    &mut objs,
-                    &batch.ids,
-                    s.chunk_slots,
-                    batch.skip_blocks,
-                )
+        for (g, ((group, gb), paged)) in s
+            .groups
+            .iter()
+            .zip(&batch.groups)
+            .zip(&inst.paged)
+            .enumerate()
+        {
+            if gb.fully_skipped() {
+                continue;
             }
-            CopyDir::ToDevice => {
-                let mut paged: Vec<&mut [u8]> = inst
-                    .paged
-                    .iter()
-                    .map(|&(a, n)| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, n) })
-                    .collect();
-                let objs: Vec<&[u8]> = hosts
-                    .iter()
-                    .map(|c| unsafe {
-                        std::slice::from_raw_parts(c.host_addr as *const u8, object)
-                    })
-                    .collect();
-                stride::scatter(
-                    &s.table,
-                    &mut paged,
-                    &objs,
-                    &batch.ids,
-                    s.chunk_slots,
-                    batch.skip_blocks,
-                )
-            }
-        };
-        res.map_err(|source| WorkerError::CopyRefused {
-            first_chunk: batch.first_chunk,
-            source,
-        })?;
+            // The group's region of each object: the kernel's object pointer.
+            let region = object - group.object_offset as usize;
+            let at = |c: &super::worker::ChunkCopy| c.host_addr + group.object_offset as usize;
+            // SAFETY (all slices below): the paged buffers are inside this
+            // instance's live mappings (check_spec checked their spans), and
+            // each host object is the caller's reserved or read-locked L1
+            // object of `object_bytes` (the DeviceJob contract), of which the
+            // region is the tail from the group's offset; the worker does not
+            // touch these blocks while it waits for the transfer.
+            let res = match dir {
+                CopyDir::ToHost => {
+                    let paged: Vec<&[u8]> = paged
+                        .iter()
+                        .map(|&(a, n)| unsafe { std::slice::from_raw_parts(a as *const u8, n) })
+                        .collect();
+                    let mut objs: Vec<&mut [u8]> = hosts
+                        .iter()
+                        .map(|c| unsafe {
+                            std::slice::from_raw_parts_mut(at(c) as *mut u8, region)
+                        })
+                        .collect();
+                    stride::gather(
+                        &group.table,
+                        &paged,
+                        &mut objs,
+                        &gb.ids,
+                        s.chunk_slots,
+                        gb.skip_blocks,
+                    )
+                }
+                CopyDir::ToDevice => {
+                    let mut paged: Vec<&mut [u8]> = paged
+                        .iter()
+                        .map(|&(a, n)| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, n) })
+                        .collect();
+                    let objs: Vec<&[u8]> = hosts
+                        .iter()
+                        .map(|c| unsafe { std::slice::from_raw_parts(at(c) as *const u8, region) })
+                        .collect();
+                    stride::scatter(
+                        &group.table,
+                        &mut paged,
+                        &objs,
+                        &gb.ids,
+                        s.chunk_slots,
+                        gb.skip_blocks,
+                    )
+                }
+            };
+            res.map_err(|source| {
+                WorkerError::CopyRefused {
+                    first_chunk: batch.first_chunk,
+                    source,
+                }
+                .in_group(g)
+            })?;
+        }
     }
     Ok(())
 }
@@ -283,8 +430,28 @@ fn read_back(inst: &Instance, iid: i64, reads: &[LayerRead]) -> Result<Vec<Vec<u
         .collect()
 }
 
+/// Parses the worker's event as the device thread does and, for a
+/// timeline semaphore, waits for it.
+fn waited(inst: &mut Instance, event: Option<&[u8]>) -> Result<(), WorkerError> {
+    let Some(bytes) = event else { return Ok(()) };
+    let ev = match WorkerEvent::parse(bytes, inst.spec.isolated_ipc).map_err(WorkerError::Device)? {
+        WorkerEvent::Cuda(_) => return Ok(()),
+        WorkerEvent::Timeline(ev) => ev,
+    };
+    let Some(Timeline { import, .. }) = &mut inst.timeline else {
+        return Ok(());
+    };
+    if import.as_ref().is_none_or(|(h, _)| *h != ev.buffer) {
+        let map = map_handle(&ev.buffer.0, (TIMELINE_SLOTS * 8) as usize)?;
+        *import = Some((ev.buffer, map));
+    }
+    let (_, map) = import.as_ref().expect("mapped above");
+    wait_timeline(map, &ev)
+}
+
 fn serve(jobs: mpsc::Receiver<DeviceJob>) {
     let mut instances: HashMap<i64, Instance> = HashMap::new();
+    let mut semaphores: Option<SemaphoreBuffer> = None;
     let setup = std::env::var(SETUP_MS_ENV)
         .ok()
         .and_then(|v| v.parse().ok())
@@ -295,7 +462,22 @@ fn serve(jobs: mpsc::Receiver<DeviceJob>) {
                 if let Some(d) = setup {
                     std::thread::sleep(d);
                 }
-                match register(spec) {
+                let isolated = spec.isolated_ipc;
+                let registered = register(spec).and_then(|mut inst| {
+                    if isolated {
+                        if semaphores.is_none() {
+                            semaphores = Some(SemaphoreBuffer::create()?);
+                        }
+                        let slot = semaphores.as_mut().expect("made above").claim_slot()?;
+                        inst.timeline = Some(Timeline {
+                            slot_offset: slot,
+                            seq: 0,
+                            import: None,
+                        });
+                    }
+                    Ok(inst)
+                });
+                match registered {
                     Ok(inst) => {
                         instances.insert(iid, inst);
                         done(Ok(()));
@@ -309,12 +491,20 @@ fn serve(jobs: mpsc::Receiver<DeviceJob>) {
             DeviceJob::Transfer {
                 iid,
                 dir,
+                worker_event,
                 chunks,
                 done,
-                ..
             } => {
-                let res = match instances.get(&iid) {
-                    Some(inst) => transfer(inst, dir, &chunks).map(|()| EMULATED_EVENT.to_vec()),
+                let res = match instances.get_mut(&iid) {
+                    Some(inst) => waited(inst, worker_event.as_deref())
+                        .and_then(|()| transfer(inst, dir, &chunks))
+                        .map(|()| match (&mut inst.timeline, &semaphores) {
+                            (Some(tl), Some(buffer)) => {
+                                tl.seq += 1;
+                                buffer.signal(tl.slot_offset, tl.seq).to_bytes()
+                            }
+                            _ => EMULATED_EVENT.to_vec(),
+                        }),
                     None => Err(WorkerError::UnknownInstance {
                         device: 0,
                         instance: iid,

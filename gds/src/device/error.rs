@@ -106,6 +106,31 @@ pub enum WorkerError {
         thread: u32,
     },
     NoLayers,
+    /// What is wrong with kernel group `group` of a registration.
+    Group {
+        group: usize,
+        source: Box<WorkerError>,
+    },
+    /// A registration without a kernel group.
+    NoGroups,
+    /// A group's region of the object does not start where the previous one
+    /// ends (regions lie end to end, in group order).
+    RegionOffset {
+        offset: u64,
+        expected: u64,
+    },
+    /// A group's region, or the object, is not whole copy units of the group.
+    RegionMisaligned {
+        offset: u64,
+        object_bytes: u64,
+        unit: u64,
+    },
+    /// The group's blocks of a chunk do not cover the chunk's token slots.
+    ChunkNotWholeBlocks {
+        blocks_per_chunk: usize,
+        block_size: u32,
+        chunk_slots: u64,
+    },
     /// The number of kernel layers differs from the format's paged buffers.
     KernelLayerCount {
         format: EngineKvFormat,
@@ -183,13 +208,13 @@ pub enum WorkerError {
     },
     SkipTooLarge {
         chunk: usize,
-        skip_blocks: usize,
-        blocks: usize,
+        skip_tokens: usize,
+        tokens: u64,
     },
     /// A store must fill whole objects.
     StoreSkips {
         chunk: usize,
-        skip_blocks: usize,
+        skip_tokens: usize,
     },
     NullHostAddress {
         chunk: usize,
@@ -259,12 +284,21 @@ impl WorkerError {
         }
     }
 
+    /// `self` as what is wrong with kernel group `group`.
+    pub fn in_group(self, group: usize) -> WorkerError {
+        WorkerError::Group {
+            group,
+            source: Box::new(self),
+        }
+    }
+
     /// The innermost error under the context variants.
     pub fn root(&self) -> &WorkerError {
         match self {
             WorkerError::Unusable { source, .. }
             | WorkerError::During { source, .. }
-            | WorkerError::Layer { source, .. } => source.root(),
+            | WorkerError::Layer { source, .. }
+            | WorkerError::Group { source, .. } => source.root(),
             other => other,
         }
     }
@@ -340,6 +374,31 @@ impl fmt::Display for WorkerError {
                 "the spec is for device {spec}, this thread serves device {thread}"
             ),
             E::NoLayers => write!(f, "no layers"),
+            E::Group { group, source } => write!(f, "kernel group {group}: {source}"),
+            E::NoGroups => write!(f, "no kernel groups"),
+            E::RegionOffset { offset, expected } => write!(
+                f,
+                "its region starts at byte {offset} of the object, but the previous group's \
+                 ends at {expected}"
+            ),
+            E::RegionMisaligned {
+                offset,
+                object_bytes,
+                unit,
+            } => write!(
+                f,
+                "its region at byte {offset} of a {object_bytes}-byte object is not aligned to \
+                 its {unit}-byte copy unit"
+            ),
+            E::ChunkNotWholeBlocks {
+                blocks_per_chunk,
+                block_size,
+                chunk_slots,
+            } => write!(
+                f,
+                "{blocks_per_chunk} blocks of {block_size} tokens do not make a chunk of \
+                 {chunk_slots} tokens"
+            ),
             E::KernelLayerCount {
                 format,
                 expected,
@@ -424,15 +483,15 @@ impl fmt::Display for WorkerError {
             ),
             E::SkipTooLarge {
                 chunk,
-                skip_blocks,
-                blocks,
+                skip_tokens,
+                tokens,
             } => write!(
                 f,
-                "chunk {chunk}: skip_blocks {skip_blocks} exceeds its {blocks} blocks"
+                "chunk {chunk}: skipping {skip_tokens} tokens exceeds its {tokens} tokens"
             ),
-            E::StoreSkips { chunk, skip_blocks } => write!(
+            E::StoreSkips { chunk, skip_tokens } => write!(
                 f,
-                "chunk {chunk}: a store cannot skip blocks (skip_blocks {skip_blocks})"
+                "chunk {chunk}: a store cannot skip tokens (skip_tokens {skip_tokens})"
             ),
             E::NullHostAddress { chunk } => write!(f, "chunk {chunk}: null host address"),
             E::HostRangeWraps { chunk, addr, len } => {
@@ -483,9 +542,10 @@ impl Error for WorkerError {
         match self {
             E::Device(e) | E::KernelBuild(e) => Some(e),
             E::NvrtcUnavailable(e) => Some(e),
-            E::Unusable { source, .. } | E::During { source, .. } | E::Layer { source, .. } => {
-                Some(source.as_ref())
-            }
+            E::Unusable { source, .. }
+            | E::During { source, .. }
+            | E::Layer { source, .. }
+            | E::Group { source, .. } => Some(source.as_ref()),
             E::ThreadSpawn { source, .. } | E::Shm { source, .. } => Some(source.as_ref()),
             E::BatchUnlaunchable(e) | E::Copy(e) | E::CopyRefused { source: e, .. } => Some(e),
             E::HostSplit(e) => Some(e),
@@ -497,6 +557,10 @@ impl Error for WorkerError {
             | E::UnknownLayer { .. }
             | E::WrongDevice { .. }
             | E::NoLayers
+            | E::NoGroups
+            | E::RegionOffset { .. }
+            | E::RegionMisaligned { .. }
+            | E::ChunkNotWholeBlocks { .. }
             | E::KernelLayerCount { .. }
             | E::ZeroBlocksPerChunk
             | E::SpecOrdinalOutOfRange { .. }

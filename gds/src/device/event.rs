@@ -127,6 +127,233 @@ impl Drop for ImportedEvent {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Timeline semaphores (`--isolated-ipc`).
+// ---------------------------------------------------------------------------
+
+/// Bytes of lmcache 0.5.6's timeline-semaphore event handle: `!B64sQQ`, a
+/// version byte, the 64-byte `cudaIpcMemHandle_t` of the sender's semaphore
+/// buffer, the byte offset of its slot and the sequence it reaches,
+/// big-endian.
+pub const TIMELINE_EVENT_BYTES: usize = 81;
+
+/// Slots of a semaphore buffer (8 bytes each), as 0.5.6 allocates them; slot
+/// 0 is its support probe's, so a process's streams take slots from 1.
+pub const TIMELINE_SLOTS: u64 = 4096;
+
+const TIMELINE_VERSION: u8 = 1;
+
+/// One timeline-semaphore event: complete once the 64-bit value in slot
+/// `slot_offset` of the buffer `buffer` names is at least `seq`. What an
+/// `isolated_ipc` worker sends, and what the server answers, in place of
+/// CUDA's interprocess event handles (which need a shared `/dev/shm`):
+/// legacy CUDA IPC memory handles work across isolated containers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TimelineEvent {
+    pub buffer: super::ipc::IpcMemHandle,
+    pub slot_offset: u64,
+    pub seq: u64,
+}
+
+impl TimelineEvent {
+    /// Parses the 81 bytes; anything else, another version, or a slot that
+    /// is not one of the buffer's 8-byte slots, is an error.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, DeviceError> {
+        let doing = "parsing a worker's timeline-semaphore event";
+        if bytes.len() != TIMELINE_EVENT_BYTES {
+            return Err(DeviceError::invalid(
+                format!(
+                    "a timeline-semaphore event (--isolated-ipc) is {TIMELINE_EVENT_BYTES} \
+                     bytes, got {}{}",
+                    bytes.len(),
+                    if bytes.len() == IPC_EVENT_HANDLE_BYTES {
+                        " (64 bytes is a CUDA IPC event handle: the worker does not run \
+                         with lmcache.mp.isolated_ipc, or kvshard should not)"
+                    } else {
+                        ""
+                    }
+                ),
+                doing,
+            ));
+        }
+        if bytes[0] != TIMELINE_VERSION {
+            return Err(DeviceError::invalid(
+                format!(
+                    "timeline-semaphore event version {} (lmcache 0.5.6 sends {TIMELINE_VERSION})",
+                    bytes[0]
+                ),
+                doing,
+            ));
+        }
+        let mut buffer = [0u8; 64];
+        buffer.copy_from_slice(&bytes[1..65]);
+        let u64_at = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&bytes[at..at + 8]);
+            u64::from_be_bytes(b)
+        };
+        let (slot_offset, seq) = (u64_at(65), u64_at(73));
+        if slot_offset % 8 != 0 || slot_offset >= TIMELINE_SLOTS * 8 {
+            return Err(DeviceError::invalid(
+                format!(
+                    "slot offset {slot_offset} is not one of the {TIMELINE_SLOTS} 8-byte slots of \
+                     a semaphore buffer"
+                ),
+                doing,
+            ));
+        }
+        Ok(Self {
+            buffer: super::ipc::IpcMemHandle(buffer),
+            slot_offset,
+            seq,
+        })
+    }
+
+    /// The 81 bytes lmcache 0.5.6 parses.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(TIMELINE_EVENT_BYTES);
+        out.push(TIMELINE_VERSION);
+        out.extend_from_slice(&self.buffer.0);
+        out.extend_from_slice(&self.slot_offset.to_be_bytes());
+        out.extend_from_slice(&self.seq.to_be_bytes());
+        out
+    }
+}
+
+/// A worker's event, in the form the server's IPC mode expects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerEvent {
+    Cuda(IpcEventHandle),
+    Timeline(TimelineEvent),
+}
+
+impl WorkerEvent {
+    /// Parses a worker's event bytes: a timeline-semaphore event when the
+    /// server runs with `--isolated-ipc`, else a CUDA IPC event handle.
+    pub fn parse(bytes: &[u8], isolated_ipc: bool) -> Result<Self, DeviceError> {
+        if isolated_ipc {
+            TimelineEvent::from_bytes(bytes).map(Self::Timeline)
+        } else {
+            IpcEventHandle::from_bytes(bytes).map(Self::Cuda)
+        }
+    }
+}
+
+/// Driver entry points the timeline-semaphore path needs beyond
+/// [`Device::open`]'s.
+pub const TIMELINE_SYMBOLS: [&str; 3] = [
+    "cuIpcGetMemHandle",
+    "cuStreamWaitValue64_v2",
+    "cuStreamWriteValue64_v2",
+];
+
+/// Enqueues on `stream` a wait until the 64-bit value at device address
+/// `addr` is at least `seq` (`cuStreamWaitValue64`, GEQ).
+pub fn wait_value(stream: &Stream, addr: u64, seq: u64) -> Result<(), DeviceError> {
+    let s = stream.raw();
+    driver_call(
+        "cuStreamWaitValue64_v2",
+        || format!("making a stream wait for semaphore {addr:#x} to reach {seq}"),
+        // SAFETY: the symbol is checked (TIMELINE_SYMBOLS) before a timeline
+        // instance exists; `addr` is inside a live mapping of the worker's
+        // semaphore buffer the caller holds until the wait has run.
+        || unsafe {
+            sys::cuStreamWaitValue64_v2(
+                s,
+                addr,
+                seq,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as c_uint,
+            )
+        },
+    )
+}
+
+/// This process's semaphore buffer on one device: allocated zeroed and
+/// exported once; each instance stream signals through a slot of its own,
+/// whose values only grow (so a GEQ wait never races).
+pub struct TimelineBuffer {
+    buf: super::exec::DeviceBuffer,
+    handle: super::ipc::IpcMemHandle,
+    next_slot: u64,
+}
+
+impl TimelineBuffer {
+    pub fn new(device: &Device, stream: &Stream) -> Result<Self, DeviceError> {
+        super::require_symbols(&TIMELINE_SYMBOLS, "setting up timeline-semaphore events")?;
+        let len = (TIMELINE_SLOTS * 8) as usize;
+        let buf = super::exec::DeviceBuffer::alloc(device, len)?;
+        let zeros = vec![0u8; len];
+        // SAFETY: `zeros` is live until the synchronize below; the range is
+        // the whole buffer.
+        unsafe { stream.copy_to_device(&buf, 0, zeros.as_ptr(), len) }?;
+        stream.synchronize()?;
+        let mut raw = sys::CUipcMemHandle {
+            reserved: [0; IPC_EVENT_HANDLE_BYTES],
+        };
+        let ptr = buf.ptr();
+        driver_call(
+            "cuIpcGetMemHandle",
+            || {
+                format!(
+                    "exporting the semaphore buffer of device {}",
+                    device.ordinal()
+                )
+            },
+            // SAFETY: symbol checked above; `ptr` is the base of a live
+            // cuMemAlloc allocation; the out-pointer is a local.
+            || unsafe { sys::cuIpcGetMemHandle(&mut raw, ptr) },
+        )?;
+        Ok(Self {
+            buf,
+            handle: super::ipc::IpcMemHandle(raw.reserved.map(|c| c as u8)),
+            next_slot: 1,
+        })
+    }
+
+    /// A slot of its own for one stream; an error once all are taken.
+    pub fn claim_slot(&mut self) -> Result<u64, DeviceError> {
+        if self.next_slot >= TIMELINE_SLOTS {
+            return Err(DeviceError::invalid(
+                format!("all {} semaphore slots are taken", TIMELINE_SLOTS - 1),
+                "giving an instance a timeline-semaphore slot",
+            ));
+        }
+        self.next_slot += 1;
+        Ok((self.next_slot - 1) * 8)
+    }
+
+    /// Enqueues on `stream` the write of `seq` into slot `slot_offset` and
+    /// returns the event a worker waits on.
+    pub fn signal(
+        &self,
+        stream: &Stream,
+        slot_offset: u64,
+        seq: u64,
+    ) -> Result<TimelineEvent, DeviceError> {
+        let addr = self.buf.range(slot_offset as usize, 8)?;
+        let s = stream.raw();
+        driver_call(
+            "cuStreamWriteValue64_v2",
+            || format!("signalling semaphore slot {slot_offset} to {seq}"),
+            // SAFETY: symbol checked in new(); `addr` is an 8-byte slot of
+            // the live buffer, which outlives every stream that signals it.
+            || unsafe {
+                sys::cuStreamWriteValue64_v2(
+                    s,
+                    addr,
+                    seq,
+                    sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as c_uint,
+                )
+            },
+        )?;
+        Ok(TimelineEvent {
+            buffer: self.handle,
+            slot_offset,
+            seq,
+        })
+    }
+}
+
 /// Counters of a [`RingSlots`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RingStats {
@@ -345,6 +572,59 @@ impl ExportRing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The 81 bytes lmcache 0.5.6's `TimelineSemaphoreEventIPCBackend`
+    /// exports for buffer handle bytes 0..64, slot offset 8, sequence 42
+    /// (`event_handle_timeline_semaphore` in the CUDA golden frames).
+    const GOLDEN_TIMELINE: &str =
+        "01000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f20\
+        2122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f0000000000000008\
+        000000000000002a";
+
+    fn unhex(h: &str) -> Vec<u8> {
+        (0..h.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn timeline_events_are_0_5_6_s_81_bytes() {
+        let bytes = unhex(GOLDEN_TIMELINE);
+        let ev = TimelineEvent::from_bytes(&bytes).unwrap();
+        let want: Vec<u8> = (0..64).collect();
+        assert_eq!(ev.buffer.0.to_vec(), want);
+        assert_eq!((ev.slot_offset, ev.seq), (8, 42));
+        assert_eq!(ev.to_bytes(), bytes, "encodes back to the same bytes");
+        assert_eq!(
+            WorkerEvent::parse(&bytes, true).unwrap(),
+            WorkerEvent::Timeline(ev)
+        );
+        // The other form, in each mode.
+        let e = WorkerEvent::parse(&[0; 64], true).unwrap_err().to_string();
+        assert!(e.contains("64 bytes is a CUDA IPC event handle"), "{e}");
+        let e = WorkerEvent::parse(&bytes, false).unwrap_err().to_string();
+        assert!(e.contains("81 bytes is the isolated_ipc"), "{e}");
+        assert!(matches!(
+            WorkerEvent::parse(&[5; 64], false),
+            Ok(WorkerEvent::Cuda(_))
+        ));
+        // Another version, a slot that is not one of the buffer's.
+        let mut v2 = bytes.clone();
+        v2[0] = 2;
+        let e = TimelineEvent::from_bytes(&v2).unwrap_err().to_string();
+        assert!(e.contains("version 2"), "{e}");
+        for bad in [4u64, TIMELINE_SLOTS * 8] {
+            let ev = TimelineEvent {
+                slot_offset: bad,
+                ..ev
+            };
+            let e = TimelineEvent::from_bytes(&ev.to_bytes())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("slot offset {bad}")), "{e}");
+        }
+    }
 
     #[test]
     fn event_handles_must_be_64_bytes() {

@@ -36,7 +36,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use super::error::{Step, WorkerError};
-use super::event::{ExportRing, ImportedEvent, IpcEventHandle, DEFAULT_EXPORT_RING};
+use super::event::{
+    wait_value, ExportRing, ImportedEvent, IpcEventHandle, TimelineBuffer, WorkerEvent,
+    DEFAULT_EXPORT_RING,
+};
 use super::exec::{CompletionEvent, DeviceBuffer, KernelModule, LaunchArgs, Stream};
 use super::ipc::{
     DriverIpcOpener, FabricHandle, IpcMemHandle, IpcOpener, MappingKey, MappingRegistry,
@@ -94,22 +97,44 @@ pub struct LayerSpec {
     pub view_bytes: u64,
 }
 
+/// One kernel group of a registration: the layers one stride table walks,
+/// and where their region of every chunk object lies.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// Indices into the instance's `layers` in the kernel's pointer order
+    /// (the paged[] array); exactly `table.paged_buffers()` of them.
+    pub kernel_layers: Vec<usize>,
+    pub table: StrideTable,
+    /// Block ids of one chunk in this group (`chunk_slots / bs`).
+    pub blocks_per_chunk: usize,
+    /// Bytes from an object's start to the group's region, which is
+    /// `table.object_bytes(chunk_slots)` long. Regions lie end to end in
+    /// group order.
+    pub object_offset: u64,
+}
+
 /// Everything a registration needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InstanceSpec {
     pub ordinal: usize,
     /// Every registered tensor, registration order.
     pub layers: Vec<LayerSpec>,
-    /// Indices into `layers` in the kernel's pointer order (the paged[]
-    /// array); exactly `table.paged_buffers()` of them.
-    pub kernel_layers: Vec<usize>,
-    /// One kernel group.
-    pub table: StrideTable,
+    /// The kernel groups (hybrid models have several), in object order.
+    pub groups: Vec<GroupSpec>,
     /// Token slots per chunk object.
     pub chunk_slots: u64,
-    pub blocks_per_chunk: usize,
-    /// Bytes of one chunk object (must equal `table.object_bytes(chunk_slots)`).
+    /// Bytes of one chunk object: every group's region.
     pub object_bytes: u64,
+    /// Events are timeline semaphores (`--isolated-ipc`: 81-byte handles
+    /// over CUDA IPC memory) instead of CUDA interprocess events.
+    pub isolated_ipc: bool,
+}
+
+impl InstanceSpec {
+    /// Block ids of one chunk: every group's, end to end.
+    pub fn ids_per_chunk(&self) -> usize {
+        self.groups.iter().map(|g| g.blocks_per_chunk).sum()
+    }
 }
 
 /// One chunk of a transfer: the L1 object in host memory and the worker's
@@ -117,12 +142,22 @@ pub struct InstanceSpec {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkCopy {
     pub host_addr: usize,
+    /// Every group's block ids of the chunk, end to end in group order.
     pub block_ids: Vec<i64>,
-    /// Leading blocks of this chunk left untouched (retrieve's
-    /// skip_first_n_tokens; 0 for store, which refuses anything else).
-    /// Honoured per chunk; see [`plan_batches`] for how it becomes the
-    /// kernel's flat skip of a batch.
-    pub skip_blocks: usize,
+    /// Leading tokens of this chunk left untouched (retrieve's
+    /// skip_first_n_tokens; 0 for store, which refuses anything else). Each
+    /// group leaves the whole blocks these tokens cover (0.5.6 rewrites a
+    /// partially skipped block); see [`plan_batches`] for how that becomes
+    /// the kernel's flat skip of a batch.
+    pub skip_tokens: usize,
+}
+
+impl ChunkCopy {
+    /// The chunk's leading blocks of a group of `block_size` tokens left
+    /// untouched.
+    pub fn skip_blocks(&self, block_size: u32) -> usize {
+        self.skip_tokens / (block_size.max(1) as usize)
+    }
 }
 
 /// Which way a transfer moves KV.
@@ -317,19 +352,11 @@ pub fn layer_window(ordinal: u32, layer: &LayerSpec) -> Result<LayerWindow, Work
 
 /// Checks a registration before anything is mapped or allocated.
 pub fn check_spec(spec: &InstanceSpec) -> Result<(), WorkerError> {
-    let t = &spec.table;
     if spec.layers.is_empty() {
         return Err(WorkerError::NoLayers);
     }
-    if spec.kernel_layers.len() != t.paged_buffers() {
-        return Err(WorkerError::KernelLayerCount {
-            format: t.format(),
-            expected: t.paged_buffers(),
-            got: spec.kernel_layers.len(),
-        });
-    }
-    if spec.blocks_per_chunk == 0 {
-        return Err(WorkerError::ZeroBlocksPerChunk);
+    if spec.groups.is_empty() {
+        return Err(WorkerError::NoGroups);
     }
     let ordinal = u32::try_from(spec.ordinal).map_err(|_| WorkerError::SpecOrdinalOutOfRange {
         ordinal: spec.ordinal,
@@ -337,8 +364,52 @@ pub fn check_spec(spec: &InstanceSpec) -> Result<(), WorkerError> {
     for (i, layer) in spec.layers.iter().enumerate() {
         layer_window(ordinal, layer).map_err(|e| e.in_layer(i))?;
     }
+    let mut end = 0u64;
+    for (g, group) in spec.groups.iter().enumerate() {
+        let region = check_group(spec, group, end).map_err(|e| e.in_group(g))?;
+        end = end.checked_add(region).ok_or(WorkerError::Overflow {
+            what: "the object's size",
+        })?;
+    }
+    if spec.object_bytes != end {
+        return Err(WorkerError::ObjectBytesMismatch {
+            got: spec.object_bytes,
+            expected: end,
+        });
+    }
+    (MAX_OBJECTS as u64)
+        .checked_mul(spec.object_bytes)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or(WorkerError::Overflow {
+            what: "the temp slots' size",
+        })?;
+    Ok(())
+}
+
+/// Checks one group of `spec` whose region should start at byte `offset`;
+/// returns the region's bytes.
+fn check_group(spec: &InstanceSpec, group: &GroupSpec, offset: u64) -> Result<u64, WorkerError> {
+    let t = &group.table;
+    if group.kernel_layers.len() != t.paged_buffers() {
+        return Err(WorkerError::KernelLayerCount {
+            format: t.format(),
+            expected: t.paged_buffers(),
+            got: group.kernel_layers.len(),
+        });
+    }
+    if group.blocks_per_chunk == 0 {
+        return Err(WorkerError::ZeroBlocksPerChunk);
+    }
+    let bs = t.shape().bs;
+    if (group.blocks_per_chunk as u64).checked_mul(u64::from(bs)) != Some(spec.chunk_slots) {
+        return Err(WorkerError::ChunkNotWholeBlocks {
+            blocks_per_chunk: group.blocks_per_chunk,
+            block_size: bs,
+            chunk_slots: spec.chunk_slots,
+        });
+    }
     let span = t.paged_span_bytes();
-    for (p, &i) in spec.kernel_layers.iter().enumerate() {
+    for (p, &i) in group.kernel_layers.iter().enumerate() {
         let layer = spec.layers.get(i).ok_or(WorkerError::KernelLayerMissing {
             pointer: p,
             layer: i,
@@ -354,7 +425,7 @@ pub fn check_spec(spec: &InstanceSpec) -> Result<(), WorkerError> {
         }
     }
     let blocks = MAX_OBJECTS
-        .checked_mul(spec.blocks_per_chunk)
+        .checked_mul(group.blocks_per_chunk)
         .ok_or(WorkerError::Overflow {
             what: "blocks_per_chunk",
         })?;
@@ -362,142 +433,180 @@ pub fn check_spec(spec: &InstanceSpec) -> Result<(), WorkerError> {
         KernelLaunch::new(t, dir, MAX_OBJECTS, blocks, spec.chunk_slots, 0)
             .map_err(WorkerError::BatchUnlaunchable)?;
     }
-    let need = t
+    let region = t
         .object_bytes(spec.chunk_slots)
         .map_err(WorkerError::Copy)?;
-    if spec.object_bytes != need {
-        return Err(WorkerError::ObjectBytesMismatch {
-            got: spec.object_bytes,
-            expected: need,
+    if group.object_offset != offset {
+        return Err(WorkerError::RegionOffset {
+            offset: group.object_offset,
+            expected: offset,
         });
     }
-    (MAX_OBJECTS as u64)
-        .checked_mul(spec.object_bytes)
-        .and_then(|b| usize::try_from(b).ok())
-        .ok_or(WorkerError::Overflow {
-            what: "the temp slots' size",
-        })?;
-    Ok(())
+    // Each temp slot starts at a multiple of object_bytes and the kernel
+    // moves whole units from the region's start.
+    let unit = u64::from(t.unit_bytes());
+    if group.object_offset % unit != 0 || spec.object_bytes % unit != 0 {
+        return Err(WorkerError::RegionMisaligned {
+            offset: group.object_offset,
+            object_bytes: spec.object_bytes,
+            unit,
+        });
+    }
+    Ok(region)
 }
 
 /// Checks every chunk of a transfer before anything is enqueued: exactly
-/// `blocks_per_chunk` ids, each in `0..nb`, `skip_blocks <= blocks_per_chunk`
-/// (and 0 for a store, which must fill the whole object), and a non-null
-/// host range `[host_addr, host_addr + object_bytes)` that does not wrap.
+/// `spec.ids_per_chunk()` ids, each group's in `0..nb` of its own buffers,
+/// `skip_tokens <= chunk_slots` (and 0 for a store, which must fill the
+/// whole object), and a non-null host range `[host_addr, host_addr +
+/// object_bytes)` that does not wrap.
 pub fn validate_chunks(
     chunks: &[ChunkCopy],
     dir: CopyDir,
-    blocks_per_chunk: usize,
-    nb: u64,
-    object_bytes: u64,
+    spec: &InstanceSpec,
 ) -> Result<(), WorkerError> {
+    let ids_per_chunk = spec.ids_per_chunk();
     for (c, chunk) in chunks.iter().enumerate() {
-        if chunk.block_ids.len() != blocks_per_chunk {
+        if chunk.block_ids.len() != ids_per_chunk {
             return Err(WorkerError::BlockIdCount {
                 chunk: c,
                 got: chunk.block_ids.len(),
-                expected: blocks_per_chunk,
+                expected: ids_per_chunk,
             });
         }
-        if let Some((j, id)) = chunk
-            .block_ids
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| u64::try_from(id).map_or(true, |id| id >= nb))
-        {
-            return Err(WorkerError::BlockIdOutOfRange {
-                chunk: c,
-                index: j,
-                id: *id,
-                nb,
-            });
+        let mut first = 0;
+        for group in &spec.groups {
+            let nb = group.table.shape().nb;
+            let ids = &chunk.block_ids[first..first + group.blocks_per_chunk];
+            if let Some((j, id)) = ids
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| u64::try_from(id).map_or(true, |id| id >= nb))
+            {
+                return Err(WorkerError::BlockIdOutOfRange {
+                    chunk: c,
+                    index: first + j,
+                    id: *id,
+                    nb,
+                });
+            }
+            first += group.blocks_per_chunk;
         }
-        if chunk.skip_blocks > blocks_per_chunk {
+        if chunk.skip_tokens as u64 > spec.chunk_slots {
             return Err(WorkerError::SkipTooLarge {
                 chunk: c,
-                skip_blocks: chunk.skip_blocks,
-                blocks: blocks_per_chunk,
+                skip_tokens: chunk.skip_tokens,
+                tokens: spec.chunk_slots,
             });
         }
-        if dir == CopyDir::ToHost && chunk.skip_blocks != 0 {
+        if dir == CopyDir::ToHost && chunk.skip_tokens != 0 {
             return Err(WorkerError::StoreSkips {
                 chunk: c,
-                skip_blocks: chunk.skip_blocks,
+                skip_tokens: chunk.skip_tokens,
             });
         }
         if chunk.host_addr == 0 {
             return Err(WorkerError::NullHostAddress { chunk: c });
         }
-        let end = usize::try_from(object_bytes)
+        let end = usize::try_from(spec.object_bytes)
             .ok()
             .and_then(|n| chunk.host_addr.checked_add(n));
         if end.is_none() {
             return Err(WorkerError::HostRangeWraps {
                 chunk: Some(c),
                 addr: chunk.host_addr as u64,
-                len: object_bytes,
+                len: spec.object_bytes,
             });
         }
     }
     Ok(())
 }
 
-/// One kernel launch's worth of chunks.
+/// One kernel group's part of a batch: one launch.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Batch {
-    /// Index of the batch's first chunk in the transfer.
-    pub first_chunk: usize,
-    /// Chunks (kernel objects) in the batch, 1..=MAX_OBJECTS.
-    pub chunks: usize,
-    /// The chunks' block ids, concatenated (the kernel's flat index).
+pub struct GroupBatch {
+    /// The chunks' block ids of this group, concatenated (the kernel's flat
+    /// index).
     pub ids: Vec<i64>,
     /// Leading flat blocks of the batch the kernel leaves untouched.
     pub skip_blocks: usize,
 }
 
-impl Batch {
+impl GroupBatch {
     /// Whether the kernel would touch nothing (every block skipped).
     pub fn fully_skipped(&self) -> bool {
         self.skip_blocks >= self.ids.len()
     }
 }
 
-/// Groups chunks into batches of at most [`MAX_OBJECTS`], in order.
+/// One kernel launch per group's worth of chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    /// Index of the batch's first chunk in the transfer.
+    pub first_chunk: usize,
+    /// Chunks (kernel objects) in the batch, 1..=MAX_OBJECTS.
+    pub chunks: usize,
+    /// Per kernel group, in the spec's order.
+    pub groups: Vec<GroupBatch>,
+}
+
+impl Batch {
+    /// Whether no group's kernel would touch anything.
+    pub fn fully_skipped(&self) -> bool {
+        self.groups.iter().all(GroupBatch::fully_skipped)
+    }
+}
+
+/// Groups chunks into batches of at most [`MAX_OBJECTS`], in order, each
+/// with one launch per kernel group of `spec`.
 ///
-/// The kernel skips a flat prefix of a batch's blocks, so a batch's skip is
-/// the sum of the `skip_blocks` of its leading chunks: a chunk may join a
-/// batch when it skips nothing, or when every chunk already in the batch is
-/// skipped entirely (its own skip then extends the prefix). Any other chunk
-/// with `skip_blocks > 0` starts a new batch. So each chunk's own
-/// `skip_blocks` is honoured exactly, whatever the pattern.
+/// The kernel skips a flat prefix of a batch's blocks, so a group's skip in
+/// a batch is the sum of the skipped blocks of its leading chunks: a chunk
+/// may join a batch when, in every group, it skips nothing or every chunk
+/// already in the batch is skipped entirely (its own skip then extends the
+/// prefix). Any other chunk starts a new batch. So each chunk's own skip is
+/// honoured exactly in every group, whatever the pattern.
 ///
 /// For the skips RETRIEVE derives from `skip_first_n_tokens` (whole chunks
 /// skipped, then one partial chunk, then none) this gives lmcache 0.5.6's
-/// batches and flat skips exactly: fixed batches of four, each skipping
-/// `floor(max(0, skip_tokens - batch_first_token) / bs)` flat blocks. When
-/// only the first chunk of a batch skips anything, the batch's skip is that
-/// chunk's `skip_blocks`.
-pub fn plan_batches(chunks: &[ChunkCopy], blocks_per_chunk: usize) -> Vec<Batch> {
+/// batches and flat skips exactly: fixed batches of four, each group
+/// skipping `floor(max(0, skip_tokens - batch_first_token) / bs)` flat
+/// blocks of its own block size.
+pub fn plan_batches(chunks: &[ChunkCopy], spec: &InstanceSpec) -> Vec<Batch> {
     let mut out: Vec<Batch> = Vec::new();
     for (c, chunk) in chunks.iter().enumerate() {
         let joins = out.last().is_some_and(|b| {
             b.chunks < MAX_OBJECTS
-                && (chunk.skip_blocks == 0 || b.skip_blocks == b.chunks * blocks_per_chunk)
+                && spec.groups.iter().zip(&b.groups).all(|(g, gb)| {
+                    chunk.skip_blocks(g.table.shape().bs) == 0
+                        || gb.skip_blocks == b.chunks * g.blocks_per_chunk
+                })
         });
         if !joins {
             out.push(Batch {
                 first_chunk: c,
                 chunks: 0,
-                ids: Vec::with_capacity(MAX_OBJECTS * blocks_per_chunk),
-                skip_blocks: 0,
+                groups: spec
+                    .groups
+                    .iter()
+                    .map(|g| GroupBatch {
+                        ids: Vec::with_capacity(MAX_OBJECTS * g.blocks_per_chunk),
+                        skip_blocks: 0,
+                    })
+                    .collect(),
             });
         }
         let b = out.last_mut().expect("a batch was just ensured");
-        if b.skip_blocks == b.chunks * blocks_per_chunk {
-            b.skip_blocks += chunk.skip_blocks;
+        let mut first = 0;
+        for (g, gb) in spec.groups.iter().zip(&mut b.groups) {
+            if gb.skip_blocks == b.chunks * g.blocks_per_chunk {
+                gb.skip_blocks += chunk.skip_blocks(g.table.shape().bs);
+            }
+            gb.ids
+                .extend_from_slice(&chunk.block_ids[first..first + g.blocks_per_chunk]);
+            first += g.blocks_per_chunk;
         }
         b.chunks += 1;
-        b.ids.extend_from_slice(&chunk.block_ids);
     }
     out
 }
@@ -803,16 +912,36 @@ struct Instance {
     /// Per registered tensor: the device address of its first element and
     /// the bytes its view spans.
     views: Vec<(u64, u64)>,
-    table: StrideTable,
-    chunk_slots: u64,
-    blocks_per_chunk: usize,
-    object_bytes: u64,
+    /// The registration (its kernel groups and object layout).
+    spec: InstanceSpec,
+    /// Per kernel group: where its pointers start in `paged` and its ids in
+    /// `ids` (bytes).
+    group_offsets: Vec<(usize, usize)>,
+    /// The kernel groups' base pointers, group after group.
     paged: DeviceBuffer,
     ids: DeviceBuffer,
     slots: DeviceBuffer,
     completion: CompletionEvent,
     ring: ExportRing,
+    /// `--isolated-ipc`: the slot of the thread's semaphore buffer this
+    /// instance signals, its last sequence, and the worker's semaphore
+    /// buffer as mapped here (also in `keys`).
+    timeline: Option<Timeline>,
     stream: Stream,
+}
+
+/// An instance's timeline-semaphore state.
+struct Timeline {
+    slot_offset: u64,
+    seq: u64,
+    import: Option<(MappingKey, u64)>,
+}
+
+/// What a transfer waits on before it copies.
+enum WorkerWait {
+    Event(ImportedEvent),
+    /// The 64-bit value at this device address reaching this sequence.
+    Value(u64, u64),
 }
 
 impl Instance {
@@ -836,6 +965,9 @@ struct Worker {
     /// Compiled on the first registration; a failure is kept and repeated.
     module: Option<Result<KernelModule, WorkerError>>,
     pin: Option<PinView>,
+    /// This thread's semaphore buffer, made on the first `--isolated-ipc`
+    /// registration.
+    timeline: Option<TimelineBuffer>,
 }
 
 fn panic_message(p: &(dyn Any + Send)) -> &str {
@@ -874,6 +1006,7 @@ impl Worker {
             instances: HashMap::new(),
             module: None,
             pin,
+            timeline: None,
         }
     }
 
@@ -1005,9 +1138,21 @@ impl Worker {
         }
         check_spec(spec).map_err(doing)?;
         self.kernel().map(|_| ()).map_err(doing)?;
+        let slot = if spec.isolated_ipc {
+            if self.timeline.is_none() {
+                let stream = Stream::new(&self.device).map_err(|e| doing(e.into()))?;
+                let buffer =
+                    TimelineBuffer::new(&self.device, &stream).map_err(|e| doing(e.into()))?;
+                self.timeline = Some(buffer);
+            }
+            let buffer = self.timeline.as_mut().expect("made above");
+            Some(buffer.claim_slot().map_err(|e| doing(e.into()))?)
+        } else {
+            None
+        };
         let layers =
             import_layers(&mut self.registry, self.ordinal, &spec.layers).map_err(doing)?;
-        match self.build_instance(spec, &layers) {
+        match self.build_instance(spec, &layers, slot) {
             Ok(inst) => {
                 self.instances.insert(iid, inst);
                 Ok(())
@@ -1027,10 +1172,18 @@ impl Worker {
         &self,
         spec: &InstanceSpec,
         layers: &[ImportedLayer],
+        timeline_slot: Option<u64>,
     ) -> Result<Instance, WorkerError> {
-        let t = &spec.table;
-        let ptrs: Vec<u64> = spec.kernel_layers.iter().map(|&i| layers[i].ptr).collect();
-        check_alignment(&ptrs, t.unit_bytes())?;
+        let mut ptrs: Vec<u64> = Vec::new();
+        let mut group_offsets = Vec::with_capacity(spec.groups.len());
+        let mut ids_at = 0;
+        for (g, group) in spec.groups.iter().enumerate() {
+            let group_ptrs: Vec<u64> = group.kernel_layers.iter().map(|&i| layers[i].ptr).collect();
+            check_alignment(&group_ptrs, group.table.unit_bytes()).map_err(|e| e.in_group(g))?;
+            group_offsets.push((ptrs.len() * 8, ids_at));
+            ids_at += MAX_OBJECTS * group.blocks_per_chunk * 8;
+            ptrs.extend(group_ptrs);
+        }
         let device = &self.device;
         let stream = Stream::new(device)?;
         let mut seen = HashSet::new();
@@ -1048,7 +1201,7 @@ impl Worker {
         }
         let ptr_bytes = ptrs.len() * 8;
         let paged = DeviceBuffer::alloc(device, ptr_bytes)?;
-        let ids = DeviceBuffer::alloc(device, MAX_OBJECTS * spec.blocks_per_chunk * 8)?;
+        let ids = DeviceBuffer::alloc(device, ids_at)?;
         // check_spec made sure this fits usize.
         let slots = DeviceBuffer::alloc(device, MAX_OBJECTS * spec.object_bytes as usize)?;
         let completion = CompletionEvent::new(device)?;
@@ -1069,15 +1222,18 @@ impl Worker {
                 .zip(&spec.layers)
                 .map(|(l, s)| (l.ptr, s.view_bytes))
                 .collect(),
-            table: spec.table,
-            chunk_slots: spec.chunk_slots,
-            blocks_per_chunk: spec.blocks_per_chunk,
-            object_bytes: spec.object_bytes,
+            spec: spec.clone(),
+            group_offsets,
             paged,
             ids,
             slots,
             completion,
             ring,
+            timeline: timeline_slot.map(|slot_offset| Timeline {
+                slot_offset,
+                seq: 0,
+                import: None,
+            }),
             stream,
         })
     }
@@ -1109,20 +1265,12 @@ impl Worker {
             Some(Ok(m)) => m,
             _ => return Err(doing(WorkerError::KernelNotLoaded)),
         };
-        let t = inst.table;
-        validate_chunks(
-            chunks,
-            dir,
-            inst.blocks_per_chunk,
-            t.shape().nb,
-            inst.object_bytes,
-        )
-        .map_err(doing)?;
+        validate_chunks(chunks, dir, &inst.spec).map_err(doing)?;
         let handle = worker_event
-            .map(IpcEventHandle::from_bytes)
+            .map(|b| WorkerEvent::parse(b, inst.spec.isolated_ipc))
             .transpose()
             .map_err(|e| doing(WorkerError::Device(e)))?;
-        let batches = plan_batches(chunks, inst.blocks_per_chunk);
+        let batches = plan_batches(chunks, &inst.spec);
         let direction = match dir {
             CopyDir::ToHost => CopyDirection::Gather,
             CopyDir::ToDevice => CopyDirection::Scatter,
@@ -1130,33 +1278,73 @@ impl Worker {
         let mut launches = Vec::with_capacity(batches.len());
         let mut copies = Vec::with_capacity(chunks.len());
         for b in &batches {
-            let launch = if b.fully_skipped() {
-                None
-            } else {
+            // Per group: its launch, or None when it skips every block.
+            let mut group_launches = Vec::with_capacity(b.groups.len());
+            for (g, (group, gb)) in inst.spec.groups.iter().zip(&b.groups).enumerate() {
+                if gb.fully_skipped() {
+                    group_launches.push(None);
+                    continue;
+                }
                 let l = KernelLaunch::new(
-                    &t,
+                    &group.table,
                     direction,
                     b.chunks,
-                    b.ids.len(),
-                    inst.chunk_slots,
-                    b.skip_blocks,
+                    gb.ids.len(),
+                    inst.spec.chunk_slots,
+                    gb.skip_blocks,
                 )
-                .map_err(|e| doing(WorkerError::Copy(e)))?;
-                Some(l)
-            };
-            launches.push(launch);
+                .map_err(|e| doing(WorkerError::Copy(e).in_group(g)))?;
+                group_launches.push(Some(l));
+            }
+            launches.push(group_launches);
             for chunk in &chunks[b.first_chunk..b.first_chunk + b.chunks] {
-                let parts =
-                    host_copy_parts(self.pin.as_ref(), chunk.host_addr as u64, inst.object_bytes)
-                        .map_err(doing)?;
+                let parts = host_copy_parts(
+                    self.pin.as_ref(),
+                    chunk.host_addr as u64,
+                    inst.spec.object_bytes,
+                )
+                .map_err(doing)?;
                 copies.push(parts);
             }
         }
         // Nothing is enqueued before this point.
-        let imported = handle
-            .map(|h| ImportedEvent::import(&self.device, &h))
-            .transpose()
-            .map_err(|e| doing(WorkerError::Device(e)))?;
+        let imported = match handle {
+            None => None,
+            Some(WorkerEvent::Cuda(h)) => Some(WorkerWait::Event(
+                ImportedEvent::import(&self.device, &h)
+                    .map_err(|e| doing(WorkerError::Device(e)))?,
+            )),
+            Some(WorkerEvent::Timeline(ev)) => {
+                // The worker's semaphore buffer, mapped once per buffer.
+                let tl = inst.timeline.as_mut().expect("an isolated_ipc instance");
+                let key = MappingKey::ipc(ordinal, ev.buffer);
+                let base = match tl.import {
+                    Some((k, base)) if k == key => base,
+                    previous => {
+                        let m = self.registry.open(&key).map_err(|e| doing(e.into()))?;
+                        if m.len < ev.slot_offset + 8 {
+                            let _ = self.registry.release(&key);
+                            return Err(doing(WorkerError::Device(DeviceError::invalid(
+                                format!(
+                                    "the worker's semaphore buffer is {} bytes, its slot at {} \
+                                     is outside",
+                                    m.len, ev.slot_offset
+                                ),
+                                "mapping a worker's semaphore buffer",
+                            ))));
+                        }
+                        if let Some((old, _)) = previous {
+                            inst.keys.retain(|k| *k != old);
+                            let _ = self.registry.release(&old);
+                        }
+                        inst.keys.push(key);
+                        tl.import = Some((key, m.base));
+                        m.base
+                    }
+                };
+                Some(WorkerWait::Value(base + ev.slot_offset, ev.seq))
+            }
+        };
         let enqueued = enqueue(
             module,
             inst,
@@ -1179,16 +1367,28 @@ impl Worker {
         // until here, past completion.
         drop(imported);
         drop(batches);
-        let exported = inst.ring.export(&inst.stream).map_err(|e| {
+        let exported = match (inst.timeline.as_mut(), self.timeline.as_ref()) {
+            (Some(tl), Some(buffer)) => {
+                tl.seq += 1;
+                buffer
+                    .signal(&inst.stream, tl.slot_offset, tl.seq)
+                    .map(|ev| ev.to_bytes())
+            }
+            _ => inst
+                .ring
+                .export(&inst.stream)
+                .map(|h| h.as_bytes().to_vec()),
+        };
+        exported.map_err(|e| {
             let _ = inst.stream.synchronize();
             doing(WorkerError::Device(e))
-        })?;
-        Ok(exported.as_bytes().to_vec())
+        })
     }
 }
 
 /// Enqueues one transfer on the instance stream, ending with the
-/// completion record. `copies[k]` holds the host parts of chunk
+/// completion record. `launches[b][g]` is group `g`'s launch of batch `b`
+/// (None: it skips every block); `copies[k]` holds the host parts of chunk
 /// `batches[..].first_chunk + ..` in batch order.
 #[allow(clippy::too_many_arguments)]
 fn enqueue(
@@ -1197,40 +1397,26 @@ fn enqueue(
     dir: CopyDir,
     chunks: &[ChunkCopy],
     batches: &[Batch],
-    launches: &[Option<KernelLaunch>],
+    launches: &[Vec<Option<KernelLaunch>>],
     copies: &[Vec<HostPart>],
-    worker_event: Option<&ImportedEvent>,
+    worker_event: Option<&WorkerWait>,
 ) -> Result<(), DeviceError> {
     let stream = &inst.stream;
-    if let Some(ev) = worker_event {
-        ev.wait_on(stream)?;
+    match worker_event {
+        Some(WorkerWait::Event(ev)) => ev.wait_on(stream)?,
+        Some(&WorkerWait::Value(addr, seq)) => wait_value(stream, addr, seq)?,
+        None => {}
     }
-    let obj = inst.object_bytes as usize;
+    let obj = inst.spec.object_bytes as usize;
     let mut k = 0;
-    for (b, launch) in batches.iter().zip(launches) {
+    for (b, group_launches) in batches.iter().zip(launches) {
         let members = &chunks[b.first_chunk..b.first_chunk + b.chunks];
         let parts = &copies[k..k + b.chunks];
         k += b.chunks;
-        let Some(launch) = launch else {
+        if group_launches.iter().all(Option::is_none) {
             // Every block of the batch is skipped: nothing to move.
             continue;
-        };
-        let mut objects = KernelObjects::default();
-        for (i, p) in objects.ptr.iter_mut().take(b.chunks).enumerate() {
-            *p = inst.slots.range(i * obj, obj)?;
         }
-        let args = LaunchArgs {
-            paged: inst.paged.ptr(),
-            objects,
-            ids: inst.ids.ptr(),
-        };
-        // SAFETY: `b.ids` is a live Vec kept until the transfer completed
-        // (the caller waits before dropping it); the range fits `inst.ids`,
-        // sized for MAX_OBJECTS chunks (checked by copy_to_device). The
-        // buffer is reused by the next batch only in stream order.
-        unsafe {
-            stream.copy_to_device(&inst.ids, 0, b.ids.as_ptr().cast::<u8>(), b.ids.len() * 8)
-        }?;
         if dir == CopyDir::ToDevice {
             for (i, (chunk, parts)) in members.iter().zip(parts).enumerate() {
                 for p in parts {
@@ -1250,15 +1436,52 @@ fn enqueue(
                 }
             }
         }
-        // SAFETY: the paged array holds the kernel layers' first elements,
-        // each aligned to the copy unit and spanning the layout's
-        // paged_span_bytes inside its mapping (checked at registration);
-        // every block id is in 0..nb (validate_chunks); the objects are the
-        // instance's temp slots of object_bytes each; the ids were uploaded
-        // just before on this stream. All of it stays alive and mapped until
-        // the transfer has completed (the thread waits, or synchronizes on
-        // error, before anything is dropped or unregistered).
-        unsafe { module.launch(stream, launch, &args) }?;
+        for (((group, gb), launch), &(ptr_at, ids_at)) in inst
+            .spec
+            .groups
+            .iter()
+            .zip(&b.groups)
+            .zip(group_launches)
+            .zip(&inst.group_offsets)
+        {
+            let Some(launch) = launch else { continue };
+            let region = (inst.spec.object_bytes - group.object_offset) as usize;
+            let mut objects = KernelObjects::default();
+            for (i, p) in objects.ptr.iter_mut().take(b.chunks).enumerate() {
+                *p = inst
+                    .slots
+                    .range(i * obj + group.object_offset as usize, region)?;
+            }
+            let args = LaunchArgs {
+                paged: inst.paged.ptr() + ptr_at as u64,
+                objects,
+                ids: inst.ids.ptr() + ids_at as u64,
+            };
+            // SAFETY: `gb.ids` is a live Vec kept until the transfer
+            // completed (the caller waits before dropping it); the range is
+            // the group's part of `inst.ids`, sized for MAX_OBJECTS chunks of
+            // its blocks (checked by copy_to_device). It is reused by the
+            // next batch only in stream order.
+            unsafe {
+                stream.copy_to_device(
+                    &inst.ids,
+                    ids_at,
+                    gb.ids.as_ptr().cast::<u8>(),
+                    gb.ids.len() * 8,
+                )
+            }?;
+            // SAFETY: the group's part of the paged array holds its kernel
+            // layers' first elements, each aligned to the copy unit and
+            // spanning the layout's paged_span_bytes inside its mapping
+            // (checked at registration); every block id is in 0..nb of the
+            // group (validate_chunks); the objects are the group's regions of
+            // the instance's temp slots (whole units, check_spec); the ids
+            // were uploaded just before on this stream. All of it stays alive
+            // and mapped until the transfer has completed (the thread waits,
+            // or synchronizes on error, before anything is dropped or
+            // unregistered).
+            unsafe { module.launch(stream, launch, &args) }?;
+        }
         if dir == CopyDir::ToHost {
             for (i, (chunk, parts)) in members.iter().zip(parts).enumerate() {
                 for p in parts {
@@ -1547,11 +1770,49 @@ mod tests {
         InstanceSpec {
             ordinal: 0,
             layers: vec![raw_layer(1, 0, span), raw_layer(1, span, span)],
-            kernel_layers: vec![0, 1],
-            table: t,
+            groups: vec![GroupSpec {
+                kernel_layers: vec![0, 1],
+                table: t,
+                blocks_per_chunk: 16,
+                object_offset: 0,
+            }],
             chunk_slots: 256,
-            blocks_per_chunk: 16,
             object_bytes: 2 * MIB,
+            isolated_ipc: false,
+        }
+    }
+
+    /// One NHD float16 layer of one head of 8, `nb` blocks of `bs` tokens.
+    fn small_group(bs: u32, blocks_per_chunk: usize, nb: u64) -> GroupSpec {
+        use kvshard_layout::stride::{EngineKvFormat, PageBufferShape};
+        let shape = PageBufferShape {
+            kv_size: 2,
+            nl: 1,
+            nb,
+            bs,
+            nh: 1,
+            hs: 8,
+            element_size: 2,
+            block_stride_elems: 0,
+        };
+        GroupSpec {
+            kernel_layers: vec![0],
+            table: StrideTable::new(EngineKvFormat::NL_X_TWO_NB_BS_NH_HS, &shape).unwrap(),
+            blocks_per_chunk,
+            object_offset: 0,
+        }
+    }
+
+    /// A spec of `groups` (for chunk checks and batches; not a registration).
+    fn spec_of(groups: Vec<GroupSpec>, object_bytes: u64) -> InstanceSpec {
+        let g = &groups[0];
+        InstanceSpec {
+            ordinal: 0,
+            layers: Vec::new(),
+            chunk_slots: u64::from(g.table.shape().bs) * g.blocks_per_chunk as u64,
+            groups,
+            object_bytes,
+            isolated_ipc: false,
         }
     }
 
@@ -1566,20 +1827,31 @@ mod tests {
         type Edit = Box<dyn Fn(&mut InstanceSpec)>;
         let cases: Vec<(&str, Edit)> = vec![
             ("no layers", Box::new(|s| s.layers.clear())),
+            ("no kernel groups", Box::new(|s| s.groups.clear())),
             (
-                "2 paged buffers",
-                Box::new(|s| s.kernel_layers.pop().map(|_| ()).unwrap_or(())),
+                "kernel group 0: the NL_X_TWO_NB_BS_NH_HS (1) format addresses 2 paged buffers",
+                Box::new(|s| s.groups[0].kernel_layers.pop().map(|_| ()).unwrap_or(())),
             ),
             (
                 "only 2 are registered",
-                Box::new(|s| s.kernel_layers[1] = 2),
+                Box::new(|s| s.groups[0].kernel_layers[1] = 2),
             ),
             (
                 "blocks_per_chunk is 0",
-                Box::new(|s| s.blocks_per_chunk = 0),
+                Box::new(|s| s.groups[0].blocks_per_chunk = 0),
             ),
-            ("cannot be launched", Box::new(|s| s.chunk_slots = 255)),
-            ("cannot be launched", Box::new(|s| s.blocks_per_chunk = 8)),
+            (
+                "16 blocks of 16 tokens do not make a chunk of 255 tokens",
+                Box::new(|s| s.chunk_slots = 255),
+            ),
+            (
+                "8 blocks of 16 tokens",
+                Box::new(|s| s.groups[0].blocks_per_chunk = 8),
+            ),
+            (
+                "starts at byte 16 of the object",
+                Box::new(|s| s.groups[0].object_offset = 16),
+            ),
             (
                 "one chunk of this layout is 2097152",
                 Box::new(|s| s.object_bytes += 16),
@@ -1604,6 +1876,55 @@ mod tests {
         let mut s = spec();
         s.layers.push(raw_layer(2, 0, 64));
         check_spec(&s).unwrap();
+    }
+
+    #[test]
+    fn groups_lie_end_to_end_in_the_object() {
+        // Group 1: one layer of 4 heads of 64, blocks of 32 tokens (8 a chunk).
+        use kvshard_layout::stride::{EngineKvFormat, PageBufferShape};
+        let shape = PageBufferShape {
+            kv_size: 2,
+            nl: 1,
+            nb: 50,
+            bs: 32,
+            nh: 4,
+            hs: 64,
+            element_size: 2,
+            block_stride_elems: 0,
+        };
+        let t1 = StrideTable::new(EngineKvFormat::NL_X_TWO_NB_BS_NH_HS, &shape).unwrap();
+        let region1 = t1.object_bytes(256).unwrap();
+        assert_eq!(region1, 2 * 256 * 4 * 64 * 2);
+        let mut s = spec();
+        s.layers.push(raw_layer(3, 0, t1.paged_span_bytes()));
+        s.groups.push(GroupSpec {
+            kernel_layers: vec![2],
+            table: t1,
+            blocks_per_chunk: 8,
+            object_offset: 2 * MIB,
+        });
+        s.object_bytes = 2 * MIB + region1;
+        check_spec(&s).unwrap();
+        assert_eq!(s.ids_per_chunk(), 24);
+        let mut gap = s.clone();
+        gap.groups[1].object_offset += 16;
+        gap.object_bytes += 16;
+        let e = check_spec(&gap).unwrap_err().to_string();
+        assert!(
+            e.starts_with("kernel group 1: its region starts at byte"),
+            "{e}"
+        );
+        let mut short = s.clone();
+        short.object_bytes -= region1;
+        let e = check_spec(&short).unwrap_err().to_string();
+        assert!(e.contains("one chunk of this layout is"), "{e}");
+        let mut small = s;
+        small.layers[2].view_bytes -= 1;
+        let e = check_spec(&small).unwrap_err().to_string();
+        assert!(
+            e.starts_with("kernel group 1: kernel pointer 0 (layer 2)"),
+            "{e}"
+        );
     }
 
     // -- layer windows and imports --------------------------------------------
@@ -1800,21 +2121,24 @@ mod tests {
 
     // -- chunk validation --------------------------------------------------
 
+    /// A chunk of `n` ids from `first`, skipping `skip` tokens.
     fn chunk(addr: usize, first: i64, n: usize, skip: usize) -> ChunkCopy {
         ChunkCopy {
             host_addr: addr,
             block_ids: (first..first + n as i64).collect(),
-            skip_blocks: skip,
+            skip_tokens: skip,
         }
     }
 
     #[test]
     fn chunk_validation() {
+        // One group of one-token blocks, 4 a chunk, 100 blocks.
+        let spec = spec_of(vec![small_group(1, 4, 100)], 4096);
         let ok = vec![chunk(0x1000, 0, 4, 0), chunk(0x9000, 96, 4, 0)];
-        assert!(validate_chunks(&ok, CopyDir::ToHost, 4, 100, 4096).is_ok());
-        assert!(validate_chunks(&[], CopyDir::ToHost, 4, 100, 4096).is_ok());
+        assert!(validate_chunks(&ok, CopyDir::ToHost, &spec).is_ok());
+        assert!(validate_chunks(&[], CopyDir::ToHost, &spec).is_ok());
         let retrieve = vec![chunk(0x1000, 0, 4, 4), chunk(0x9000, 0, 4, 2)];
-        assert!(validate_chunks(&retrieve, CopyDir::ToDevice, 4, 100, 4096).is_ok());
+        assert!(validate_chunks(&retrieve, CopyDir::ToDevice, &spec).is_ok());
         let cases = [
             (chunk(0x1000, 0, 3, 0), CopyDir::ToHost, "has 3 block ids"),
             (
@@ -1826,7 +2150,7 @@ mod tests {
             (
                 chunk(0x1000, 0, 4, 5),
                 CopyDir::ToDevice,
-                "skip_blocks 5 exceeds",
+                "skipping 5 tokens exceeds its 4 tokens",
             ),
             (chunk(0x1000, 0, 4, 1), CopyDir::ToHost, "store cannot skip"),
             (chunk(0, 0, 4, 0), CopyDir::ToHost, "null host address"),
@@ -1834,7 +2158,7 @@ mod tests {
         ];
         for (bad, dir, want) in cases {
             let chunks = vec![chunk(0x1000, 0, 4, 0), bad];
-            let e = validate_chunks(&chunks, dir, 4, 100, 4096)
+            let e = validate_chunks(&chunks, dir, &spec)
                 .unwrap_err()
                 .to_string();
             assert!(
@@ -1844,15 +2168,50 @@ mod tests {
         }
     }
 
+    #[test]
+    fn each_group_checks_its_own_ids() {
+        // Group 0: 2 blocks a chunk of 100; group 1: 1 block of 8 tokens of 10.
+        let spec = spec_of(vec![small_group(4, 2, 100), small_group(8, 1, 10)], 4096);
+        assert_eq!(spec.ids_per_chunk(), 3);
+        let ok = ChunkCopy {
+            host_addr: 0x1000,
+            block_ids: vec![99, 98, 9],
+            skip_tokens: 0,
+        };
+        validate_chunks(std::slice::from_ref(&ok), CopyDir::ToHost, &spec).unwrap();
+        let bad = ChunkCopy {
+            block_ids: vec![99, 98, 10],
+            ..ok.clone()
+        };
+        let e = validate_chunks(&[bad], CopyDir::ToHost, &spec)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("block id 10 (index 2) is outside 0..10"), "{e}");
+        let short = ChunkCopy {
+            block_ids: vec![1, 2],
+            ..ok
+        };
+        let e = validate_chunks(&[short], CopyDir::ToHost, &spec)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("has 2 block ids, expected 3"), "{e}");
+    }
+
     // -- batches -----------------------------------------------------------
 
     fn skips(batches: &[Batch]) -> Vec<(usize, usize, usize)> {
         batches
             .iter()
-            .map(|b| (b.first_chunk, b.chunks, b.skip_blocks))
+            .map(|b| (b.first_chunk, b.chunks, b.groups[0].skip_blocks))
             .collect()
     }
 
+    /// One group of one-token blocks, `bpc` a chunk.
+    fn unit_spec(bpc: usize) -> InstanceSpec {
+        spec_of(vec![small_group(1, bpc, 1 << 20)], 4096)
+    }
+
+    /// Chunks skipping `s[i]` blocks (= tokens: one-token blocks).
     fn with_skips(s: &[usize], bpc: usize) -> Vec<ChunkCopy> {
         s.iter()
             .enumerate()
@@ -1862,31 +2221,31 @@ mod tests {
 
     #[test]
     fn batches_of_four_with_flat_ids() {
-        assert!(plan_batches(&[], 4).is_empty());
+        assert!(plan_batches(&[], &unit_spec(4)).is_empty());
         let chunks = with_skips(&[0; 9], 2);
-        let b = plan_batches(&chunks, 2);
+        let b = plan_batches(&chunks, &unit_spec(2));
         assert_eq!(skips(&b), vec![(0, 4, 0), (4, 4, 0), (8, 1, 0)]);
-        assert_eq!(b[0].ids, (0..8).collect::<Vec<i64>>());
-        assert_eq!(b[1].ids, (8..16).collect::<Vec<i64>>());
-        assert_eq!(b[2].ids, vec![16, 17]);
+        assert_eq!(b[0].groups[0].ids, (0..8).collect::<Vec<i64>>());
+        assert_eq!(b[1].groups[0].ids, (8..16).collect::<Vec<i64>>());
+        assert_eq!(b[2].groups[0].ids, vec![16, 17]);
         assert!(!b[2].fully_skipped());
     }
 
     #[test]
     fn batch_skip_is_the_first_chunks_skip_when_only_it_skips() {
-        let b = plan_batches(&with_skips(&[3, 0, 0, 0, 0, 0], 4), 4);
+        let b = plan_batches(&with_skips(&[3, 0, 0, 0, 0, 0], 4), &unit_spec(4));
         assert_eq!(skips(&b), vec![(0, 4, 3), (4, 2, 0)]);
-        let b = plan_batches(&with_skips(&[0, 0, 0, 0, 2, 0], 4), 4);
+        let b = plan_batches(&with_skips(&[0, 0, 0, 0, 2, 0], 4), &unit_spec(4));
         assert_eq!(skips(&b), vec![(0, 4, 0), (4, 2, 2)]);
     }
 
     #[test]
     fn a_skipped_prefix_spans_chunks_like_lmcache() {
         // Two whole chunks skipped, then 3 blocks of the third.
-        let b = plan_batches(&with_skips(&[4, 4, 3, 0, 0], 4), 4);
+        let b = plan_batches(&with_skips(&[4, 4, 3, 0, 0], 4), &unit_spec(4));
         assert_eq!(skips(&b), vec![(0, 4, 11), (4, 1, 0)]);
         // A batch skipped entirely.
-        let b = plan_batches(&with_skips(&[4, 4, 4, 4, 4, 1], 4), 4);
+        let b = plan_batches(&with_skips(&[4, 4, 4, 4, 4, 1], 4), &unit_spec(4));
         assert_eq!(skips(&b), vec![(0, 4, 16), (4, 2, 5)]);
         assert!(b[0].fully_skipped());
         assert!(!b[1].fully_skipped());
@@ -1894,36 +2253,92 @@ mod tests {
 
     #[test]
     fn a_skip_after_unskipped_blocks_starts_a_new_batch() {
-        let b = plan_batches(&with_skips(&[0, 0, 3, 0, 0, 0, 0], 4), 4);
+        let b = plan_batches(&with_skips(&[0, 0, 3, 0, 0, 0, 0], 4), &unit_spec(4));
         assert_eq!(skips(&b), vec![(0, 2, 0), (2, 4, 3), (6, 1, 0)]);
-        let b = plan_batches(&with_skips(&[4, 0, 2], 4), 4);
+        let b = plan_batches(&with_skips(&[4, 0, 2], 4), &unit_spec(4));
         assert_eq!(skips(&b), vec![(0, 2, 4), (2, 1, 2)]);
     }
 
-    /// lmcache 0.5.6 batches a retrieve in fixed groups of four and skips
-    /// `floor(max(0, skip_tokens - batch_first_token) / bs)` flat blocks;
-    /// per-chunk skips derived from the same token count give the same plan.
+    /// lmcache 0.5.6 batches a retrieve in fixed groups of four and, per
+    /// kernel group, skips `floor(max(0, skip_tokens - batch_first_token) /
+    /// bs)` flat blocks of its own block size; per-chunk skips derived from
+    /// the same token count give the same plan, for two groups of different
+    /// block sizes at once.
     #[test]
     fn prefix_skips_reproduce_lmcache_batches() {
-        let (bs, bpc) = (16usize, 4usize);
-        let chunk_tokens = bs * bpc;
+        let chunk_tokens = 64;
+        let groups = [(16usize, 4usize), (32, 2)];
+        let spec = spec_of(
+            groups
+                .iter()
+                .map(|&(bs, bpc)| small_group(bs as u32, bpc, 1 << 20))
+                .collect(),
+            4096,
+        );
         let n = 11;
         for skip_tokens in 0..=(n * chunk_tokens + 5) {
-            let per_chunk: Vec<usize> = (0..n)
-                .map(|c| (skip_tokens.saturating_sub(c * chunk_tokens) / bs).min(bpc))
-                .collect();
-            let got = plan_batches(&with_skips(&per_chunk, bpc), bpc);
-            let want: Vec<(usize, usize, usize)> = (0..n)
-                .step_by(MAX_OBJECTS)
-                .map(|first| {
-                    let chunks = MAX_OBJECTS.min(n - first);
-                    let start = first * chunk_tokens;
-                    let skip = (skip_tokens.saturating_sub(start) / bs).min(chunks * bpc);
-                    (first, chunks, skip)
+            let chunks: Vec<ChunkCopy> = (0..n)
+                .map(|c| ChunkCopy {
+                    host_addr: 0x1000 * (c + 1),
+                    block_ids: (0..6).map(|i| (c * 6 + i) as i64).collect(),
+                    skip_tokens: skip_tokens
+                        .saturating_sub(c * chunk_tokens)
+                        .min(chunk_tokens),
                 })
                 .collect();
-            assert_eq!(skips(&got), want, "skip_tokens {skip_tokens}");
+            let got = plan_batches(&chunks, &spec);
+            for (g, &(bs, bpc)) in groups.iter().enumerate() {
+                let got: Vec<_> = got
+                    .iter()
+                    .map(|b| (b.first_chunk, b.chunks, b.groups[g].skip_blocks))
+                    .collect();
+                let want: Vec<(usize, usize, usize)> = (0..n)
+                    .step_by(MAX_OBJECTS)
+                    .map(|first| {
+                        let chunks = MAX_OBJECTS.min(n - first);
+                        let start = first * chunk_tokens;
+                        let skip = (skip_tokens.saturating_sub(start) / bs).min(chunks * bpc);
+                        (first, chunks, skip)
+                    })
+                    .collect();
+                assert_eq!(got, want, "group {g}, skip_tokens {skip_tokens}");
+            }
         }
+    }
+
+    #[test]
+    fn each_group_launches_over_its_own_slice_of_the_ids() {
+        // Group 0: 2 blocks of 4 tokens a chunk; group 1: 1 block of 8.
+        let spec = spec_of(vec![small_group(4, 2, 100), small_group(8, 1, 100)], 4096);
+        let chunks: Vec<ChunkCopy> = (0..3)
+            .map(|c| ChunkCopy {
+                host_addr: 0x1000 * (c + 1),
+                block_ids: vec![10 * c as i64, 10 * c as i64 + 1, 50 + c as i64],
+                // 5 tokens of the first chunk: one block of group 0, none of
+                // group 1 (a partial block is rewritten).
+                skip_tokens: if c == 0 { 5 } else { 0 },
+            })
+            .collect();
+        let b = plan_batches(&chunks, &spec);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].groups[0].ids, vec![0, 1, 10, 11, 20, 21]);
+        assert_eq!(b[0].groups[0].skip_blocks, 1);
+        assert_eq!(b[0].groups[1].ids, vec![50, 51, 52]);
+        assert_eq!(b[0].groups[1].skip_blocks, 0);
+        // A chunk that skips in one group only still starts a new batch
+        // after unskipped blocks.
+        let mut late = chunks.clone();
+        late[0].skip_tokens = 0;
+        late[2].skip_tokens = 4;
+        let b = plan_batches(&late, &spec);
+        assert_eq!(
+            b.iter()
+                .map(|b| (b.first_chunk, b.chunks))
+                .collect::<Vec<_>>(),
+            vec![(0, 2), (2, 1)]
+        );
+        assert_eq!(b[1].groups[0].skip_blocks, 1);
+        assert_eq!(b[1].groups[1].skip_blocks, 0);
     }
 
     /// Every pattern of per-chunk skips (bpc 3, up to 6 chunks): the flat
@@ -1932,21 +2347,23 @@ mod tests {
     #[test]
     fn every_chunk_skip_is_honoured_exactly() {
         let bpc = 3;
+        let spec = unit_spec(bpc);
         for n in 0..=6u32 {
             for code in 0..4usize.pow(n) {
                 let s: Vec<usize> = (0..n).map(|i| (code / 4usize.pow(i)) % 4).collect();
                 let chunks = with_skips(&s, bpc);
-                let batches = plan_batches(&chunks, bpc);
+                let batches = plan_batches(&chunks, &spec);
                 let mut next = 0;
                 for b in &batches {
+                    let g = &b.groups[0];
                     assert_eq!(b.first_chunk, next, "{s:?}");
                     assert!((1..=MAX_OBJECTS).contains(&b.chunks), "{s:?}");
-                    assert_eq!(b.ids.len(), b.chunks * bpc);
-                    for f in 0..b.ids.len() {
+                    assert_eq!(g.ids.len(), b.chunks * bpc);
+                    for f in 0..g.ids.len() {
                         let c = b.first_chunk + f / bpc;
-                        assert_eq!(b.ids[f], chunks[c].block_ids[f % bpc]);
-                        let touched = f >= b.skip_blocks;
-                        let wanted = f % bpc >= chunks[c].skip_blocks;
+                        assert_eq!(g.ids[f], chunks[c].block_ids[f % bpc]);
+                        let touched = f >= g.skip_blocks;
+                        let wanted = f % bpc >= chunks[c].skip_tokens;
                         assert_eq!(touched, wanted, "{s:?} batch {b:?} flat {f}");
                     }
                     next += b.chunks;

@@ -515,32 +515,13 @@ impl Registry {
                 // kvcache` reads it as a dict (a string there crashes it).
                 let (layout, device) = match &e.reg {
                     LmcTransfer::CpuShm(r) => (
-                        serde_json::json!({
-                            "num_layers": r.num_registered_tensors(),
-                            "num_blocks": r.kernel_groups()[0].geometry.num_blocks,
-                            "cache_size_per_token": r.cache_size_per_token(),
-                            "kernel_groups": r
-                                .kernel_groups()
-                                .iter()
-                                .enumerate()
-                                .map(|(i, k)| kernel_group_status(i, k.engine_group_id, &k.geometry, &k.layers))
-                                .collect::<Vec<_>>(),
-                        }),
+                        layout_status(r.num_registered_tensors(), r.kernel_groups()),
                         "cpu_shm".to_string(),
                     ),
-                    LmcTransfer::Cuda(c) => {
-                        let g = &c.geometry;
-                        let es = g.layer.dtype.size_bytes();
-                        (
-                            serde_json::json!({
-                                "num_layers": g.views.len(),
-                                "num_blocks": g.layer.num_blocks,
-                                "cache_size_per_token": g.layer.kv_size * g.group_layers.len() * g.layer.num_heads * g.layer.head_size * es,
-                                "kernel_groups": [kernel_group_status(0, 0, &g.layer, &g.group_layers)],
-                            }),
-                            format!("cuda:{}", c.ordinal),
-                        )
-                    }
+                    LmcTransfer::Cuda(c) => (
+                        layout_status(c.geometry.views.len(), &c.geometry.groups),
+                        format!("cuda:{}", c.ordinal),
+                    ),
                 };
                 (
                     i.to_string(),
@@ -555,6 +536,21 @@ impl Registry {
 /// One entry of `/status`'s `kernel_groups`, as 0.5.6's
 /// `GPUCacheContext.report_status()` writes it (all kernel groups share
 /// object group 0).
+/// A registration's `kv_cache_layout` in `/status`: its tensors and kernel
+/// groups.
+fn layout_status(num_layers: usize, groups: &[kvshard_layout::KernelGroup]) -> serde_json::Value {
+    serde_json::json!({
+        "num_layers": num_layers,
+        "num_blocks": groups.first().map_or(0, |k| k.geometry.num_blocks),
+        "cache_size_per_token": groups.iter().map(|k| k.bytes_per_token()).sum::<usize>(),
+        "kernel_groups": groups
+            .iter()
+            .enumerate()
+            .map(|(i, k)| kernel_group_status(i, k.engine_group_id, &k.geometry, &k.layers))
+            .collect::<Vec<_>>(),
+    })
+}
+
 fn kernel_group_status(
     index: usize,
     engine_group_id: i64,

@@ -28,7 +28,7 @@ use kvshard_gds::device::emulated::{self, EmulatedDevice};
 use kvshard_gds::device::event::IpcEventHandle;
 use kvshard_gds::device::ipc::{FabricHandle, IpcMemHandle};
 use kvshard_gds::device::worker::{
-    DeviceJob, DeviceThreads, InstanceSpec, LayerMemory, LayerRead, LayerSpec,
+    DeviceJob, DeviceThreads, GroupSpec, InstanceSpec, LayerMemory, LayerRead, LayerSpec,
 };
 use kvshard_gds::device::WorkerError;
 
@@ -53,8 +53,13 @@ pub struct CudaInstance {
 }
 
 impl CudaInstance {
-    pub fn blocks_per_chunk(&self) -> usize {
-        self.geometry.blocks_per_chunk
+    /// Block ids of one chunk, per kernel group.
+    pub fn blocks_per_chunk(&self) -> Vec<usize> {
+        self.geometry
+            .groups
+            .iter()
+            .map(|g| g.blocks_per_chunk)
+            .collect()
     }
 
     /// The L1 object layout of this worker's chunks.
@@ -62,18 +67,25 @@ impl CudaInstance {
         self.geometry.object_layout.clone()
     }
 
-    /// Every id must name a block of the paged buffers: the kernel addresses
-    /// each one (the null block is a real block in vLLM's pools).
+    /// One chunk's block ids (every kernel group's, end to end): each must
+    /// name a block of its group's paged buffers, which the kernel addresses
+    /// (the null block is a real block in vLLM's pools).
     pub fn validate_block_ids(&self, ids: &[i64]) -> Result<(), BlockOutsideBuffers> {
-        let nb = self.geometry.layer.num_blocks as i64;
-        match ids.iter().find(|&&b| !(0..nb).contains(&b)) {
-            None => Ok(()),
-            Some(&block_id) => Err(BlockOutsideBuffers {
-                block_id,
-                num_blocks: nb,
-                null_block: block_id == self.null_block_id,
-            }),
+        let mut rest = ids;
+        for (group, g) in self.geometry.groups.iter().enumerate() {
+            let (mine, after) = rest.split_at(g.blocks_per_chunk.min(rest.len()));
+            rest = after;
+            let nb = g.geometry.num_blocks as i64;
+            if let Some(&block_id) = mine.iter().find(|&&b| !(0..nb).contains(&b)) {
+                return Err(BlockOutsideBuffers {
+                    block_id,
+                    num_blocks: nb,
+                    group: (self.geometry.groups.len() > 1).then_some(group),
+                    null_block: block_id == self.null_block_id,
+                });
+            }
         }
+        Ok(())
     }
 }
 
@@ -82,6 +94,8 @@ impl CudaInstance {
 pub struct BlockOutsideBuffers {
     pub block_id: i64,
     pub num_blocks: i64,
+    /// The kernel group whose list holds it, when there are several.
+    pub group: Option<usize>,
     /// The id is the server's `--null-block-id`.
     pub null_block: bool,
 }
@@ -89,14 +103,18 @@ pub struct BlockOutsideBuffers {
 impl fmt::Display for BlockOutsideBuffers {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (b, nb) = (self.block_id, self.num_blocks);
+        let of = match self.group {
+            Some(g) => format!("kernel group {g}'s"),
+            None => "the worker's".to_string(),
+        };
         if self.null_block {
             write!(
                 f,
-                "block id {b} is the null block id (--null-block-id) but outside the worker's \
-                 {nb} blocks, which the GPU copy kernel cannot address"
+                "block id {b} is the null block id (--null-block-id) but outside {of} {nb} \
+                 blocks, which the GPU copy kernel cannot address"
             )
         } else {
-            write!(f, "block id {b} is outside the worker's {nb} blocks")
+            write!(f, "block id {b} is outside {of} {nb} blocks")
         }
     }
 }
@@ -217,6 +235,7 @@ pub fn build(
     chunk_size: usize,
     null_block_id: i64,
     devices: &[CudaDevice],
+    isolated_ipc: bool,
 ) -> Result<(CudaInstance, InstanceSpec), String> {
     if kv_cache.is_empty() {
         return Err("kv_cache is empty".into());
@@ -271,29 +290,59 @@ pub fn build(
             e => format!("CUDA registration: {e}"),
         },
     )?;
-    let shape = PageBufferShape {
-        kv_size: geometry.layer.kv_size as u32,
-        nl: geometry.group_layers.len() as u32,
-        nb: geometry.layer.num_blocks as u64,
-        bs: geometry.layer.block_size as u32,
-        nh: geometry.layer.num_heads as u32,
-        hs: geometry.layer.head_size as u32,
-        element_size: geometry.layer.dtype.size_bytes() as u32,
-        block_stride_elems: geometry.block_stride_elems,
-    };
-    let table = StrideTable::new(geometry.layer.format.engine_format(), &shape)
-        .map_err(|e| format!("CUDA registration: the copy kernel cannot take this layout: {e}"))?;
     let chunk_slots = geometry.chunk_size_tokens as u64;
-    let object_bytes = table
-        .object_bytes(chunk_slots)
-        .map_err(|e| format!("CUDA registration: {e}"))?;
-    if object_bytes != geometry.object_layout.bytes {
-        return Err(format!(
-            "CUDA registration: the copy kernel's object is {object_bytes} bytes but the layout \
-             says {}",
-            geometry.object_layout.bytes
-        ));
+    let mut groups = Vec::with_capacity(geometry.groups.len());
+    for (gi, (g, &block_stride_elems)) in geometry
+        .groups
+        .iter()
+        .zip(&geometry.block_stride_elems)
+        .enumerate()
+    {
+        let of = if geometry.groups.len() > 1 {
+            format!(" (kernel group {gi})")
+        } else {
+            String::new()
+        };
+        let l = &g.geometry;
+        let shape = PageBufferShape {
+            kv_size: l.kv_size as u32,
+            nl: g.layers.len() as u32,
+            nb: l.num_blocks as u64,
+            bs: l.block_size as u32,
+            nh: l.num_heads as u32,
+            hs: l.head_size as u32,
+            element_size: l.dtype.size_bytes() as u32,
+            block_stride_elems,
+        };
+        let table = StrideTable::new(l.format.engine_format(), &shape).map_err(|e| {
+            format!("CUDA registration{of}: the copy kernel cannot take this layout: {e}")
+        })?;
+        let region = table
+            .object_bytes(chunk_slots)
+            .map_err(|e| format!("CUDA registration{of}: {e}"))?;
+        if region != g.region_bytes {
+            return Err(format!(
+                "CUDA registration{of}: the copy kernel's region is {region} bytes but the \
+                 layout says {}",
+                g.region_bytes
+            ));
+        }
+        let unit = u64::from(table.unit_bytes());
+        if g.object_offset % unit != 0 || geometry.object_layout.bytes % unit != 0 {
+            return Err(format!(
+                "CUDA registration{of}: the group's region starts at byte {} of a {}-byte \
+                 object, not on its {unit}-byte copy unit; the GPU copy kernel cannot write it",
+                g.object_offset, geometry.object_layout.bytes
+            ));
+        }
+        groups.push(GroupSpec {
+            kernel_layers: g.layers.clone(),
+            table,
+            blocks_per_chunk: g.blocks_per_chunk,
+            object_offset: g.object_offset,
+        });
     }
+    let object_bytes = geometry.object_layout.bytes;
     let layers = memories
         .into_iter()
         .zip(&geometry.views)
@@ -306,11 +355,10 @@ pub fn build(
     let spec = InstanceSpec {
         ordinal: device.ordinal as usize,
         layers,
-        kernel_layers: geometry.group_layers.clone(),
-        table,
+        groups,
         chunk_slots,
-        blocks_per_chunk: geometry.blocks_per_chunk,
         object_bytes,
+        isolated_ipc,
     };
     let instance = CudaInstance {
         ordinal: device.ordinal as usize,
@@ -399,13 +447,16 @@ impl CudaExecutor {
 /// What `/cache/checksums` reads back from a CUDA worker's GPU: per chunk of
 /// block ids, the bytes of each registered tensor's `index_select(block
 /// axis, ids)` in C order (ranges of adjacent runs merged), hashed as the
-/// cpu_shm path hashes a CPU worker's tensors.
+/// cpu_shm path hashes a CPU worker's tensors: one block list for every
+/// layer, whatever its kernel group, each on its own block axis and in its
+/// own dtype.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChecksumPlan {
     pub block_ids: Vec<i64>,
     pub chunk_size_blocks: usize,
     pub layerwise: bool,
-    pub dtype: KvDtype,
+    /// Per registered tensor.
+    pub dtypes: Vec<KvDtype>,
     /// One read per registered tensor, per chunk.
     pub chunks: Vec<Vec<LayerRead>>,
 }
@@ -426,10 +477,21 @@ impl CudaInstance {
         layerwise: bool,
     ) -> Result<ChecksumPlan, ChecksumRefusal> {
         let g = &self.geometry;
-        let axis = checksum_axis(g.layer.format, block_ids, chunk_size_blocks)?;
-        self.validate_block_ids(block_ids)
-            .map_err(|e| ChecksumRefusal::bad_request(e.to_string()))?;
-        let es = g.layer.dtype.size_bytes();
+        let mut axes = Vec::with_capacity(g.layers.len());
+        for layer in &g.layers {
+            axes.push(checksum_axis(layer.format, block_ids, chunk_size_blocks)?);
+            // index_select rejects ids outside the layer, the null id included.
+            let nb = layer.num_blocks as i64;
+            if let Some(&block_id) = block_ids.iter().find(|&&b| !(0..nb).contains(&b)) {
+                let e = BlockOutsideBuffers {
+                    block_id,
+                    num_blocks: nb,
+                    group: None,
+                    null_block: block_id == self.null_block_id,
+                };
+                return Err(ChecksumRefusal::bad_request(e.to_string()));
+            }
+        }
         let mut chunks = Vec::with_capacity(block_ids.len().div_ceil(chunk_size_blocks));
         for ids in block_ids.chunks(chunk_size_blocks) {
             // validate_block_ids kept every id in 0..num_blocks.
@@ -441,7 +503,8 @@ impl CudaInstance {
                 .enumerate()
                 .map(|(layer, (shape, strides))| {
                     let mut ranges: Vec<(u64, u64)> = Vec::new();
-                    index_select_runs(shape, strides, es, axis, &indices, |off, len| {
+                    let es = g.layers[layer].dtype.size_bytes();
+                    index_select_runs(shape, strides, es, axes[layer], &indices, |off, len| {
                         let (off, len) = (off as u64, len as u64);
                         bytes += len;
                         match ranges.last_mut() {
@@ -465,7 +528,7 @@ impl CudaInstance {
             block_ids: block_ids.to_vec(),
             chunk_size_blocks,
             layerwise,
-            dtype: g.layer.dtype,
+            dtypes: g.layers.iter().map(|l| l.dtype).collect(),
             chunks,
         })
     }
@@ -540,15 +603,9 @@ pub fn run_checksums(
             }
         };
         // One buffer per layer, in the reads' (registration) order.
-        digests.push_chunk(|layer, md5| digest_kv(md5, &buffers[layer], plan.dtype));
+        digests.push_chunk(|layer, md5| digest_kv(md5, &buffers[layer], plan.dtypes[layer]));
     }
     Ok(digests.report(&plan.block_ids, plan.chunk_size_blocks))
-}
-
-/// Blocks of one chunk that a retrieve leaves untouched: the whole blocks of
-/// its `skip_tokens` (0.5.6 rewrites a partially skipped block).
-pub fn skip_blocks(skip_tokens: usize, block_size: usize) -> usize {
-    skip_tokens / block_size.max(1)
 }
 
 #[cfg(test)]
@@ -602,33 +659,36 @@ mod tests {
             "register_kv_cache_cuda_vmm",
         ] {
             let (kv, groups, hints) = golden(name);
-            let (inst, spec) = build(&kv, &groups, &hints, 256, 0, &gpus(UUID)).unwrap();
+            let (inst, spec) = build(&kv, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap();
             assert_eq!(inst.ordinal, 1, "{name}: the worker's GPU by UUID");
             assert_eq!(spec.ordinal, 1);
-            let g = &inst.geometry;
-            assert_eq!(g.layer.format, KvFormat::TwoNbBsNhHs, "{name}");
+            assert_eq!(inst.geometry.groups.len(), 1, "{name}");
+            let g = &inst.geometry.groups[0].geometry;
+            assert_eq!(g.format, KvFormat::TwoNbBsNhHs, "{name}");
             assert_eq!(
                 (
-                    g.layer.kv_size,
-                    g.layer.num_blocks,
-                    g.layer.block_size,
-                    g.layer.num_heads,
-                    g.layer.head_size
+                    g.kv_size,
+                    g.num_blocks,
+                    g.block_size,
+                    g.num_heads,
+                    g.head_size
                 ),
                 (2, 1024, 16, 8, 128)
             );
-            assert_eq!(g.views, vec![(0, layer); 2], "{name}");
-            assert_eq!(g.block_stride_elems, 0);
-            assert_eq!(inst.blocks_per_chunk(), 16);
+            assert_eq!(inst.geometry.views, vec![(0, layer); 2], "{name}");
+            assert_eq!(inst.geometry.block_stride_elems, vec![0]);
+            assert_eq!(inst.blocks_per_chunk(), vec![16]);
             // [2, layers, chunk, heads x head size] in bf16.
             let l = inst.layout();
             assert_eq!(*l.shape, [2, 2, 256, 1024], "{name}");
             assert_eq!(l.bytes, 2 * 2 * 256 * 1024 * 2);
             assert_eq!(spec.object_bytes, l.bytes);
             assert_eq!(spec.chunk_slots, 256);
-            assert_eq!(spec.kernel_layers, vec![0, 1]);
-            assert_eq!(spec.table.format().as_u32(), 1);
-            assert_eq!(spec.table.unit_bytes(), 16);
+            assert_eq!(spec.groups.len(), 1);
+            assert_eq!(spec.groups[0].kernel_layers, vec![0, 1]);
+            assert_eq!(spec.groups[0].table.format().as_u32(), 1);
+            assert_eq!(spec.groups[0].table.unit_bytes(), 16);
+            assert_eq!(spec.groups[0].object_offset, 0);
             assert_eq!(spec.layers.len(), 2);
             assert_eq!(spec.layers[0].view_offset, 0);
             assert_eq!(spec.layers[0].view_bytes, layer);
@@ -680,11 +740,12 @@ mod tests {
             256,
             0,
             &gpus("ffffffff-0000-0000-0000-000000000000"),
+            false,
         )
         .unwrap_err();
         assert!(e.contains(&format!("GPU {UUID} is not visible")), "{e}");
         // A chunk that is not whole blocks.
-        let e = build(&kv, &groups, &hints, 24, 0, &gpus(UUID)).unwrap_err();
+        let e = build(&kv, &groups, &hints, 24, 0, &gpus(UUID), false).unwrap_err();
         assert!(e.contains("multiple of the block size"), "{e}");
 
         let with_raw = |f: &dyn Fn(&mut kvshard_wire::RawCudaIpc)| -> Vec<IpcData> {
@@ -699,11 +760,11 @@ mod tests {
             r.metadata.stride = vec![16777216 * 2, 16384 * 2, 2048, 256, 1];
             r.nbytes *= 2;
         });
-        let e = build(&padded, &groups, &hints, 256, 0, &gpus(UUID)).unwrap_err();
+        let e = build(&padded, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap_err();
         assert!(e.contains("not the tight"), "{e}");
         // A view past the shared range.
         let shifted = with_raw(&|r| r.metadata.storage_offset = 1);
-        let e = build(&shifted, &groups, &hints, 256, 0, &gpus(UUID)).unwrap_err();
+        let e = build(&shifted, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap_err();
         assert!(
             e.contains("shares 67108864 bytes") && e.contains("needs"),
             "{e}"
@@ -715,21 +776,21 @@ mod tests {
             r.metadata.device_uuid = "00000000-0000-0000-0000-000000000000".into();
         }
         two.push(other);
-        let e = build(&two, &[], &hints, 256, 0, &gpus(UUID)).unwrap_err();
+        let e = build(&two, &[], &hints, 256, 0, &gpus(UUID), false).unwrap_err();
         assert!(e.contains("one GPU"), "{e}");
         // A posix_fd VMM export.
         let (mut vmm, groups, hints) = golden("register_kv_cache_cuda_vmm");
         if let IpcData::CudaVmm(v) = &mut vmm[0] {
             v.kind = VmmKind::PosixFd;
         }
-        let e = build(&vmm, &groups, &hints, 256, 0, &gpus(UUID)).unwrap_err();
+        let e = build(&vmm, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap_err();
         assert!(e.contains("posix_fd"), "{e}");
     }
 
     #[test]
-    fn block_ids_must_name_blocks_and_skips_are_whole_blocks() {
+    fn block_ids_must_name_blocks() {
         let (kv, groups, hints) = golden("register_kv_cache_cuda_raw");
-        let (inst, _) = build(&kv, &groups, &hints, 256, 0, &gpus(UUID)).unwrap();
+        let (inst, _) = build(&kv, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap();
         assert!(inst.validate_block_ids(&[0, 5, 1023]).is_ok());
         assert!(inst
             .validate_block_ids(&[1024])
@@ -746,8 +807,5 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("null block id"));
-        assert_eq!(skip_blocks(0, 16), 0);
-        assert_eq!(skip_blocks(17, 16), 1, "a partial block is rewritten");
-        assert_eq!(skip_blocks(32, 16), 2);
     }
 }

@@ -310,6 +310,9 @@ pub struct ServerConfig {
     /// `--separate-object-groups`: kernel groups of different sliding windows
     /// would form separate object groups; kvshard refuses such registrations.
     pub separate_object_groups: bool,
+    /// `--isolated-ipc`: CUDA workers exchange timeline-semaphore events
+    /// (81 bytes, over CUDA IPC memory) instead of CUDA interprocess events.
+    pub isolated_ipc: bool,
     /// CPU store/eviction records kept for KV-event subscribers; 0 disables the channel.
     pub kv_event_log_size: usize,
     pub l1: L1Settings,
@@ -380,6 +383,7 @@ impl ServerConfig {
             worker_registration_grace: Duration::from_secs(3600),
             null_block_id: 0,
             separate_object_groups: false,
+            isolated_ipc: false,
             kv_event_log_size: 32768,
             l1: L1Settings {
                 size_bytes: 1 << 30,

@@ -35,8 +35,9 @@ pub(super) const CUDA_SETUP_ANSWER: Duration = Duration::from_secs(60);
 /// Why a CUDA STORE or RETRIEVE failed.
 #[derive(Debug)]
 pub(super) enum CudaOpError {
-    /// The worker's event handle is not CUDA's 64 bytes.
-    EventHandleLength { len: usize },
+    /// The worker's event handle is not CUDA's 64 bytes (81 with
+    /// `--isolated-ipc`).
+    EventHandleLength { len: usize, isolated_ipc: bool },
     /// The GPU's device thread handed the job back.
     NotTakingWork { ordinal: usize },
     /// The instance was unregistered before its retrieve could start.
@@ -52,12 +53,30 @@ pub(super) enum CudaOpError {
 impl std::fmt::Display for CudaOpError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CudaOpError::EventHandleLength { len } => write!(
+            CudaOpError::EventHandleLength {
+                len,
+                isolated_ipc: false,
+            } => write!(
                 f,
                 "the worker sent a {len}-byte event handle where CUDA's are 64 bytes{}",
                 if *len == 81 {
-                    " (81 bytes is lmcache's isolated_ipc timeline-semaphore form, which kvshard \
-                     does not support: turn lmcache.mp.isolated_ipc off on the worker)"
+                    " (81 bytes is lmcache's isolated_ipc timeline-semaphore form: start \
+                     kvshard with --isolated-ipc, as the worker runs with \
+                     lmcache.mp.isolated_ipc)"
+                } else {
+                    ""
+                }
+            ),
+            CudaOpError::EventHandleLength {
+                len,
+                isolated_ipc: true,
+            } => write!(
+                f,
+                "the worker sent a {len}-byte event handle where --isolated-ipc's \
+                 timeline-semaphore events are 81 bytes{}",
+                if *len == 64 {
+                    " (64 bytes is a CUDA IPC event handle: the worker does not run with \
+                     lmcache.mp.isolated_ipc; start kvshard without --isolated-ipc)"
                 } else {
                     ""
                 }
@@ -181,6 +200,7 @@ impl Front {
             self.cfg.chunk_size,
             self.cfg.null_block_id,
             &env.devices,
+            self.cfg.isolated_ipc,
         );
         let (instance, spec) = match built {
             Ok(b) => b,
@@ -350,8 +370,12 @@ impl Front {
         chunks: Vec<ChunkCopy>,
         op: CudaOp,
     ) {
-        if !event.is_empty() && event.len() != 64 {
-            let e = CudaOpError::EventHandleLength { len: event.len() };
+        let expected = if self.cfg.isolated_ipc { 81 } else { 64 };
+        if !event.is_empty() && event.len() != expected {
+            let e = CudaOpError::EventHandleLength {
+                len: event.len(),
+                isolated_ipc: self.cfg.isolated_ipc,
+            };
             return self.finish_cuda_op(op, Err(e));
         }
         let seq = self.alloc_seq();
@@ -460,7 +484,7 @@ impl Front {
                 chunks.push(ChunkCopy {
                     host_addr: mem + slab.offset as usize,
                     block_ids,
-                    skip_blocks: 0,
+                    skip_tokens: 0,
                 });
                 reserved.push(key);
             }
@@ -519,10 +543,10 @@ impl Front {
             .into_iter()
             .zip(blocks)
             .zip(skips)
-            .map(|((slab, block_ids), skip_blocks)| ChunkCopy {
+            .map(|((slab, block_ids), skip_tokens)| ChunkCopy {
                 host_addr: base + slab.map_or(0, |s| s.offset as usize),
                 block_ids,
-                skip_blocks,
+                skip_tokens,
             })
             .collect();
         let op = CudaOp::Retrieve { to, iid, locked };

@@ -124,7 +124,7 @@ pub(super) enum InflightKind {
         iid: InstanceId,
         keys: Vec<ObjectKey>,
         blocks: Vec<Vec<i64>>,
-        /// Blocks each chunk leaves untouched (skip_first_n_tokens).
+        /// Tokens each chunk leaves untouched (skip_first_n_tokens).
         skips: Vec<usize>,
         event: Vec<u8>,
         slabs: Vec<Option<Slab>>,

@@ -211,7 +211,7 @@ impl Front {
                         Self::chunk_blocks(&bpc, block_ids, objs.len(), |b| r.validate_block_ids(b))
                     }
                     LmcTransfer::Cuda(c) => {
-                        Self::chunk_blocks(&[c.blocks_per_chunk()], block_ids, objs.len(), |b| {
+                        Self::chunk_blocks(&c.blocks_per_chunk(), block_ids, objs.len(), |b| {
                             c.validate_block_ids(b)
                         })
                     }
@@ -317,13 +317,10 @@ impl Front {
         let n = objs.len();
         let reg = match reg {
             LmcTransfer::CpuShm(reg) => reg,
-            LmcTransfer::Cuda(c) => {
-                let bs = c.geometry.layer.block_size;
+            LmcTransfer::Cuda(_) => {
+                // Each kernel group leaves the whole blocks these cover.
                 let skips = (0..n)
-                    .map(|i| {
-                        let tokens = kvshard_layout::geometry::chunk_skip_tokens(skip, i, cs);
-                        kvshard_dataplane::cuda_transfer::skip_blocks(tokens, bs)
-                    })
+                    .map(|i| kvshard_layout::geometry::chunk_skip_tokens(skip, i, cs))
                     .collect();
                 // The lookup's read locks are released once the copies end.
                 let take = self.hand_over_locks(&key.request_id, first, &objs, iid);
