@@ -576,11 +576,26 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
             .unwrap()
             .iter()
             .map(|g| {
-                kv_group_of(
-                    g["engine_group_id"].as_i64().unwrap(),
-                    &ints(&g["layer_indices"]),
-                    g["tokens_per_block"].as_u64().unwrap() as usize,
-                )
+                map(&[
+                    (
+                        "engine_group_id",
+                        V::I(g["engine_group_id"].as_i64().unwrap()),
+                    ),
+                    (
+                        "layer_indices",
+                        V::A(ints(&g["layer_indices"]).into_iter().map(V::I).collect()),
+                    ),
+                    (
+                        "tokens_per_block",
+                        V::I(g["tokens_per_block"].as_i64().unwrap()),
+                    ),
+                    (
+                        "sw_size_tokens",
+                        V::I(g["sw_size_tokens"].as_i64().unwrap()),
+                    ),
+                    ("extra_object_group_tag", V::I(0)),
+                    ("recurrent_state", V::B(false)),
+                ])
             })
             .collect();
         let hint = case["layout_hint"].as_str().unwrap();
@@ -685,51 +700,85 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
             "{name}: the stored objects differ from lmcache 0.5.6's gathers"
         );
 
-        // RETRIEVE into zeroed memory of a GPU worker, then of a CPU worker.
-        let retrieve = &case["retrieve"];
-        let skip = retrieve["skip_first_n_tokens"].as_i64().unwrap();
-        let want_sums: Vec<String> = retrieve["paged_sha256"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|h| h.as_str().unwrap().to_string())
-            .collect();
-        let (dst_names, dst) = segments("kvt_gdst", false);
-        register(&mut c, 401, raw(&dst_names));
-        let (cpu_names, cpu) = segments("kvt_gcpu", false);
-        let cpu_descs = cpu_names
-            .iter()
-            .zip(tensors)
-            .map(|(n, spec)| {
-                cpu_shm_wrapper(
-                    &format!("/{n}"),
-                    spec["storage_bytes"].as_i64().unwrap(),
-                    spec["dtype"].as_str().unwrap(),
-                    &ints(&spec["shape"]),
-                    &ints(&spec["stride"]),
-                )
-            })
-            .collect();
-        register(&mut c, 402, cpu_descs);
-        for (iid, segs, rid) in [(401, &dst, "gr1"), (402, &cpu, "gr2")] {
-            assert_eq!(lookup(&mut c, &toks, rid), chunks as i64, "{name}");
-            let (_, ok) = transfer_outcome(c.call(
-                OP_RETRIEVE,
-                &[
-                    key(&toks, Some(0), rid),
-                    V::I(iid),
-                    lists(&retrieve["block_ids"]),
-                    V::Bin(vec![7; 64]),
-                    V::I(skip),
-                ],
-            ));
-            assert!(ok, "{name}: retrieve into {iid}");
-            assert_eq!(c.call(OP_END_SESSION, &[s(rid)]), None);
-            let sums: Vec<String> = segs.iter().map(|m| sha256_hex(m.bytes())).collect();
-            assert_eq!(
-                sums, want_sums,
-                "{name}: instance {iid}'s tensors after the retrieve"
-            );
+        // A CPU worker of the same layout stores the same bytes under other
+        // tokens: the fs L2 then holds 0.5.6's objects twice.
+        let (cpu_src_names, _cpu_src) = segments("kvt_gcsrc", true);
+        let cpu_descs = |names: &[String]| -> Vec<V> {
+            names
+                .iter()
+                .zip(tensors)
+                .map(|(n, spec)| {
+                    cpu_shm_wrapper(
+                        &format!("/{n}"),
+                        spec["storage_bytes"].as_i64().unwrap(),
+                        spec["dtype"].as_str().unwrap(),
+                        &ints(&spec["shape"]),
+                        &ints(&spec["stride"]),
+                    )
+                })
+                .collect()
+        };
+        register(&mut c, 403, cpu_descs(&cpu_src_names));
+        let (_, ok) = transfer_outcome(c.call(
+            OP_STORE,
+            &[
+                key(&ed_tokens(41, chunks * CS), Some(0), "gcstore"),
+                V::I(403),
+                lists(&store["block_ids"]),
+                V::Bin(vec![]),
+            ],
+        ));
+        assert!(ok, "{name}: cpu_shm store");
+        assert_eq!(c.call(OP_END_SESSION, &[s("gcstore")]), None);
+        let mut got = data_files(&l2);
+        while got.len() < 2 * chunks && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            got = data_files(&l2);
+        }
+        got.sort();
+        let mut twice: Vec<Vec<u8>> = want.iter().flat_map(|o| [o.clone(), o.clone()]).collect();
+        twice.sort();
+        assert!(
+            got == twice,
+            "{name}: the cpu_shm worker's objects differ from lmcache 0.5.6's gathers"
+        );
+
+        // Each RETRIEVE into zeroed memory of a GPU worker, then of a CPU
+        // worker.
+        for (r, retrieve) in case["retrieves"].as_array().unwrap().iter().enumerate() {
+            let skip = retrieve["skip_first_n_tokens"].as_i64().unwrap();
+            let want_sums: Vec<String> = retrieve["paged_sha256"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|h| h.as_str().unwrap().to_string())
+                .collect();
+            let (dst_names, dst) = segments("kvt_gdst", false);
+            let (cpu_names, cpu) = segments("kvt_gcpu", false);
+            let (gpu_iid, cpu_iid) = (410 + 2 * r as i64, 411 + 2 * r as i64);
+            register(&mut c, gpu_iid, raw(&dst_names));
+            register(&mut c, cpu_iid, cpu_descs(&cpu_names));
+            for (iid, segs) in [(gpu_iid, &dst), (cpu_iid, &cpu)] {
+                let rid = format!("gr{iid}");
+                assert_eq!(lookup(&mut c, &toks, &rid), chunks as i64, "{name}");
+                let (_, ok) = transfer_outcome(c.call(
+                    OP_RETRIEVE,
+                    &[
+                        key(&toks, Some(0), &rid),
+                        V::I(iid),
+                        lists(&retrieve["block_ids"]),
+                        V::Bin(if iid == gpu_iid { vec![7; 64] } else { vec![] }),
+                        V::I(skip),
+                    ],
+                ));
+                assert!(ok, "{name}: retrieve into {iid}");
+                assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
+                let sums: Vec<String> = segs.iter().map(|m| sha256_hex(m.bytes())).collect();
+                assert_eq!(
+                    sums, want_sums,
+                    "{name}: instance {iid}'s tensors after a retrieve skipping {skip} tokens"
+                );
+            }
         }
         drop(srv);
         let _ = std::fs::remove_dir_all(&dir);

@@ -544,6 +544,8 @@ fn run(env: &CudaEnv, device: &Device) -> BenchResult<()> {
             kernel_layers: (0..NL as usize).collect(),
             table,
             blocks_per_chunk: BLOCKS_PER_CHUNK,
+            keep_blocks: BLOCKS_PER_CHUNK,
+            transfer_slots: CHUNK_TOKENS,
             object_offset: 0,
         }],
         chunk_slots: CHUNK_TOKENS,

@@ -692,6 +692,8 @@ fn spec_for(c: &Case, exports: &Exports, n: usize, src: bool) -> InstanceSpec {
             kernel_layers: (0..layers.len()).collect(),
             table,
             blocks_per_chunk: c.blocks_per_object(),
+            keep_blocks: c.blocks_per_object(),
+            transfer_slots: c.chunk_slots,
             object_offset: 0,
         }],
         layers,

@@ -148,6 +148,14 @@ pub struct KernelGroup {
     pub engine_group_id: i64,
     /// Block ids of one chunk in this group's list.
     pub blocks_per_chunk: usize,
+    /// Token slots of each chunk the group moves: the chunk, or a sliding
+    /// window shorter than the chunk (0.5.6's `get_slots_per_chunk_in_sw`),
+    /// whose last `keep_blocks` blocks of each chunk are moved, into the
+    /// `[kv_size, layers, transfer_slots, hidden]` start of the group's
+    /// region (the rest of the region is zeros).
+    pub transfer_slots: usize,
+    /// Blocks of each chunk moved: its last `transfer_slots / block_size`.
+    pub keep_blocks: usize,
     /// Bytes from the object's start to this group's region.
     pub object_offset: u64,
     /// Bytes of this group's region of one chunk.
@@ -244,12 +252,14 @@ fn check_group_info(
 ) -> Result<(), DetectError> {
     if info.recurrent_state {
         return Err(unsupported(format!(
-            "group {g}: recurrent-state (Mamba/GDN) KV groups"
+            "group {g}: recurrent-state (Mamba/GDN) KV groups; kvshard has no workaround for \
+             them: serve this model through lmcache server"
         )));
     }
     if info.extra_object_group_tag != 0 {
         return Err(unsupported(format!(
-            "group {g}: connector-private extra object group tag {}",
+            "group {g}: connector-private extra object groups (extra_object_group_tag {}); \
+             register the KV cache without the connector's extra pools",
             info.extra_object_group_tag
         )));
     }
@@ -271,14 +281,22 @@ fn check_group_info(
     if tokens_per_block != block_size {
         return Err(unsupported(format!(
             "group {g}: compressed KV groups (tokens_per_block {tokens_per_block} over \
-             {block_size} slots per block)"
+             {block_size} slots per block); kvshard has no workaround for them: serve this \
+             model through lmcache server"
         )));
     }
+    // A window shorter than the chunk keeps each chunk's last blocks of it,
+    // so it must be whole blocks (0.5.6 refuses it otherwise).
     let sw = info.sw_size_tokens;
-    if sw != -1 && sw < chunk_size_tokens as i64 {
-        return Err(unsupported(format!(
-            "group {g}: sliding window of {sw} tokens, smaller than the \
-             {chunk_size_tokens}-token chunk"
+    if sw == 0 || sw < -1 {
+        return Err(invalid(format!(
+            "group {g}: sliding window of {sw} tokens (-1: not sliding-window attention)"
+        )));
+    }
+    if sw > 0 && (sw as u64) < chunk_size_tokens as u64 && sw as usize % tokens_per_block != 0 {
+        return Err(invalid(format!(
+            "group {g}: a sliding window shorter than the chunk must be whole blocks: {sw} \
+             tokens is not a multiple of tokens_per_block {tokens_per_block}"
         )));
     }
     Ok(())
@@ -317,6 +335,8 @@ fn kernel_groups(
                 layers: vec![index],
                 engine_group_id: engine,
                 blocks_per_chunk: 0,
+                transfer_slots: 0,
+                keep_blocks: 0,
                 object_offset: 0,
                 region_bytes: 0,
             }),
@@ -355,6 +375,11 @@ fn kernel_groups(
             check_group_info(g, info, block_size, chunk_size_tokens)?;
         }
         group.blocks_per_chunk = chunk_size_tokens / block_size;
+        group.transfer_slots = match infos.get(g).map(|i| i.sw_size_tokens) {
+            Some(sw) if sw > 0 && (sw as u64) < chunk_size_tokens as u64 => sw as usize,
+            _ => chunk_size_tokens,
+        };
+        group.keep_blocks = group.transfer_slots / block_size;
         group.object_offset = offset;
         group.region_bytes = u64::try_from(group.bytes_per_token())
             .ok()
@@ -390,8 +415,9 @@ pub fn check_one_object_group(
         None => Ok(()),
         Some(g) => Err(unsupported(format!(
             "with --separate-object-groups, group {g} (sliding window {} tokens) and group 0 \
-             (sliding window {} tokens) would form separate object groups; kvshard stores one \
-             object per chunk",
+             (sliding window {} tokens) would form separate object groups, and kvshard stores \
+             one object per chunk; start kvshard without --separate-object-groups (one object \
+             per chunk holding every group, as lmcache server writes without it)",
             infos[g].sw_size_tokens, infos[0].sw_size_tokens
         ))),
     }

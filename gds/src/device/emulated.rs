@@ -345,6 +345,26 @@ fn transfer(
             // The group's region of each object: the kernel's object pointer.
             let region = object - group.object_offset as usize;
             let at = |c: &super::worker::ChunkCopy| c.host_addr + group.object_offset as usize;
+            if dir == CopyDir::ToHost && group.keep_blocks < group.blocks_per_chunk {
+                // A window shorter than the chunk fills the start of the
+                // region; the rest is zeros, as the device's zeroed slots give.
+                let full = group.table.object_bytes(s.chunk_slots);
+                let moved = group.table.object_bytes(group.transfer_slots);
+                let (Ok(full), Ok(moved)) = (full, moved) else {
+                    return Err(WorkerError::Overflow { what: "a region" }.in_group(g));
+                };
+                for c in hosts {
+                    // SAFETY: the region lies inside the caller's object (the
+                    // DeviceJob contract; check_spec tiled the object).
+                    unsafe {
+                        std::ptr::write_bytes(
+                            (at(c) + moved as usize) as *mut u8,
+                            0,
+                            (full - moved) as usize,
+                        )
+                    };
+                }
+            }
             // SAFETY (all slices below): the paged buffers are inside this
             // instance's live mappings (check_spec checked their spans), and
             // each host object is the caller's reserved or read-locked L1
@@ -368,7 +388,7 @@ fn transfer(
                         &paged,
                         &mut objs,
                         &gb.ids,
-                        s.chunk_slots,
+                        group.transfer_slots,
                         gb.skip_blocks,
                     )
                 }
@@ -386,7 +406,7 @@ fn transfer(
                         &mut paged,
                         &objs,
                         &gb.ids,
-                        s.chunk_slots,
+                        group.transfer_slots,
                         gb.skip_blocks,
                     )
                 }

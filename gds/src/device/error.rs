@@ -125,6 +125,14 @@ pub enum WorkerError {
         object_bytes: u64,
         unit: u64,
     },
+    /// The blocks a group moves per chunk are not its last whole blocks of a
+    /// window.
+    WindowNotWholeBlocks {
+        keep_blocks: usize,
+        blocks_per_chunk: usize,
+        block_size: u32,
+        transfer_slots: u64,
+    },
     /// The group's blocks of a chunk do not cover the chunk's token slots.
     ChunkNotWholeBlocks {
         blocks_per_chunk: usize,
@@ -390,6 +398,16 @@ impl fmt::Display for WorkerError {
                 "its region at byte {offset} of a {object_bytes}-byte object is not aligned to \
                  its {unit}-byte copy unit"
             ),
+            E::WindowNotWholeBlocks {
+                keep_blocks,
+                blocks_per_chunk,
+                block_size,
+                transfer_slots,
+            } => write!(
+                f,
+                "it moves {keep_blocks} of {blocks_per_chunk} blocks of {block_size} tokens a \
+                 chunk, which is not a window of {transfer_slots} tokens"
+            ),
             E::ChunkNotWholeBlocks {
                 blocks_per_chunk,
                 block_size,
@@ -561,6 +579,7 @@ impl Error for WorkerError {
             | E::RegionOffset { .. }
             | E::RegionMisaligned { .. }
             | E::ChunkNotWholeBlocks { .. }
+            | E::WindowNotWholeBlocks { .. }
             | E::KernelLayerCount { .. }
             | E::ZeroBlocksPerChunk
             | E::SpecOrdinalOutOfRange { .. }

@@ -617,6 +617,20 @@ impl DeviceBuffer {
         self.ptr
     }
 
+    /// Sets every byte to zero (`cuMemsetD8`, before anything else uses
+    /// the buffer).
+    pub fn zero(&self) -> Result<(), DeviceError> {
+        self.device.bind_current()?;
+        let (ptr, len) = (self.ptr, self.len);
+        driver_call(
+            "cuMemsetD8_v2",
+            || format!("zeroing {len} bytes on device {}", self.device.ordinal()),
+            // SAFETY: symbol checked in Device::open; the range is this live
+            // allocation.
+            || unsafe { sys::cuMemsetD8_v2(ptr, 0, len) },
+        )
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

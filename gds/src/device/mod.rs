@@ -200,7 +200,7 @@ pub(crate) fn driver_call_in_drop(
 /// Every driver entry point [`Device::open`] checks before the first call:
 /// the context calls here and everything `event`, `exec`, `ipc` (legacy
 /// IPC) and `pin` use. The VMM import has its own list ([`ipc::VMM_SYMBOLS`]).
-pub const DEVICE_SYMBOLS: [&str; 30] = [
+pub const DEVICE_SYMBOLS: [&str; 31] = [
     "cuDeviceGet",
     "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain",
@@ -233,6 +233,7 @@ pub const DEVICE_SYMBOLS: [&str; 30] = [
     "cuLaunchKernel",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
+    "cuMemsetD8_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoHAsync_v2",
 ];

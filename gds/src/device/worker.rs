@@ -107,6 +107,13 @@ pub struct GroupSpec {
     pub table: StrideTable,
     /// Block ids of one chunk in this group (`chunk_slots / bs`).
     pub blocks_per_chunk: usize,
+    /// Of those, the last ones moved: all of them, or a sliding window
+    /// shorter than the chunk (`transfer_slots / bs`).
+    pub keep_blocks: usize,
+    /// Token slots of each chunk moved (`keep_blocks * bs`), into the
+    /// `[kv_size, layers, transfer_slots, hidden]` start of the group's
+    /// region; the rest of the region is zeros.
+    pub transfer_slots: u64,
     /// Bytes from an object's start to the group's region, which is
     /// `table.object_bytes(chunk_slots)` long. Regions lie end to end in
     /// group order.
@@ -152,11 +159,20 @@ pub struct ChunkCopy {
     pub skip_tokens: usize,
 }
 
-impl ChunkCopy {
-    /// The chunk's leading blocks of a group of `block_size` tokens left
-    /// untouched.
-    pub fn skip_blocks(&self, block_size: u32) -> usize {
-        self.skip_tokens / (block_size.max(1) as usize)
+impl GroupSpec {
+    /// Of the blocks this group moves for a chunk (its last `keep_blocks`),
+    /// how many a retrieve skipping the chunk's first `skip_tokens` tokens
+    /// leaves untouched: those among the chunk's first whole blocks of the
+    /// skip (0.5.6's `recalculate_blocks_to_skip`, per chunk).
+    pub fn kept_skip(&self, skip_tokens: usize) -> usize {
+        let bs = self.table.shape().bs.max(1) as usize;
+        let skipped = (skip_tokens / bs).min(self.blocks_per_chunk);
+        skipped.saturating_sub(self.blocks_per_chunk - self.keep_blocks.min(self.blocks_per_chunk))
+    }
+
+    /// The ids of a chunk's list (this group's `blocks_per_chunk`) it moves.
+    pub fn kept<'a>(&self, ids: &'a [i64]) -> &'a [i64] {
+        &ids[ids.len() - self.keep_blocks.min(ids.len())..]
     }
 }
 
@@ -408,6 +424,17 @@ fn check_group(spec: &InstanceSpec, group: &GroupSpec, offset: u64) -> Result<u6
             chunk_slots: spec.chunk_slots,
         });
     }
+    if group.keep_blocks == 0
+        || group.keep_blocks > group.blocks_per_chunk
+        || (group.keep_blocks as u64).checked_mul(u64::from(bs)) != Some(group.transfer_slots)
+    {
+        return Err(WorkerError::WindowNotWholeBlocks {
+            keep_blocks: group.keep_blocks,
+            blocks_per_chunk: group.blocks_per_chunk,
+            block_size: bs,
+            transfer_slots: group.transfer_slots,
+        });
+    }
     let span = t.paged_span_bytes();
     for (p, &i) in group.kernel_layers.iter().enumerate() {
         let layer = spec.layers.get(i).ok_or(WorkerError::KernelLayerMissing {
@@ -425,12 +452,12 @@ fn check_group(spec: &InstanceSpec, group: &GroupSpec, offset: u64) -> Result<u6
         }
     }
     let blocks = MAX_OBJECTS
-        .checked_mul(group.blocks_per_chunk)
+        .checked_mul(group.keep_blocks)
         .ok_or(WorkerError::Overflow {
             what: "blocks_per_chunk",
         })?;
     for dir in [CopyDirection::Gather, CopyDirection::Scatter] {
-        KernelLaunch::new(t, dir, MAX_OBJECTS, blocks, spec.chunk_slots, 0)
+        KernelLaunch::new(t, dir, MAX_OBJECTS, blocks, group.transfer_slots, 0)
             .map_err(WorkerError::BatchUnlaunchable)?;
     }
     let region = t
@@ -578,8 +605,8 @@ pub fn plan_batches(chunks: &[ChunkCopy], spec: &InstanceSpec) -> Vec<Batch> {
         let joins = out.last().is_some_and(|b| {
             b.chunks < MAX_OBJECTS
                 && spec.groups.iter().zip(&b.groups).all(|(g, gb)| {
-                    chunk.skip_blocks(g.table.shape().bs) == 0
-                        || gb.skip_blocks == b.chunks * g.blocks_per_chunk
+                    g.kept_skip(chunk.skip_tokens) == 0
+                        || gb.skip_blocks == b.chunks * g.keep_blocks
                 })
         });
         if !joins {
@@ -590,7 +617,7 @@ pub fn plan_batches(chunks: &[ChunkCopy], spec: &InstanceSpec) -> Vec<Batch> {
                     .groups
                     .iter()
                     .map(|g| GroupBatch {
-                        ids: Vec::with_capacity(MAX_OBJECTS * g.blocks_per_chunk),
+                        ids: Vec::with_capacity(MAX_OBJECTS * g.keep_blocks),
                         skip_blocks: 0,
                     })
                     .collect(),
@@ -599,11 +626,11 @@ pub fn plan_batches(chunks: &[ChunkCopy], spec: &InstanceSpec) -> Vec<Batch> {
         let b = out.last_mut().expect("a batch was just ensured");
         let mut first = 0;
         for (g, gb) in spec.groups.iter().zip(&mut b.groups) {
-            if gb.skip_blocks == b.chunks * g.blocks_per_chunk {
-                gb.skip_blocks += chunk.skip_blocks(g.table.shape().bs);
+            if gb.skip_blocks == b.chunks * g.keep_blocks {
+                gb.skip_blocks += g.kept_skip(chunk.skip_tokens);
             }
             gb.ids
-                .extend_from_slice(&chunk.block_ids[first..first + g.blocks_per_chunk]);
+                .extend_from_slice(g.kept(&chunk.block_ids[first..first + g.blocks_per_chunk]));
             first += g.blocks_per_chunk;
         }
         b.chunks += 1;
@@ -1204,6 +1231,16 @@ impl Worker {
         let ids = DeviceBuffer::alloc(device, ids_at)?;
         // check_spec made sure this fits usize.
         let slots = DeviceBuffer::alloc(device, MAX_OBJECTS * spec.object_bytes as usize)?;
+        // A group moving a window shorter than the chunk leaves the rest of
+        // its region untouched: zeros in every object, as the emulation and
+        // the cpu_shm path write.
+        if spec
+            .groups
+            .iter()
+            .any(|g| g.keep_blocks < g.blocks_per_chunk)
+        {
+            slots.zero()?;
+        }
         let completion = CompletionEvent::new(device)?;
         let ring = ExportRing::new(device, DEFAULT_EXPORT_RING);
         for ev in &alloc_events {
@@ -1290,7 +1327,7 @@ impl Worker {
                     direction,
                     b.chunks,
                     gb.ids.len(),
-                    inst.spec.chunk_slots,
+                    group.transfer_slots,
                     gb.skip_blocks,
                 )
                 .map_err(|e| doing(WorkerError::Copy(e).in_group(g)))?;
@@ -1774,6 +1811,8 @@ mod tests {
                 kernel_layers: vec![0, 1],
                 table: t,
                 blocks_per_chunk: 16,
+                keep_blocks: 16,
+                transfer_slots: 256,
                 object_offset: 0,
             }],
             chunk_slots: 256,
@@ -1799,6 +1838,8 @@ mod tests {
             kernel_layers: vec![0],
             table: StrideTable::new(EngineKvFormat::NL_X_TWO_NB_BS_NH_HS, &shape).unwrap(),
             blocks_per_chunk,
+            keep_blocks: blocks_per_chunk,
+            transfer_slots: u64::from(bs) * blocks_per_chunk as u64,
             object_offset: 0,
         }
     }
@@ -1901,6 +1942,8 @@ mod tests {
             kernel_layers: vec![2],
             table: t1,
             blocks_per_chunk: 8,
+            keep_blocks: 8,
+            transfer_slots: 256,
             object_offset: 2 * MIB,
         });
         s.object_bytes = 2 * MIB + region1;
@@ -2339,6 +2382,47 @@ mod tests {
         );
         assert_eq!(b[1].groups[0].skip_blocks, 1);
         assert_eq!(b[1].groups[1].skip_blocks, 0);
+    }
+
+    #[test]
+    fn a_sliding_window_group_moves_the_last_blocks_of_each_chunk() {
+        // Group 1 keeps the last 2 of its 4 blocks a chunk (a window of 8 of
+        // 16 tokens).
+        let mut window = small_group(4, 4, 100);
+        window.keep_blocks = 2;
+        window.transfer_slots = 8;
+        let spec = spec_of(vec![small_group(4, 4, 100), window], 4096);
+        let chunk = |c: i64, skip| ChunkCopy {
+            host_addr: 0x1000,
+            block_ids: (0..8).map(|i| 10 * c + i).collect(),
+            skip_tokens: skip,
+        };
+        let b = plan_batches(&[chunk(0, 0), chunk(1, 0)], &spec);
+        assert_eq!(b[0].groups[0].ids, vec![0, 1, 2, 3, 10, 11, 12, 13]);
+        assert_eq!(b[0].groups[1].ids, vec![6, 7, 16, 17]);
+        // Skipping 13 tokens: 3 blocks of the chunk, of which the window's
+        // first (position 2) is one.
+        let b = plan_batches(&[chunk(0, 13), chunk(1, 0)], &spec);
+        assert_eq!(
+            (b[0].groups[0].skip_blocks, b[0].groups[1].skip_blocks),
+            (3, 1)
+        );
+        // A whole chunk skipped skips the window's blocks of it too.
+        let b = plan_batches(&[chunk(0, 16), chunk(1, 5)], &spec);
+        assert_eq!(
+            (b[0].groups[0].skip_blocks, b[0].groups[1].skip_blocks),
+            (5, 2)
+        );
+        assert_eq!(b.len(), 1);
+        // Under 2 blocks skipped, the window is untouched.
+        assert_eq!(spec.groups[1].kept_skip(7), 0);
+        let mut bad = spec.clone();
+        bad.groups[1].transfer_slots = 12;
+        bad.layers = vec![raw_layer(1, 0, 1 << 20)];
+        let e = check_group(&bad, &bad.groups[1], 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("moves 2 of 4 blocks of 4 tokens"), "{e}");
     }
 
     /// Every pattern of per-chunk skips (bpc 3, up to 6 chunks): the flat

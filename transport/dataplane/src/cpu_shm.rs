@@ -472,7 +472,18 @@ impl CpuShmRegistration {
         let dst_len = dst.len();
         let dst_ptr = dst.as_mut_ptr();
         for (group, ids) in self.group_ids(block_ids) {
-            self.for_each_span(group, ids, 0, false, |shm, obj, len| {
+            // A sliding window shorter than the chunk moves the chunk's last
+            // blocks into the start of the region; the rest is zeros.
+            let moved = group_moved_bytes(group);
+            let region = group.object_offset as usize;
+            let region_end = region + group.region_bytes as usize;
+            assert!(region_end <= dst_len, "region out of bounds");
+            // SAFETY: inside the object buffer, checked just above.
+            unsafe {
+                ptr::write_bytes(dst_ptr.add(region + moved), 0, region_end - region - moved)
+            };
+            let kept = &ids[ids.len() - group.keep_blocks..];
+            self.for_each_span(group, kept, 0, false, |shm, obj, len| {
                 assert!(obj + len <= dst_len, "object range out of bounds");
                 match shm {
                     Some((seg, off)) => {
@@ -503,8 +514,9 @@ impl CpuShmRegistration {
         let src_len = src.len();
         let src_ptr = src.as_ptr();
         for (group, ids) in self.group_ids(block_ids) {
-            let skip_blocks = (skip_tokens / group.geometry.block_size).min(ids.len());
-            self.for_each_span(group, ids, skip_blocks, true, |shm, obj, len| {
+            let kept = &ids[ids.len() - group.keep_blocks..];
+            let skip_blocks = kept_skip(group, skip_tokens);
+            self.for_each_span(group, kept, skip_blocks, true, |shm, obj, len| {
                 let Some((seg, off)) = shm else { return };
                 assert!(obj + len <= src_len, "object range out of bounds");
                 let map = &self.segments[seg].map;
@@ -543,9 +555,7 @@ impl CpuShmRegistration {
             let layer = &self.layers[layer_index];
             for plane in 0..g.kv_size {
                 let plane_obj = region
-                    + (plane * layers_in_object + object_layer)
-                        * self.chunk_size_tokens
-                        * row_bytes;
+                    + (plane * layers_in_object + object_layer) * group.transfer_slots * row_bytes;
                 let mut pos = first_block;
                 while pos < block_ids.len() {
                     let id = block_ids[pos];
@@ -694,6 +704,24 @@ impl CpuShmRegistration {
             },
         );
     }
+}
+
+/// Bytes of a group's region a transfer moves: `[kv_size, layers,
+/// transfer_slots, hidden]`, all of it unless a sliding window is shorter
+/// than the chunk.
+fn group_moved_bytes(group: &KernelGroup) -> usize {
+    let g = &group.geometry;
+    g.kv_size * group.layers.len() * group.transfer_slots * g.hidden() * g.dtype.size_bytes()
+}
+
+/// Of the blocks a group moves for one chunk (its last `keep_blocks`), how
+/// many a retrieve leaves untouched when it skips the chunk's first
+/// `skip_tokens` tokens: the kept blocks among the chunk's first whole
+/// blocks of those tokens (0.5.6's `recalculate_blocks_to_skip`, per chunk).
+fn kept_skip(group: &KernelGroup, skip_tokens: usize) -> usize {
+    let (bpc, keep) = (group.blocks_per_chunk, group.keep_blocks);
+    let skipped = (skip_tokens / group.geometry.block_size).min(bpc);
+    skipped.saturating_sub(bpc - keep)
 }
 
 /// Runs at least this long whose source and destination sit at different
@@ -1540,10 +1568,35 @@ mod tests {
             sw_size_tokens: 8,
             ..EngineGroupInfo::default()
         };
-        assert!(matches!(
-            open_err(std::slice::from_ref(&good), &[window], 16, nhd),
-            TransferError::Unsupported(_)
-        ));
+        // A window shorter than the chunk moves its last blocks of each
+        // chunk; it must be whole blocks, and at least one.
+        let reg =
+            CpuShmRegistration::open(std::slice::from_ref(&good), &[window], 16, nhd, 0).unwrap();
+        let k = &reg.kernel_groups()[0];
+        assert_eq!(
+            (k.blocks_per_chunk, k.keep_blocks, k.transfer_slots),
+            (4, 2, 8)
+        );
+        for sw in [6, 0, -2] {
+            let bad = EngineGroupInfo {
+                layer_indices: vec![0],
+                sw_size_tokens: sw,
+                ..EngineGroupInfo::default()
+            };
+            let e = open_err(std::slice::from_ref(&good), &[bad], 16, nhd);
+            assert!(matches!(e, TransferError::Invalid(_)), "window {sw}: {e}");
+        }
+        let recurrent = EngineGroupInfo {
+            layer_indices: vec![0],
+            recurrent_state: true,
+            ..EngineGroupInfo::default()
+        };
+        let e = open_err(std::slice::from_ref(&good), &[recurrent], 16, nhd);
+        assert!(
+            e.to_string()
+                .contains("serve this model through lmcache server"),
+            "{e}"
+        );
         let wide_window = EngineGroupInfo {
             layer_indices: vec![0],
             sw_size_tokens: 4096,
@@ -1555,10 +1608,9 @@ mod tests {
             tokens_per_block: 8,
             ..EngineGroupInfo::default()
         };
-        assert!(matches!(
-            open_err(std::slice::from_ref(&good), &[compressed], 16, nhd),
-            TransferError::Unsupported(_)
-        ));
+        let e = open_err(std::slice::from_ref(&good), &[compressed], 16, nhd);
+        assert!(matches!(e, TransferError::Unsupported(_)), "{e}");
+        assert!(e.to_string().contains("no workaround"), "{e}");
         for layers in [vec![1], vec![], vec![-1]] {
             let bad_layers = EngineGroupInfo {
                 layer_indices: layers,

@@ -339,6 +339,8 @@ pub fn build(
             kernel_layers: g.layers.clone(),
             table,
             blocks_per_chunk: g.blocks_per_chunk,
+            keep_blocks: g.keep_blocks,
+            transfer_slots: g.transfer_slots as u64,
             object_offset: g.object_offset,
         });
     }
