@@ -486,79 +486,16 @@ fn gpu_workers_need_the_l1_in_memory() {
 
 // -- hybrid (multi-group) caches against lmcache 0.5.6's own gathers --------
 
-/// lmcache 0.5.6's multi-group gathers and scatters, made by its own
-/// `transfer_kv_per_object_group` over a `CPUCacheContext`
-/// (gds/tests/golden/make_group_golden.py).
-const GROUP_GOLDEN: &str = include_str!("../gds/tests/golden/golden_group_gather.json");
-
-/// Byte `i` of golden tensor `t`'s storage.
-fn golden_fill(bytes: usize, t: usize) -> Vec<u8> {
-    (0..bytes)
-        .map(|i| ((i * 31 + t * 7 + 1) % 251) as u8)
-        .collect()
-}
-
-fn sha256_hex(b: &[u8]) -> String {
-    ring::digest::digest(&ring::digest::SHA256, b)
-        .as_ref()
-        .iter()
-        .map(|x| format!("{x:02x}"))
-        .collect()
-}
-
-fn ints(v: &serde_json::Value) -> Vec<i64> {
-    v.as_array()
-        .expect("an array")
-        .iter()
-        .map(|x| x.as_i64().expect("an integer"))
-        .collect()
-}
-
-fn unhex(h: &str) -> Vec<u8> {
-    (0..h.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap())
-        .collect()
-}
-
-/// One block list per kernel group, as STORE and RETRIEVE carry them.
-fn lists(v: &serde_json::Value) -> V {
-    V::A(
-        v.as_array()
-            .expect("lists")
-            .iter()
-            .map(|l| V::A(ints(l).into_iter().map(V::I).collect()))
-            .collect(),
-    )
-}
-
-/// Every `.data` file under `dir`, read.
-fn data_files(dir: &std::path::Path) -> Vec<Vec<u8>> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "data") {
-                out.push(std::fs::read(&p).unwrap());
-            }
-        }
-    }
-    out
-}
-
 /// A GPU worker of each hybrid layout lmcache 0.5.6 serves (two classical
 /// groups of different heads and dtypes, MLA beside classical, uint8, int8
-/// and float32 groups, different block sizes, interleaved layers) stores
-/// chunk objects byte for byte 0.5.6's (read back from the fs L2), and a
-/// RETRIEVE with skip_first_n_tokens into fresh GPU memory, and into a CPU
-/// worker of the same layout, leaves every tensor as 0.5.6's scatter does.
+/// and float32 groups, different block sizes, interleaved layers, sliding
+/// windows shorter and longer than a chunk) stores chunk objects byte for
+/// byte 0.5.6's (read back from the fs L2), so does a CPU worker of the same
+/// layout, and RETRIEVEs with skip_first_n_tokens into fresh GPU memory and
+/// into a CPU worker leave every tensor as 0.5.6's scatter does.
 #[test]
 fn hybrid_gpu_workers_move_the_0_5_6_objects() {
-    let golden: serde_json::Value = serde_json::from_str(GROUP_GOLDEN).unwrap();
-    for case in golden["cases"].as_array().unwrap() {
+    for case in group_golden_cases() {
         let name = case["name"].as_str().unwrap();
         assert_eq!(
             case["chunk_size"], CS as u64,
@@ -567,37 +504,10 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
         let dir = std::env::temp_dir().join(unique("cuda-emu-groups"));
         let l2 = dir.join("l2");
         std::fs::create_dir_all(&l2).unwrap();
-        let adapter = format!(r#"{{"type":"fs","base_path":"{}"}}"#, l2.display());
-        let srv = start(&dir, &["--l2-adapter", &adapter]);
+        let srv = start(&dir, &["--l2-adapter", &fs_adapter(&l2)]);
         let mut c = srv.client();
-        let tensors = case["tensors"].as_array().unwrap();
-        let groups: Vec<V> = case["engine_group_infos"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|g| {
-                map(&[
-                    (
-                        "engine_group_id",
-                        V::I(g["engine_group_id"].as_i64().unwrap()),
-                    ),
-                    (
-                        "layer_indices",
-                        V::A(ints(&g["layer_indices"]).into_iter().map(V::I).collect()),
-                    ),
-                    (
-                        "tokens_per_block",
-                        V::I(g["tokens_per_block"].as_i64().unwrap()),
-                    ),
-                    (
-                        "sw_size_tokens",
-                        V::I(g["sw_size_tokens"].as_i64().unwrap()),
-                    ),
-                    ("extra_object_group_tag", V::I(0)),
-                    ("recurrent_state", V::B(false)),
-                ])
-            })
-            .collect();
+        let tensors = golden_tensors(&case);
+        let groups = golden_group_infos(&case);
         let hint = case["layout_hint"].as_str().unwrap();
         let register = |c: &mut Client, iid: i64, descs: Vec<V>| {
             let frames = vec![
@@ -617,11 +527,10 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
                 .iter()
                 .enumerate()
                 .map(|(t, spec)| {
-                    let bytes = spec["storage_bytes"].as_u64().unwrap() as usize;
                     let name = unique(prefix);
-                    let mut seg = ShmMap::create(&name, bytes);
+                    let mut seg = ShmMap::create(&name, spec.bytes);
                     if filled {
-                        seg.bytes_mut().copy_from_slice(&golden_fill(bytes, t));
+                        seg.bytes_mut().copy_from_slice(&golden_fill(spec.bytes, t));
                     }
                     (name, seg)
                 })
@@ -630,16 +539,31 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
         let raw = |names: &[String]| -> Vec<V> {
             names
                 .iter()
-                .zip(tensors)
-                .map(|(n, spec)| {
+                .zip(&tensors)
+                .map(|(n, t)| {
                     let t = RawTensor {
                         alloc_offset: 0,
-                        nbytes: spec["storage_bytes"].as_u64().unwrap() as usize,
-                        dtype: spec["dtype"].as_str().unwrap(),
-                        shape: ints(&spec["shape"]),
-                        stride: ints(&spec["stride"]),
+                        nbytes: t.bytes,
+                        dtype: &t.dtype,
+                        shape: t.shape.clone(),
+                        stride: t.stride.clone(),
                     };
                     cuda_raw_of(n, &t, GPU_UUID)
+                })
+                .collect()
+        };
+        let cpu = |names: &[String]| -> Vec<V> {
+            names
+                .iter()
+                .zip(&tensors)
+                .map(|(n, t)| {
+                    cpu_shm_wrapper(
+                        &format!("/{n}"),
+                        t.bytes as i64,
+                        &t.dtype,
+                        &t.shape,
+                        &t.stride,
+                    )
                 })
                 .collect()
         };
@@ -647,17 +571,9 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
         register(&mut c, 400, raw(&src_names));
         let meta = &srv.get_json("/status")["cache_context_meta"]["400"]["kv_cache_layout"];
         let want_groups = case["kernel_groups"].as_array().unwrap();
-        assert_eq!(
-            meta["kernel_groups"].as_array().map(Vec::len),
-            Some(want_groups.len()),
-            "{name}: {meta}"
-        );
-        for (k, want) in meta["kernel_groups"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .zip(want_groups)
-        {
+        let got_groups = meta["kernel_groups"].as_array().expect("kernel groups");
+        assert_eq!(got_groups.len(), want_groups.len(), "{name}: {meta}");
+        for (k, want) in got_groups.iter().zip(want_groups) {
             assert_eq!(k["layer_indices"], want["layers"], "{name}: {meta}");
             assert_eq!(
                 k["engine_kv_format"], want["engine_kv_format"],
@@ -665,82 +581,36 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
             );
         }
 
+        // The GPU worker stores, then a CPU worker of the same layout stores
+        // the same bytes under other tokens: the fs L2 then holds 0.5.6's
+        // objects twice.
         let chunks = case["num_chunks"].as_u64().unwrap() as usize;
         let toks = ed_tokens(40, chunks * CS);
         let store = &case["store"];
-        let (_, ok) = transfer_outcome(c.call(
-            OP_STORE,
-            &[
-                key(&toks, Some(0), "gstore"),
-                V::I(400),
-                lists(&store["block_ids"]),
-                V::Bin(vec![7; 64]),
-            ],
-        ));
-        assert!(ok, "{name}: store");
-        assert_eq!(c.call(OP_END_SESSION, &[s("gstore")]), None);
-        // The objects 0.5.6 gathers, as the fs L2 holds them.
-        let mut want: Vec<Vec<u8>> = store["objects_hex"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|h| unhex(h.as_str().unwrap()))
-            .collect();
-        want.sort();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        let mut got = data_files(&l2);
-        while got.len() < chunks && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-            got = data_files(&l2);
-        }
-        got.sort();
-        assert_eq!(got.len(), chunks, "{name}: objects in the fs L2");
-        assert!(
-            got == want,
-            "{name}: the stored objects differ from lmcache 0.5.6's gathers"
-        );
-
-        // A CPU worker of the same layout stores the same bytes under other
-        // tokens: the fs L2 then holds 0.5.6's objects twice.
         let (cpu_src_names, _cpu_src) = segments("kvt_gcsrc", true);
-        let cpu_descs = |names: &[String]| -> Vec<V> {
-            names
-                .iter()
-                .zip(tensors)
-                .map(|(n, spec)| {
-                    cpu_shm_wrapper(
-                        &format!("/{n}"),
-                        spec["storage_bytes"].as_i64().unwrap(),
-                        spec["dtype"].as_str().unwrap(),
-                        &ints(&spec["shape"]),
-                        &ints(&spec["stride"]),
-                    )
-                })
-                .collect()
-        };
-        register(&mut c, 403, cpu_descs(&cpu_src_names));
-        let (_, ok) = transfer_outcome(c.call(
-            OP_STORE,
-            &[
-                key(&ed_tokens(41, chunks * CS), Some(0), "gcstore"),
-                V::I(403),
-                lists(&store["block_ids"]),
-                V::Bin(vec![]),
-            ],
-        ));
-        assert!(ok, "{name}: cpu_shm store");
-        assert_eq!(c.call(OP_END_SESSION, &[s("gcstore")]), None);
-        let mut got = data_files(&l2);
-        while got.len() < 2 * chunks && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-            got = data_files(&l2);
+        register(&mut c, 403, cpu(&cpu_src_names));
+        for (iid, seed, event) in [(400, 40, vec![7; 64]), (403, 41, vec![])] {
+            let rid = format!("gstore{iid}");
+            let (_, ok) = transfer_outcome(c.call(
+                OP_STORE,
+                &[
+                    key(&ed_tokens(seed, chunks * CS), Some(0), &rid),
+                    V::I(iid),
+                    block_lists(&store["block_ids"]),
+                    V::Bin(event),
+                ],
+            ));
+            assert!(ok, "{name}: store from {iid}");
+            assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
         }
-        got.sort();
+        let want = golden_objects(&case);
         let mut twice: Vec<Vec<u8>> = want.iter().flat_map(|o| [o.clone(), o.clone()]).collect();
         twice.sort();
+        let got = l2_objects(&l2, 2 * chunks);
+        assert_eq!(got.len(), 2 * chunks, "{name}: objects in the fs L2");
         assert!(
             got == twice,
-            "{name}: the cpu_shm worker's objects differ from lmcache 0.5.6's gathers"
+            "{name}: the stored objects differ from lmcache 0.5.6's gathers"
         );
 
         // Each RETRIEVE into zeroed memory of a GPU worker, then of a CPU
@@ -754,11 +624,11 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
                 .map(|h| h.as_str().unwrap().to_string())
                 .collect();
             let (dst_names, dst) = segments("kvt_gdst", false);
-            let (cpu_names, cpu) = segments("kvt_gcpu", false);
+            let (cpu_names, cpu_dst) = segments("kvt_gcpu", false);
             let (gpu_iid, cpu_iid) = (410 + 2 * r as i64, 411 + 2 * r as i64);
             register(&mut c, gpu_iid, raw(&dst_names));
-            register(&mut c, cpu_iid, cpu_descs(&cpu_names));
-            for (iid, segs) in [(gpu_iid, &dst), (cpu_iid, &cpu)] {
+            register(&mut c, cpu_iid, cpu(&cpu_names));
+            for (iid, segs) in [(gpu_iid, &dst), (cpu_iid, &cpu_dst)] {
                 let rid = format!("gr{iid}");
                 assert_eq!(lookup(&mut c, &toks, &rid), chunks as i64, "{name}");
                 let (_, ok) = transfer_outcome(c.call(
@@ -766,7 +636,7 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
                     &[
                         key(&toks, Some(0), &rid),
                         V::I(iid),
-                        lists(&retrieve["block_ids"]),
+                        block_lists(&retrieve["block_ids"]),
                         V::Bin(if iid == gpu_iid { vec![7; 64] } else { vec![] }),
                         V::I(skip),
                     ],

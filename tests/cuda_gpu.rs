@@ -939,3 +939,160 @@ fn torch_storage_worker_round_trips() {
     drop(w);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// ------------------------------------------------------------ hybrid caches
+
+/// The hybrid layouts of lmcache 0.5.6's own multi-group gathers (see
+/// `support::group_golden`), through a real GPU: a CUDA worker whose tensors
+/// each have an allocation of their own stores every case's chunks, whose
+/// objects in an fs L2 must be 0.5.6's byte for byte, and retrieves them
+/// with each of the case's skips into zeroed device memory, which must then
+/// hold what 0.5.6's scatter leaves.
+#[test]
+fn hybrid_raw_cuda_workers_move_the_0_5_6_objects() {
+    const TEST: &str = "hybrid_raw_cuda_workers_move_the_0_5_6_objects";
+    let Some(g) = gpu(TEST) else { return };
+    for case in group_golden_cases() {
+        let name = case["name"].as_str().unwrap();
+        assert_eq!(
+            case["chunk_size"], CS as u64,
+            "{name}: the server's chunk size"
+        );
+        let dir = test_dir("cuda-gpu-groups");
+        let l2 = dir.join("l2");
+        std::fs::create_dir_all(&l2).unwrap();
+        let srv = Server::start_logged_env(
+            &["--l2-adapter", &fs_adapter(&l2)],
+            &dir.join("server.log"),
+            &[],
+        );
+        let mut c = srv.client();
+        let tensors = golden_tensors(&case);
+        let groups = golden_group_infos(&case);
+        let hint = case["layout_hint"].as_str().unwrap();
+        let alloc = |filled: bool| -> Vec<DevMem> {
+            tensors
+                .iter()
+                .enumerate()
+                .map(|(t, spec)| {
+                    let m = DevMem::alloc(spec.bytes);
+                    if filled {
+                        m.write(0, &golden_fill(spec.bytes, t));
+                    }
+                    m
+                })
+                .collect()
+        };
+        let register = |c: &mut Client, iid: i64, mems: &[DevMem]| {
+            let ints = |v: &[i64]| V::A(v.iter().map(|&x| V::I(x)).collect());
+            let descs = mems
+                .iter()
+                .zip(&tensors)
+                .map(|(m, t)| {
+                    let meta = map(&[
+                        ("dtype", s(&t.dtype)),
+                        ("shape", ints(&t.shape)),
+                        ("stride", ints(&t.stride)),
+                        ("storage_offset", V::I(0)),
+                        ("device_uuid", s(&g.uuid)),
+                    ]);
+                    let inner = map(&[
+                        ("type", s("cuda_raw")),
+                        ("ipc_handle", V::Bin(m.ipc_handle())),
+                        ("alloc_offset", V::I(0)),
+                        ("nbytes", V::I(t.bytes as i64)),
+                        ("version", V::I(1)),
+                        ("metadata", meta),
+                    ]);
+                    V::Ext(1, enc(&inner))
+                })
+                .collect();
+            let frames = vec![
+                V::I(iid),
+                V::A(descs),
+                s(MODEL),
+                V::I(1),
+                s("vllm"),
+                map(&[("kv_layout", s(hint))]),
+                V::A(groups.clone()),
+            ];
+            assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None, "{name}");
+            if let Some(reason) = refused_gpu_reason(&srv, iid) {
+                panic!("{name}: instance {iid} was refused: {reason}");
+            }
+            assert!(registered_gpu_ids(&srv).contains(&iid), "{name}: {iid}");
+        };
+        // Sends a transfer with this process's event; waits for the server's.
+        let transfer = |c: &mut Client, op: i64, frames: Vec<V>| -> bool {
+            let (ev, handle) = worker_event();
+            let mut frames = frames;
+            frames.insert(3, V::Bin(handle));
+            let (server_ev, ok) = transfer_outcome(c.call(op, &frames));
+            if ok {
+                wait_server_event(&server_ev);
+            }
+            destroy_event(ev);
+            ok
+        };
+
+        let src = alloc(true);
+        register(&mut c, 600, &src);
+        let chunks = case["num_chunks"].as_u64().unwrap() as usize;
+        let toks = ed_tokens(60, chunks * CS);
+        let stored = transfer(
+            &mut c,
+            OP_STORE,
+            vec![
+                key(1, Some(0), &toks, "hs", 1),
+                V::I(600),
+                block_lists(&case["store"]["block_ids"]),
+            ],
+        );
+        assert!(stored, "{name}: store");
+        assert_eq!(c.call(OP_END_SESSION, &[s("hs")]), None);
+        let got = l2_objects(&l2, chunks);
+        assert!(
+            got == golden_objects(&case),
+            "{name}: the objects the GPU gathered differ from lmcache 0.5.6's ({} of {chunks})",
+            got.len()
+        );
+
+        for (r, retrieve) in case["retrieves"].as_array().unwrap().iter().enumerate() {
+            let iid = 610 + r as i64;
+            let dst = alloc(false);
+            register(&mut c, iid, &dst);
+            let rid = format!("hr{iid}");
+            assert_eq!(lookup(&mut c, 1, &toks, &rid, 1), chunks as i64, "{name}");
+            let skip = retrieve["skip_first_n_tokens"].as_i64().unwrap();
+            let ok = transfer(
+                &mut c,
+                OP_RETRIEVE,
+                vec![
+                    key(1, Some(0), &toks, &rid, 1),
+                    V::I(iid),
+                    block_lists(&retrieve["block_ids"]),
+                    V::I(skip),
+                ],
+            );
+            assert!(ok, "{name}: retrieve into {iid}");
+            assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
+            let sums: Vec<String> = dst
+                .iter()
+                .zip(&tensors)
+                .map(|(m, t)| sha256_hex(&m.read(0, t.bytes)))
+                .collect();
+            let want: Vec<String> = retrieve["paged_sha256"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|h| h.as_str().unwrap().to_string())
+                .collect();
+            assert_eq!(
+                sums, want,
+                "{name}: tensors after a retrieve skipping {skip} tokens"
+            );
+        }
+        drop(srv);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

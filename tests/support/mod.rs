@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 mod codec;
 mod engine_driven;
+mod group_golden;
 mod lmcache_driven;
 mod lookup_load;
 mod metrics;
@@ -20,6 +21,8 @@ mod process;
 pub use codec::*;
 #[allow(unused_imports)]
 pub use engine_driven::*;
+#[allow(unused_imports)]
+pub use group_golden::*;
 #[allow(unused_imports)]
 pub use lmcache_driven::*;
 #[allow(unused_imports)]

@@ -55,7 +55,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tail -1
     step gpu_golden 90 "$DIR/gpu_golden" --nocapture --test-threads 1
-    step cuda_gpu 150 "$DIR/cuda_gpu" --nocapture --test-threads 1
+    step cuda_gpu 240 "$DIR/cuda_gpu" --nocapture --test-threads 1
     step gpu_workers 120 "$DIR/gpu_workers" --test-threads 2
     step gpu_bench 100 "$DIR/gpu_bench" --bench
 else

@@ -1,0 +1,154 @@
+//! lmcache 0.5.6's multi-group gathers and scatters
+//! (`gds/tests/golden/golden_group_gather.json`, made by 0.5.6's own
+//! `transfer_kv_per_object_group` over a `CPUCacheContext`; see
+//! `make_group_golden.py` beside it), as the end-to-end tests replay them:
+//! a worker of each case's registration stores the case's chunks, and the
+//! L1 objects (read back from an fs L2) and the tensors after each retrieve
+//! must be 0.5.6's.
+
+use super::*;
+
+const GROUP_GOLDEN: &str = include_str!("../../gds/tests/golden/golden_group_gather.json");
+
+/// Every case of the golden file.
+pub fn group_golden_cases() -> Vec<serde_json::Value> {
+    let doc: serde_json::Value = serde_json::from_str(GROUP_GOLDEN).expect("golden json");
+    doc["cases"].as_array().expect("cases").clone()
+}
+
+/// One registered tensor of a case.
+pub struct GoldenTensor {
+    pub dtype: String,
+    pub shape: Vec<i64>,
+    pub stride: Vec<i64>,
+    pub bytes: usize,
+}
+
+pub fn golden_tensors(case: &serde_json::Value) -> Vec<GoldenTensor> {
+    case["tensors"]
+        .as_array()
+        .expect("tensors")
+        .iter()
+        .map(|t| GoldenTensor {
+            dtype: t["dtype"].as_str().expect("dtype").to_string(),
+            shape: json_ints(&t["shape"]),
+            stride: json_ints(&t["stride"]),
+            bytes: t["storage_bytes"].as_u64().expect("storage_bytes") as usize,
+        })
+        .collect()
+}
+
+/// Byte `i` of golden tensor `t`'s storage (the inputs of every case).
+pub fn golden_fill(bytes: usize, t: usize) -> Vec<u8> {
+    (0..bytes)
+        .map(|i| ((i * 31 + t * 7 + 1) % 251) as u8)
+        .collect()
+}
+
+pub fn sha256_hex(b: &[u8]) -> String {
+    ring::digest::digest(&ring::digest::SHA256, b)
+        .as_ref()
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+pub fn json_ints(v: &serde_json::Value) -> Vec<i64> {
+    v.as_array()
+        .expect("an array")
+        .iter()
+        .map(|x| x.as_i64().expect("an integer"))
+        .collect()
+}
+
+fn unhex(h: &str) -> Vec<u8> {
+    (0..h.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&h[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// One block list per kernel group, as STORE and RETRIEVE carry them.
+pub fn block_lists(v: &serde_json::Value) -> V {
+    V::A(
+        v.as_array()
+            .expect("lists")
+            .iter()
+            .map(|l| V::A(json_ints(l).into_iter().map(V::I).collect()))
+            .collect(),
+    )
+}
+
+/// The case's `EngineGroupInfo`s, as REGISTER_KV_CACHE carries them.
+pub fn golden_group_infos(case: &serde_json::Value) -> Vec<V> {
+    case["engine_group_infos"]
+        .as_array()
+        .expect("engine_group_infos")
+        .iter()
+        .map(|g| {
+            let int = |k: &str| V::I(g[k].as_i64().unwrap_or_else(|| panic!("{k}")));
+            map(&[
+                ("engine_group_id", int("engine_group_id")),
+                (
+                    "layer_indices",
+                    V::A(
+                        json_ints(&g["layer_indices"])
+                            .into_iter()
+                            .map(V::I)
+                            .collect(),
+                    ),
+                ),
+                ("tokens_per_block", int("tokens_per_block")),
+                ("sw_size_tokens", int("sw_size_tokens")),
+                ("extra_object_group_tag", V::I(0)),
+                ("recurrent_state", V::B(false)),
+            ])
+        })
+        .collect()
+}
+
+/// The chunk objects 0.5.6 stored, sorted (fs L2 names are content hashes,
+/// so tests compare the sets).
+pub fn golden_objects(case: &serde_json::Value) -> Vec<Vec<u8>> {
+    let mut want: Vec<Vec<u8>> = case["store"]["objects_hex"]
+        .as_array()
+        .expect("objects_hex")
+        .iter()
+        .map(|h| unhex(h.as_str().expect("hex")))
+        .collect();
+    want.sort();
+    want
+}
+
+/// Every `.data` file under `dir`, read, sorted; waits up to 30 s for at
+/// least `n` (an fs L2 writes behind the STORE reply).
+pub fn l2_objects(dir: &std::path::Path, n: usize) -> Vec<Vec<u8>> {
+    let read = || {
+        let mut out = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.extension().is_some_and(|x| x == "data") {
+                    out.push(std::fs::read(&p).unwrap_or_default());
+                }
+            }
+        }
+        out
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut got = read();
+    while got.len() < n && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        got = read();
+    }
+    got.sort();
+    got
+}
+
+/// An fs L2 adapter spec for `dir`.
+pub fn fs_adapter(dir: &std::path::Path) -> String {
+    format!(r#"{{"type":"fs","base_path":"{}"}}"#, dir.display())
+}
