@@ -453,13 +453,16 @@ fn express_config(mock: &ExpressMock, secret: &str) -> kvshard_s3_raw::S3ClientC
 
 #[test]
 fn sessions_refresh_ahead_of_expiry_and_no_request_fails() {
-    // Sessions of 4 s, refreshed with 2.5 s left, unusable with 0.5 s left:
-    // a 7 s run crosses several expiries.
-    let ttl = Duration::from_secs(4);
+    // Sessions of 6 s, refreshed with 5 s left, unusable with 0.5 s left: a
+    // 7 s run crosses several refreshes, and each background refresh has
+    // over 3 s (the reported expiry is whole seconds) to land before a
+    // request would have to wait, which a busy 2-core CI host needs (2 s
+    // was not always enough there).
+    let ttl = Duration::from_secs(6);
     let mock = ExpressMock::start(ttl, ttl);
     let mut cfg = express_config(&mock, BASE_SECRET);
     cfg.express = ExpressConfig {
-        refresh_before: Duration::from_millis(2500),
+        refresh_before: Duration::from_secs(5),
         expiry_margin: Duration::from_millis(500),
     };
     let stats = Arc::new(Mutex::new(None));
