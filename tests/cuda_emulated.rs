@@ -98,16 +98,7 @@ fn cuda_raw_of(shm: &str, t: &RawTensor, uuid: &str) -> V {
 }
 
 fn register_frames(iid: i64, descs: Vec<V>) -> Vec<V> {
-    let group = kv_group(NL, BS);
-    vec![
-        V::I(iid),
-        V::A(descs),
-        s(MODEL),
-        V::I(1),
-        s("vllm"),
-        map(&[("kv_layout", s("NHD"))]),
-        V::A(vec![group]),
-    ]
+    register_kv_cache_frames(iid, descs, MODEL, 1, "NHD", vec![kv_group(NL, BS)])
 }
 
 /// A worker's per-layer KV memory: shm segments with the layer at `offset`.
@@ -510,15 +501,7 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
         let groups = golden_group_infos(&case);
         let hint = case["layout_hint"].as_str().unwrap();
         let register = |c: &mut Client, iid: i64, descs: Vec<V>| {
-            let frames = vec![
-                V::I(iid),
-                V::A(descs),
-                s(MODEL),
-                V::I(1),
-                s("vllm"),
-                map(&[("kv_layout", s(hint))]),
-                V::A(groups.clone()),
-            ];
+            let frames = register_kv_cache_frames(iid, descs, MODEL, 1, hint, groups.clone());
             assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None, "{name}");
         };
         // Per tensor: shm "device memory", filled (source) or zeroed.

@@ -320,15 +320,14 @@ fn lookup(c: &mut Client, ws: i64, toks: &[u32], rid: &str, readers: i64) -> i64
 
 impl<M: KvMemory> Worker<M> {
     fn register(&mut self, srv: &Server, c: &mut Client) {
-        let frames = vec![
-            V::I(self.iid),
-            V::A(self.mem.descriptors()),
-            s(MODEL),
-            V::I(self.ws),
-            s("vllm"),
-            map(&[("kv_layout", s(self.mem.kind().hint()))]),
-            V::A(vec![kv_group(NL, BS)]),
-        ];
+        let frames = register_kv_cache_frames(
+            self.iid,
+            self.mem.descriptors(),
+            MODEL,
+            self.ws,
+            self.mem.kind().hint(),
+            vec![kv_group(NL, BS)],
+        );
         assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None);
         // Answered once the device thread has set the instance up (the
         // first one pins the L1): the worker's next STORE finds it.
@@ -542,15 +541,8 @@ fn cpu_reads_gpu_chunks(
         segs.push(seg);
     }
     let iid = 900 + seed as i64;
-    let frames = vec![
-        V::I(iid),
-        V::A(descs),
-        s(MODEL),
-        V::I(1),
-        s("vllm"),
-        map(&[("kv_layout", s(kind.hint()))]),
-        V::A(vec![kv_group(NL, BS)]),
-    ];
+    let frames =
+        register_kv_cache_frames(iid, descs, MODEL, 1, kind.hint(), vec![kv_group(NL, BS)]);
     assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None);
     let rid = format!("cpu{seed}");
     assert_eq!(lookup(c, 1, &toks, &rid, 1), chunks as i64);
@@ -1007,15 +999,7 @@ fn hybrid_raw_cuda_workers_move_the_0_5_6_objects() {
                     V::Ext(1, enc(&inner))
                 })
                 .collect();
-            let frames = vec![
-                V::I(iid),
-                V::A(descs),
-                s(MODEL),
-                V::I(1),
-                s("vllm"),
-                map(&[("kv_layout", s(hint))]),
-                V::A(groups.clone()),
-            ];
+            let frames = register_kv_cache_frames(iid, descs, MODEL, 1, hint, groups.clone());
             assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None, "{name}");
             if let Some(reason) = refused_gpu_reason(&srv, iid) {
                 panic!("{name}: instance {iid} was refused: {reason}");

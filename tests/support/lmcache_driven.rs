@@ -9,18 +9,32 @@ pub const LM_LAYER_SHAPE: [i64; 5] = [2, 8, 16, 2, 32];
 pub const LM_LAYER_STRIDE: [i64; 5] = [8 * 16 * 64, 16 * 64, 64, 32, 1];
 pub const LM_LAYER_BYTES: i64 = 2 * 8 * 16 * 64 * 2;
 
+/// `register_kv_cache` payloads: instance `iid` of vLLM model `model` at
+/// `world_size`, its tensors' descriptors, the `kv_layout` hint and its
+/// `EngineGroupInfo`s.
+pub fn register_kv_cache_frames(
+    iid: i64,
+    descs: Vec<V>,
+    model: &str,
+    world_size: i64,
+    kv_layout: &str,
+    groups: Vec<V>,
+) -> Vec<V> {
+    vec![
+        V::I(iid),
+        V::A(descs),
+        s(model),
+        V::I(world_size),
+        s("vllm"),
+        map(&[("kv_layout", s(kv_layout))]),
+        V::A(groups),
+    ]
+}
+
 /// `register_kv_cache` payloads for instance `iid` of model "lm" (world size
 /// 1, vLLM, NHD) with one layer described by `desc`.
 pub fn lm_register_frames(iid: i64, desc: V) -> Vec<V> {
-    vec![
-        V::I(iid),
-        V::A(vec![desc]),
-        s("lm"),
-        V::I(1),
-        s("vllm"),
-        map(&[("kv_layout", s("NHD"))]),
-        V::A(vec![]),
-    ]
+    register_kv_cache_frames(iid, vec![desc], "lm", 1, "NHD", vec![])
 }
 
 /// A fresh lmcache_driven layer segment of the `LM_LAYER_*` geometry and its
