@@ -40,6 +40,22 @@ pub fn all_null(block_ids: &[i64], null_block_id: i64) -> bool {
     block_ids.iter().all(|&b| b == null_block_id)
 }
 
+/// Of the blocks a group moves for one chunk (its last `keep_blocks` of
+/// `blocks_per_chunk`, all of them unless a sliding window is shorter than
+/// the chunk), how many a retrieve leaves untouched when it skips the
+/// chunk's first `skip_tokens` tokens: the kept blocks among the chunk's
+/// first whole blocks of those tokens (0.5.6's `recalculate_blocks_to_skip`,
+/// per chunk).
+pub fn kept_skip_blocks(
+    skip_tokens: usize,
+    block_size: usize,
+    blocks_per_chunk: usize,
+    keep_blocks: usize,
+) -> usize {
+    let skipped = (skip_tokens / block_size.max(1)).min(blocks_per_chunk);
+    skipped.saturating_sub(blocks_per_chunk - keep_blocks.min(blocks_per_chunk))
+}
+
 /// Tokens to leave untouched in chunk `chunk_index` of a RETRIEVE whose
 /// `skip_first_n_tokens` counts from the request range start (`key.start`).
 pub fn chunk_skip_tokens(

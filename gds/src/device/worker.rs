@@ -165,9 +165,12 @@ impl GroupSpec {
     /// leaves untouched: those among the chunk's first whole blocks of the
     /// skip (0.5.6's `recalculate_blocks_to_skip`, per chunk).
     pub fn kept_skip(&self, skip_tokens: usize) -> usize {
-        let bs = self.table.shape().bs.max(1) as usize;
-        let skipped = (skip_tokens / bs).min(self.blocks_per_chunk);
-        skipped.saturating_sub(self.blocks_per_chunk - self.keep_blocks.min(self.blocks_per_chunk))
+        kvshard_layout::geometry::kept_skip_blocks(
+            skip_tokens,
+            self.table.shape().bs as usize,
+            self.blocks_per_chunk,
+            self.keep_blocks,
+        )
     }
 
     /// The ids of a chunk's list (this group's `blocks_per_chunk`) it moves.

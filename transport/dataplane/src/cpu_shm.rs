@@ -714,14 +714,15 @@ fn group_moved_bytes(group: &KernelGroup) -> usize {
     g.kv_size * group.layers.len() * group.transfer_slots * g.hidden() * g.dtype.size_bytes()
 }
 
-/// Of the blocks a group moves for one chunk (its last `keep_blocks`), how
-/// many a retrieve leaves untouched when it skips the chunk's first
-/// `skip_tokens` tokens: the kept blocks among the chunk's first whole
-/// blocks of those tokens (0.5.6's `recalculate_blocks_to_skip`, per chunk).
+/// Of the blocks `group` moves for one chunk, how many a retrieve skipping
+/// the chunk's first `skip_tokens` tokens leaves untouched.
 fn kept_skip(group: &KernelGroup, skip_tokens: usize) -> usize {
-    let (bpc, keep) = (group.blocks_per_chunk, group.keep_blocks);
-    let skipped = (skip_tokens / group.geometry.block_size).min(bpc);
-    skipped.saturating_sub(bpc - keep)
+    kvshard_layout::geometry::kept_skip_blocks(
+        skip_tokens,
+        group.geometry.block_size,
+        group.blocks_per_chunk,
+        group.keep_blocks,
+    )
 }
 
 /// Runs at least this long whose source and destination sit at different
