@@ -210,8 +210,9 @@ pub struct MpServerArgs {
     #[arg(long, overrides_with = "run_script_api_enabled")]
     pub no_run_script_api_enabled: bool,
 
-    /// One object group per sliding-window size at registration (hybrid models). kvshard
-    /// refuses a registration this would split into several object groups [default: off].
+    /// One object group per sliding-window size (in whole chunks) at registration (hybrid
+    /// models): one object per chunk and group, a windowed group needed for a hit's last
+    /// chunks only [default: off].
     #[arg(long, overrides_with = "no_separate_object_groups")]
     pub separate_object_groups: bool,
     /// Turn --separate-object-groups off.

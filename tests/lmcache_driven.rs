@@ -1115,3 +1115,203 @@ fn kernel_groups_round_trip_each_through_its_own_block_list() {
     let sums = checksums(&srv, iid, blocks, false);
     assert_eq!(digests(&sums["chunk_checksums"]), [md5_hex(&bytes)]);
 }
+
+/// The `.data` files of an fs L2 under `dir` (any depth), waiting up to 30 s
+/// for at least `n`: `(object group, path)` by the file name's third field.
+fn og_files(dir: &std::path::Path, n: usize) -> Vec<(u32, std::path::PathBuf)> {
+    let list = || {
+        let mut out = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                let p = e.path();
+                let name = p
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .to_string();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if let Some(stem) = name.strip_suffix(".data") {
+                    let og = stem.split('@').nth(2).expect("og field");
+                    out.push((u32::from_str_radix(og, 16).expect("og hex"), p));
+                }
+            }
+        }
+        out
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let files = list();
+        if files.len() >= n || std::time::Instant::now() > deadline {
+            return files;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// `--separate-object-groups` as 0.5.6 buckets kernel groups: a group of a
+/// sliding window of two chunks forms object group 1 beside the
+/// full-attention group 0, one object per chunk and group, each holding only
+/// its groups' regions. A hit needs the full group's every chunk but the
+/// windowed group's last two only (0.5.6's fold), and a retrieve writes the
+/// windowed group's last two chunks only.
+#[test]
+fn separate_object_groups_store_each_group_and_serve_its_window() {
+    const CHUNKS: usize = 4;
+    let dir = std::env::temp_dir().join(unique("lmc-og"));
+    std::fs::create_dir_all(&dir).expect("l2 dir");
+    let adapter = fs_adapter(&dir);
+    let args = [
+        "--separate-object-groups",
+        "--l2-adapter",
+        adapter.as_str(),
+        "--l2-prefetch-load-timeout",
+        "30",
+    ];
+    let srv = Server::start(&args);
+    let mut c = srv.client();
+    // Layers 0 and 1 attend fully (engine group 0); layer 2 slides over two
+    // chunks (engine group 1).
+    let names: Vec<String> = (0..3).map(|_| unique("lmckvog")).collect();
+    let mut segs: Vec<ShmMap> = names
+        .iter()
+        .enumerate()
+        .map(|(l, n)| {
+            let mut m = ShmMap::create(n, NHD.layer_bytes());
+            m.bytes_mut()
+                .copy_from_slice(&pattern(7000 + l as u64, NHD.layer_bytes()));
+            m
+        })
+        .collect();
+    let (shape, stride) = NHD.shape_stride();
+    let wrappers = names
+        .iter()
+        .map(|n| {
+            let bytes = NHD.layer_bytes() as i64;
+            cpu_shm_wrapper(&format!("/{n}"), bytes, "float16", &shape, &stride)
+        })
+        .collect();
+    let iid = 310;
+    let register = [
+        V::I(iid),
+        V::A(wrappers),
+        s(MODEL),
+        V::I(1),
+        s("vllm"),
+        map(&[("kv_layout", s("NHD"))]),
+        V::A(vec![
+            kv_group_windowed(0, &[0, 1], BS, -1),
+            kv_group_windowed(1, &[2], BS, 2 * CS as i64),
+        ]),
+    ];
+    assert_eq!(c.call(OP_REGISTER_KV_CACHE, &register), None);
+    assert!(registered_gpu_ids(&srv).contains(&iid), "registered");
+    let status = srv.get_json("/status");
+    let layout = &status["cache_context_meta"][iid.to_string()]["kv_cache_layout"];
+    assert_eq!(
+        layout["kernel_groups"][1]["object_group_idx"], 1,
+        "{layout}"
+    );
+    let ogs = layout["object_groups"].as_array().expect("object_groups");
+    assert_eq!(ogs.len(), 2, "{layout}");
+    assert_eq!(ogs[0]["sliding_window_chunks"], -1);
+    assert_eq!(ogs[1]["sliding_window_chunks"], 2);
+    assert_eq!(ogs[0]["object_bytes"], 2 * NHD.row() * 2 * CS);
+    assert_eq!(ogs[1]["object_bytes"], NHD.row() * 2 * CS);
+
+    let src_a: Vec<i64> = (0..(CHUNKS * BPC) as i64).map(|i| 3 + i).collect();
+    let src_b: Vec<i64> = (0..(CHUNKS * BPC) as i64).map(|i| 63 - 2 * i).collect();
+    let dst_a: Vec<i64> = (0..(CHUNKS * BPC) as i64).map(|i| 62 - 3 * i / 2).collect();
+    let dst_b: Vec<i64> = (0..(CHUNKS * BPC) as i64).map(|i| 2 + 2 * i).collect();
+    let lists = |a: &[i64], b: &[i64]| V::A(vec![ids(a), ids(b)]);
+    let toks = tokens(41, CHUNKS * CS);
+    let stored: Vec<Vec<u8>> = segs.iter().map(|m| m.bytes().to_vec()).collect();
+    let sk = key(1, Some(0), &toks, (0, CHUNKS * CS), "s", 1);
+    let ev = || V::Bin(EVENT.to_vec());
+    let reply = c.call(OP_STORE, &[sk, V::I(iid), lists(&src_a, &src_b), ev()]);
+    assert!(outcome(reply), "store");
+    assert_eq!(c.call(OP_END_SESSION, &[s("s")]), None);
+
+    // One object per chunk and object group, each its groups' regions only.
+    let files = og_files(&dir, 2 * CHUNKS);
+    assert_eq!(files.len(), 2 * CHUNKS, "{files:?}");
+    let chunk_blocks = |v: &[i64], c: usize| v[c * BPC..(c + 1) * BPC].to_vec();
+    let mut og1_of_chunk = vec![None; CHUNKS];
+    for (og, path) in &files {
+        let bytes = std::fs::read(path).expect("object");
+        let (layers, src) = match og {
+            0 => (&stored[..2], &src_a),
+            1 => (&stored[2..], &src_b),
+            other => panic!("object group {other}"),
+        };
+        let chunk = (0..CHUNKS)
+            .find(|&c| bytes == expected_object(NHD, layers, &chunk_blocks(src, c)))
+            .unwrap_or_else(|| panic!("object group {og}: {path:?} is no chunk's object"));
+        if *og == 1 {
+            og1_of_chunk[chunk] = Some(path.clone());
+        }
+    }
+
+    // A hit of every chunk; the retrieve writes the windowed layer's last two
+    // chunks only.
+    for m in &mut segs {
+        m.bytes_mut().fill(0x33);
+    }
+    let before: Vec<Vec<u8>> = segs.iter().map(|m| m.bytes().to_vec()).collect();
+    assert_eq!(lookup(&mut c, 1, &toks, CHUNKS * CS, "r", 1), CHUNKS as i64);
+    let rk = key(1, Some(0), &toks, (0, CHUNKS * CS), "r", 1);
+    let reply = c.call(
+        OP_RETRIEVE,
+        &[rk, V::I(iid), lists(&dst_a, &dst_b), ev(), V::I(0)],
+    );
+    assert!(outcome(reply), "retrieve");
+    let after: Vec<Vec<u8>> = segs.iter().map(|m| m.bytes().to_vec()).collect();
+    let want_full = scattered(NHD, &before[..2], &stored[..2], &src_a, &dst_a, 0);
+    assert_cache_eq(NHD, &after[..2], &want_full, "full-attention layers");
+    let skip = 2 * BPC; // the windowed group's first two chunks
+    let want_window = scattered(NHD, &before[2..], &stored[2..], &src_b, &dst_b, skip);
+    assert_cache_eq(NHD, &after[2..], &want_window, "windowed layer");
+    drop(c);
+    drop(srv);
+
+    // From L2 alone: without the windowed group's objects of chunks 0 and 3,
+    // a 4-chunk hit lacks its chunk 3, but 3 chunks need only chunks 1 and 2
+    // of it: the hit is 3, and a retrieve of them reads those.
+    for c in [0, 3] {
+        std::fs::remove_file(og1_of_chunk[c].as_ref().expect("og 1 object")).expect("rm");
+    }
+    let srv = Server::start(&args);
+    let mut c = srv.client();
+    assert_eq!(c.call(OP_REGISTER_KV_CACHE, &register), None);
+    for m in &mut segs {
+        m.bytes_mut().fill(0x44);
+    }
+    let before: Vec<Vec<u8>> = segs.iter().map(|m| m.bytes().to_vec()).collect();
+    assert_eq!(lookup(&mut c, 1, &toks, CHUNKS * CS, "l2", 1), 3);
+    let rk = key(1, Some(0), &toks, (0, 3 * CS), "l2", 1);
+    let reply = c.call(
+        OP_RETRIEVE,
+        &[rk, V::I(iid), lists(&dst_a, &dst_b), ev(), V::I(0)],
+    );
+    assert!(outcome(reply), "retrieve of the 3-chunk hit");
+    let after: Vec<Vec<u8>> = segs.iter().map(|m| m.bytes().to_vec()).collect();
+    let n = 3 * BPC;
+    let want_full = scattered(NHD, &before[..2], &stored[..2], &src_a[..n], &dst_a[..n], 0);
+    assert_cache_eq(
+        NHD,
+        &after[..2],
+        &want_full,
+        "full-attention layers from L2",
+    );
+    let want_window = scattered(
+        NHD,
+        &before[2..],
+        &stored[2..],
+        &src_b[..n],
+        &dst_b[..n],
+        BPC,
+    );
+    assert_cache_eq(NHD, &after[2..], &want_window, "windowed layer from L2");
+    let _ = std::fs::remove_dir_all(&dir);
+}

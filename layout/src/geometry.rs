@@ -408,33 +408,111 @@ fn kernel_groups(
     Ok(groups)
 }
 
-/// Under `--separate-object-groups`, 0.5.6 buckets kernel groups into
-/// object groups by (extra tag, recurrent state, sliding window in whole
-/// chunks), one object per group and chunk. kvshard stores one object per
-/// chunk, so a registration that would form several is refused.
-pub fn check_one_object_group(
+/// One object group (0.5.6's `ObjectGroupInfo`): the kernel groups whose
+/// regions one object of each chunk holds, end to end in kernel group order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectGroup {
+    /// Indices of its kernel groups, ascending.
+    pub kernel_groups: Vec<usize>,
+    /// Its cross-chunk sliding window in whole chunks (0.5.6's
+    /// `num_chunks_in_sw`): a prefix of `L` chunks needs only its last
+    /// `window_chunks` chunks of this group; `-1`: every chunk (full
+    /// attention).
+    pub window_chunks: i64,
+    /// Its object of one chunk. Shape and dtype are its first kernel
+    /// group's, as 0.5.6's memory objects report them.
+    pub layout: ObjectLayout,
+}
+
+impl ObjectGroup {
+    /// The first of the chunks of a prefix of `len` chunks this group needs.
+    pub fn needed_from(&self, len: usize) -> usize {
+        window_start(self.window_chunks, len)
+    }
+}
+
+/// The first chunk of a prefix of `len` chunks that a group of a sliding
+/// window of `window` chunks needs (0.5.6's `unfold_range`: it needs
+/// `[window_start, len)`); 0 for full attention (`window` < 1).
+pub fn window_start(window: i64, len: usize) -> usize {
+    match usize::try_from(window) {
+        Ok(w) if w >= 1 => len.saturating_sub(w),
+        _ => 0,
+    }
+}
+
+/// Buckets the kernel groups into object groups as 0.5.6's
+/// `KVLayerGroupsManager` does, and places each kernel group's region in its
+/// group's object (`object_offset` from that object's start). Without
+/// `separate` (0.5.6's `--separate-object-groups` off) every kernel group is
+/// in one object group of full attention; with it, kernel groups of one
+/// (extra tag, recurrent state, sliding window in whole chunks) share one,
+/// ordered by their first kernel group.
+pub fn object_groups(
+    groups: &mut [KernelGroup],
     infos: &[EngineGroupInfo],
     chunk_size_tokens: usize,
-) -> Result<(), DetectError> {
+    separate: bool,
+) -> Vec<ObjectGroup> {
     let chunk = chunk_size_tokens.max(1) as i64;
-    let bucket = |i: &EngineGroupInfo| {
-        let sw_chunks = match i.sw_size_tokens {
-            -1 => -1,
+    let bucket = |g: usize| {
+        let info = infos.get(g);
+        let sw_chunks = match info.map_or(-1, |i| i.sw_size_tokens) {
+            sw if sw <= 0 => -1,
             sw => sw.saturating_add(chunk - 1) / chunk,
         };
-        (i.extra_object_group_tag, i.recurrent_state, sw_chunks)
+        let tag = info.map_or(0, |i| i.extra_object_group_tag);
+        let recurrent = info.is_some_and(|i| i.recurrent_state);
+        (tag, recurrent, if separate { sw_chunks } else { -1 })
     };
-    let Some(first) = infos.first().map(bucket) else {
-        return Ok(());
-    };
-    match infos.iter().position(|i| bucket(i) != first) {
-        None => Ok(()),
-        Some(g) => Err(unsupported(format!(
-            "with --separate-object-groups, group {g} (sliding window {} tokens) and group 0 \
-             (sliding window {} tokens) would form separate object groups, and kvshard stores \
-             one object per chunk; start kvshard without --separate-object-groups (one object \
-             per chunk holding every group, as lmcache server writes without it)",
-            infos[g].sw_size_tokens, infos[0].sw_size_tokens
+    let mut buckets: Vec<((i64, bool, i64), Vec<usize>)> = Vec::new();
+    for g in 0..groups.len() {
+        let b = if separate { bucket(g) } else { (0, false, -1) };
+        match buckets.iter_mut().find(|(k, _)| *k == b) {
+            Some((_, members)) => members.push(g),
+            None => buckets.push((b, vec![g])),
+        }
+    }
+    // Extras after the regular groups, each set by its first kernel group.
+    buckets.sort_by_key(|((tag, _, _), members)| (*tag != 0, members[0]));
+    buckets
+        .into_iter()
+        .map(|((_, _, window_chunks), members)| {
+            let mut offset = 0u64;
+            for &g in &members {
+                groups[g].object_offset = offset;
+                offset += groups[g].region_bytes;
+            }
+            let first = &groups[members[0]];
+            ObjectGroup {
+                layout: ObjectLayout {
+                    bytes: offset,
+                    shape: first.region_shape(chunk_size_tokens).into(),
+                    dtype: first.geometry.dtype.name().into(),
+                },
+                window_chunks,
+                kernel_groups: members,
+            }
+        })
+        .collect()
+}
+
+/// Refuses a registration that forms several object groups on a path that
+/// stores one object per chunk (the CUDA path), naming the workaround.
+pub fn check_one_object_group(object_groups: &[ObjectGroup]) -> Result<(), DetectError> {
+    match object_groups {
+        [_] => Ok(()),
+        ogs => Err(unsupported(format!(
+            "with --separate-object-groups, this registration forms {} object groups \
+             (kernel groups {:?}, sliding windows of {:?} chunks), and kvshard splits object \
+             groups on the cpu_shm path only, not yet for KV caches in GPU memory; start \
+             kvshard without --separate-object-groups (one object per chunk holding every \
+             group, as lmcache server writes without it)",
+            ogs.len(),
+            ogs.iter()
+                .map(|o| o.kernel_groups.clone())
+                .collect::<Vec<_>>(),
+            ogs.iter().map(|o| o.window_chunks).collect::<Vec<_>>(),
         ))),
     }
 }
@@ -453,20 +531,23 @@ pub struct Analysis {
     pub layers: Vec<Geometry>,
     /// The kernel groups, in object order.
     pub groups: Vec<KernelGroup>,
-    /// One chunk: the groups' regions end to end. Shape and dtype are group
-    /// 0's, as 0.5.6's memory objects report them.
+    /// Object group 0's object of one chunk (every group's, unless object
+    /// groups are separate).
     pub object_layout: ObjectLayout,
+    /// The object groups, in object group id order.
+    pub object_groups: Vec<ObjectGroup>,
 }
 
 /// Checks and classifies a registration's tensors. `kv_layout_hint` is
 /// REGISTER_KV_CACHE's `layout_hints["kv_layout"]` (`NHD`, `HND`, `BLHNC`,
 /// `BLNHC`); `None` behaves like a 0.5.6 server without an accelerator (HND,
-/// see [`default_kv_layout`]).
+/// see [`default_kv_layout`]). `separate` is `--separate-object-groups`.
 pub fn analyse(
     tensors: &[ShmTensorSpec],
     groups: &[EngineGroupInfo],
     chunk_size_tokens: usize,
     kv_layout_hint: Option<&str>,
+    separate: bool,
 ) -> Result<Analysis, DetectError> {
     if tensors.is_empty() {
         return Err(invalid("registration carries no KV tensors"));
@@ -520,21 +601,18 @@ pub fn analyse(
         });
         normalised.push((n_shape, n_strides));
     }
-    let kernel = kernel_groups(&layers, groups, chunk_size_tokens)?;
-    let first = &kernel[0];
-    let total = kernel
-        .last()
-        .map_or(0, |k| k.object_offset + k.region_bytes);
-    if total > crate::object::MAX_OBJECT_BYTES {
+    let mut kernel = kernel_groups(&layers, groups, chunk_size_tokens)?;
+    let object_groups = object_groups(&mut kernel, groups, chunk_size_tokens, separate);
+    if let Some(total) = object_groups
+        .iter()
+        .map(|o| o.layout.bytes)
+        .find(|b| *b > crate::object::MAX_OBJECT_BYTES)
+    {
         return Err(invalid(format!(
             "the chunk object of {total} bytes is larger than kvshard accepts"
         )));
     }
-    let object_layout = ObjectLayout {
-        bytes: total,
-        shape: first.region_shape(chunk_size_tokens).into(),
-        dtype: first.geometry.dtype.name().into(),
-    };
+    let object_layout = object_groups[0].layout.clone();
 
     Ok(Analysis {
         checked,
@@ -542,6 +620,7 @@ pub fn analyse(
         layers,
         groups: kernel,
         object_layout,
+        object_groups,
     })
 }
 
@@ -578,6 +657,7 @@ impl DeviceGeometry {
         groups: &[EngineGroupInfo],
         chunk_size_tokens: usize,
         kv_layout_hint: Option<&str>,
+        separate: bool,
     ) -> Result<DeviceGeometry, DetectError> {
         // A GPU server's detector defaults to NHD (0.5.6 with an accelerator).
         let hint = kv_layout_hint.unwrap_or_else(|| default_kv_layout(true));
@@ -587,7 +667,9 @@ impl DeviceGeometry {
             layers,
             groups: kernel,
             object_layout,
-        } = analyse(tensors, groups, chunk_size_tokens, Some(hint))?;
+            object_groups,
+        } = analyse(tensors, groups, chunk_size_tokens, Some(hint), separate)?;
+        check_one_object_group(&object_groups)?;
         if kernel.is_empty() {
             return Err(invalid("registration carries no KV tensors"));
         }

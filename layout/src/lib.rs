@@ -21,5 +21,5 @@ pub mod stride;
 
 pub use error::DetectError;
 pub use format::{KvDtype, KvFormat};
-pub use geometry::{DeviceGeometry, Geometry, KernelGroup, ShmTensorSpec};
+pub use geometry::{DeviceGeometry, Geometry, KernelGroup, ObjectGroup, ShmTensorSpec};
 pub use object::ObjectLayout;

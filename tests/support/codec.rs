@@ -319,6 +319,17 @@ pub fn kv_group(layers: usize, tokens_per_block: usize) -> V {
 /// A full-attention `EngineGroupInfo` of engine group `engine_group_id` over
 /// registered tensors `layers`.
 pub fn kv_group_of(engine_group_id: i64, layers: &[i64], tokens_per_block: usize) -> V {
+    kv_group_windowed(engine_group_id, layers, tokens_per_block, -1)
+}
+
+/// [`kv_group_of`] of sliding-window layers: `sw_size_tokens` (-1: full
+/// attention).
+pub fn kv_group_windowed(
+    engine_group_id: i64,
+    layers: &[i64],
+    tokens_per_block: usize,
+    sw_size_tokens: i64,
+) -> V {
     map(&[
         ("engine_group_id", V::I(engine_group_id)),
         (
@@ -326,7 +337,7 @@ pub fn kv_group_of(engine_group_id: i64, layers: &[i64], tokens_per_block: usize
             V::A(layers.iter().map(|&l| V::I(l)).collect()),
         ),
         ("tokens_per_block", V::I(tokens_per_block as i64)),
-        ("sw_size_tokens", V::I(-1)),
+        ("sw_size_tokens", V::I(sw_size_tokens)),
         ("extra_object_group_tag", V::I(0)),
         ("recurrent_state", V::B(false)),
     ])

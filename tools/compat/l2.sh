@@ -13,7 +13,13 @@
 #     fallback 0.5.6 uses where vLLM's kv_cache_utils does not import;
 #  5. a hybrid KV cache (MLA beside classical attention, mixed dtypes, two kernel
 #     groups) in lmcache_driven mode: lmcache server and kvshard write the same object
-#     names and bytes, and each reads the other's with every checksum passing.
+#     names and bytes, and each reads the other's with every checksum passing;
+#  6. --separate-object-groups with sliding-window groups (full attention, a window
+#     of two chunks, one shorter than a chunk: three object groups, one object per
+#     chunk and group): both write the same object names (and bytes, but for the
+#     unused tail of the sub-chunk window's objects), and each reads the other's,
+#     every block the windows need matching and every other one left alone
+#     (tools/compat/og_interop.py).
 # Usage: tools/compat/l2.sh [path/to/kvshard]   (run tools/compat/run.sh first: it installs the client)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -159,4 +165,31 @@ start lmcache "$dk"; phase load "$WORK/sums-hy-k" lmcache_driven 600; stop
 PHASE_ARGS=()
 rm -rf "$dl" "$dk"
 echo "compat-l2: hybrid cache (2 kernel groups): lmcache server and kvshard wrote the same $CHUNKS objects byte for byte, each read the other's, checksums match"
+# 6. Separate object groups: full attention, a window of 512 tokens (2 chunks)
+# and one of 64 (a sub-chunk window: 4 blocks of the chunk's last).
+OG_ARGS=(--kvcache-shape-spec "(2,1024,16,4,64):float16:2;(2,1024,16,2,64):bfloat16:1;(2,1024,16,2,64):float16:1"
+    --sw-size-tokens "-1,512,64")
+og_phase() { # store|load sums start
+    "$VENV/bin/python" tools/compat/og_interop.py "$1" "$2" --mode cpu --transfer-mode lmcache_driven \
+        --rpc-url "tcp://127.0.0.1:$PORT" --url "http://127.0.0.1:$HTTP" \
+        --num-tokens "$TOKENS" --start "$3" --end "$(($3 + N))" "${OG_ARGS[@]}" 2>"$WORK/client.err" \
+        || { echo "compat-l2: separate object groups: $1 failed"; tail -20 "$WORK/client.err"; tail -30 "$LOG"; exit 1; }
+}
+dl="$WORK/og-lmcache"; dk="$WORK/og-kvshard"; mkdir -p "$dl" "$dk"
+OBJECTS=$((3 * CHUNKS))
+start lmcache "$dl" --separate-object-groups; og_phase store "$WORK/sums-og-l" 700
+wait_files "$dl" "$OBJECTS"; stop
+start kvshard "$dl" --separate-object-groups; og_phase load "$WORK/sums-og-l" 700; stop
+start kvshard "$dk" --separate-object-groups; og_phase store "$WORK/sums-og-k" 700
+wait_files "$dk" "$OBJECTS"; stop
+[ "$(names "$dl")" = "$(names "$dk")" ] \
+    || { echo "compat-l2: separate object groups: the object names differ"; diff <(names "$dl") <(names "$dk"); exit 1; }
+for f in $(names "$dl"); do
+    case "$f" in *@2@*) continue ;; esac # the sub-chunk window's tail is unused
+    cmp -s "$(find "$dl" -name "$f")" "$(find "$dk" -name "$f")" \
+        || { echo "compat-l2: separate object groups: object $f differs between lmcache server and kvshard"; exit 1; }
+done
+start lmcache "$dk" --separate-object-groups; og_phase load "$WORK/sums-og-k" 700; stop
+rm -rf "$dl" "$dk"
+echo "compat-l2: separate object groups (3 of them, windows of 2 chunks and 64 tokens): lmcache server and kvshard wrote the same $OBJECTS object names and bytes, each read the other's, every windowed block matches"
 echo "compat-l2: all passed"

@@ -254,12 +254,20 @@ pub trait L2Adapter {
         Box::pin(async { Ok(()) })
     }
 
-    /// The size of one full chunk's object for `model_name` at world size
-    /// `world_size` (the top byte of a kv_rank), from the layout registered
-    /// for them; the shard passes it on whenever a request names that
-    /// layout. An adapter that keeps only full chunks (s3, as 0.5.6's s3
-    /// path) refuses to store objects of another size. Default: ignored.
-    fn set_full_chunk_size(&self, _model_name: &str, _world_size: u32, _bytes: u64) {}
+    /// The size of one full chunk's object of object group `object_group`
+    /// for `model_name` at world size `world_size` (the top byte of a
+    /// kv_rank), from the layout registered for them; the shard passes it on
+    /// whenever a request names that layout. An adapter that keeps only full
+    /// chunks (s3, as 0.5.6's s3 path) refuses to store objects of another
+    /// size. Default: ignored.
+    fn set_full_chunk_size(
+        &self,
+        _model_name: &str,
+        _world_size: u32,
+        _object_group: u32,
+        _bytes: u64,
+    ) {
+    }
 }
 
 /// The world size a kv_rank encodes (0.5.6's `ComputeKVRank`: the top byte).

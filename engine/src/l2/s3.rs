@@ -38,6 +38,9 @@ use kvshard_s3_raw::credentials::{Credentials, Env};
 use kvshard_s3_raw::{ErrorKind, Op, Outcome, RecvRegion, S3Error, SendRegion};
 use serde_json::json;
 
+/// Full-chunk object sizes of one model by (world size, object group).
+type FullSizes = HashMap<(u32, u32), u64>;
+
 use crate::keys::ObjectKey;
 
 use super::config::{S3Config, GIB};
@@ -137,7 +140,7 @@ pub struct S3Adapter {
     sizes: RefCell<HashMap<ObjectKey, u64>>,
     locks: RefCell<HashMap<ObjectKey, u32>>,
     /// Full-chunk object size by model name, then world size.
-    full_sizes: RefCell<HashMap<String, HashMap<u32, u64>>>,
+    full_sizes: RefCell<HashMap<String, FullSizes>>,
     counters: Counters,
     failures: Failures,
 }
@@ -236,7 +239,7 @@ impl S3Adapter {
         self.full_sizes
             .borrow()
             .get(key.model_name.as_str())?
-            .get(&kv_rank_world_size(key.kv_rank))
+            .get(&(kv_rank_world_size(key.kv_rank), key.object_group_id))
             .copied()
     }
 
@@ -483,16 +486,16 @@ impl L2Adapter for S3Adapter {
         })
     }
 
-    fn set_full_chunk_size(&self, model_name: &str, world_size: u32, bytes: u64) {
+    fn set_full_chunk_size(&self, model_name: &str, world_size: u32, og: u32, bytes: u64) {
         let mut sizes = self.full_sizes.borrow_mut();
         let by_ws = match sizes.get_mut(model_name) {
             Some(m) => m,
             None => sizes.entry(model_name.to_owned()).or_default(),
         };
-        let before = by_ws.insert(world_size, bytes);
+        let before = by_ws.insert((world_size, og), bytes);
         if before.is_some_and(|b| b != bytes) {
             log::info!(
-                "s3 adapter (shard {}): a full chunk of model {model_name} at world size {world_size} now has {bytes} bytes (was {})",
+                "s3 adapter (shard {}): a full chunk of model {model_name} at world size {world_size} (object group {og}) now has {bytes} bytes (was {})",
                 self.shard,
                 before.unwrap_or(0)
             );
@@ -909,7 +912,7 @@ mod tests {
         run(async {
             let bucket = Rc::new(Bucket::default());
             let a = S3Adapter::new(&config("b.localhost:9".into()), bucket.clone(), 0, 1);
-            a.set_full_chunk_size("m", 1, 4096);
+            a.set_full_chunk_size("m", 1, 0, 4096);
             let mut full = vec![1u8; 4096];
             let mut short = vec![2u8; 1000];
             let mut other_ws = vec![3u8; 1000];
@@ -947,7 +950,7 @@ mod tests {
             // A full chunk that is already stored: not written again.
             assert_eq!(a.store(&items[..1]).await, vec![StoreResult::Exists]);
             // The layout changes: its new full size is what is stored.
-            a.set_full_chunk_size("m", 1, 1000);
+            a.set_full_chunk_size("m", 1, 0, 1000);
             assert_eq!(a.store(&items[1..2]).await, vec![StoreResult::Stored(1000)]);
             assert_eq!(a.status()["unfull_rejected"], 1);
         });

@@ -47,11 +47,14 @@ struct Lease {
     model: Name,
     salt: Name,
     world_size: u32,
-    /// kv ranks of one chunk, in key order.
+    /// kv ranks of one chunk and object group, in key order.
     ranks: Vec<u32>,
+    /// Object groups of one chunk: a chunk's keys are each group's ranks.
+    groups: u32,
     /// The held prefix's chunk hashes, from chunk 0.
     hashes: Vec<ChunkHash>,
-    /// Locks still held, per object (chunk-major, rank-minor).
+    /// Locks still held, per object (chunk-major, then object group, then
+    /// rank).
     held: Vec<u32>,
     /// Per object: the offset of its slab, or `NO_SLAB` if no shard said.
     slabs: Vec<u64>,
@@ -64,12 +67,24 @@ struct Lease {
 }
 
 impl Lease {
-    fn key(&self, chunk: usize, rank: u32) -> ObjectKey {
+    /// Keys of one chunk.
+    fn row_count(&self) -> usize {
+        self.ranks.len() * self.groups as usize
+    }
+
+    /// The object group and kv rank of a chunk's `row`th key.
+    fn row(&self, row: usize) -> (u32, u32) {
+        let nr = self.ranks.len();
+        ((row / nr) as u32, self.ranks[row % nr])
+    }
+
+    fn key(&self, chunk: usize, row: usize) -> ObjectKey {
+        let (og, rank) = self.row(row);
         ObjectKey {
             chunk_hash: self.hashes[chunk],
             model_name: self.model,
             kv_rank: rank,
-            object_group_id: 0,
+            object_group_id: og,
             cache_salt: self.salt,
         }
     }
@@ -80,12 +95,13 @@ impl Lease {
         if self.hashes.get(chunk) != Some(&key.chunk_hash)
             || key.model_name != self.model
             || key.cache_salt != self.salt
-            || key.object_group_id != 0
+            || key.object_group_id >= self.groups
         {
             return None;
         }
         let r = self.ranks.iter().position(|r| *r == key.kv_rank)?;
-        Some(chunk * self.ranks.len() + r)
+        let row = key.object_group_id as usize * self.ranks.len() + r;
+        Some(chunk * self.row_count() + row)
     }
 }
 
@@ -105,10 +121,15 @@ pub struct LeaseBook {
 pub struct Grant<'a> {
     pub request_id: &'a str,
     pub world_size: u32,
-    /// kv ranks of one chunk, in key order.
+    /// kv ranks of one chunk and object group, in key order.
     pub ranks: &'a [u32],
-    /// Chunk-major, rank-minor, from chunk 0.
+    /// Object groups of one chunk (1 unless a layout's are separate).
+    pub groups: u32,
+    /// Chunk-major, then object group, then rank, from chunk 0.
     pub keys: &'a [ObjectKey],
+    /// Per key: whether the lookup holds its locks (not when the group does
+    /// not need that chunk, or it was not found); empty: every key.
+    pub locked: &'a [bool],
     /// Per key: its slab's offset as the shard that locked it reported, or
     /// `NO_SLAB`; empty when none is known.
     pub slabs: &'a [u64],
@@ -144,18 +165,27 @@ impl LeaseBook {
     /// on other objects, the earlier lease is forgotten (its locks then end by
     /// TTL or by the workers' releases).
     pub fn grant(&mut self, g: Grant<'_>) {
-        let nr = g.ranks.len();
+        let nr = g.ranks.len() * g.groups as usize;
         if nr == 0 || g.keys.is_empty() || g.keys.len() % nr != 0 {
             return;
         }
         let first = &g.keys[0];
+        let held = if g.locked.len() == g.keys.len() {
+            g.locked
+                .iter()
+                .map(|l| if *l { clamped(g.readers) } else { 0 })
+                .collect()
+        } else {
+            vec![clamped(g.readers); g.keys.len()]
+        };
         let mut lease = Lease {
             model: first.model_name,
             salt: first.cache_salt,
             world_size: g.world_size,
             ranks: g.ranks.to_vec(),
+            groups: g.groups,
             hashes: g.keys.iter().step_by(nr).map(|k| k.chunk_hash).collect(),
-            held: vec![clamped(g.readers); g.keys.len()],
+            held,
             slabs: if g.slabs.len() == g.keys.len() {
                 g.slabs.to_vec()
             } else {
@@ -170,6 +200,7 @@ impl LeaseBook {
             if old.model == lease.model
                 && old.salt == lease.salt
                 && old.ranks == lease.ranks
+                && old.groups == lease.groups
                 && old.hashes[..common] == lease.hashes[..common]
             {
                 for (h, o) in lease.held.iter_mut().zip(&old.held) {
@@ -307,16 +338,14 @@ impl LeaseBook {
             if lease.model != model || lease.world_size != world_size {
                 continue;
             }
-            let nr = lease.ranks.len();
-            let may_read: Vec<u32> = lease
-                .ranks
-                .iter()
-                .map(|r| readers(*r, &lease.consumers))
+            let nr = lease.row_count();
+            let may_read: Vec<u32> = (0..nr)
+                .map(|row| readers(lease.row(row).1, &lease.consumers))
                 .collect();
             for p in 0..lease.held.len() {
                 let keep = may_read[p % nr];
                 if lease.held[p] > keep {
-                    out.push((lease.key(p / nr, lease.ranks[p % nr]), lease.held[p] - keep));
+                    out.push((lease.key(p / nr, p % nr), lease.held[p] - keep));
                     lease.held[p] = keep;
                 }
             }
@@ -389,6 +418,8 @@ mod tests {
             request_id: rid,
             world_size: ranks.len() as u32,
             ranks,
+            groups: 1,
+            locked: &[],
             keys: &keys(n, ranks),
             slabs: &[],
             readers,
@@ -494,6 +525,8 @@ mod tests {
             request_id: "s",
             world_size: 1,
             ranks: &[0],
+            groups: 1,
+            locked: &[],
             keys: &other,
             slabs: &[],
             readers: 1,
@@ -517,6 +550,8 @@ mod tests {
                 request_id: "r",
                 world_size: 2,
                 ranks: &[0, 1],
+                groups: 1,
+                locked: &[],
                 keys: &ks,
                 slabs,
                 readers: 1,

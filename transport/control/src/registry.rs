@@ -10,7 +10,7 @@ use kvshard_engine::keys::ObjectKey;
 
 use kvshard_dataplane::cpu_shm::{CpuShmRegistration, TransferError};
 use kvshard_dataplane::cuda_transfer::CudaInstance;
-use kvshard_layout::{ObjectLayout, ShmTensorSpec};
+use kvshard_layout::{ObjectGroup, ObjectLayout, ShmTensorSpec};
 use kvshard_wire::msgpack::Value;
 use kvshard_wire::{self as wire, InstanceId, IpcData, IpcKey};
 
@@ -29,6 +29,15 @@ pub enum RegistryError {
         world_size: u32,
         registered: ObjectLayout,
         asked: ObjectLayout,
+    },
+    /// The (model, world size) is registered already with other object
+    /// groups (their count, sizes or windows).
+    ObjectGroupsConflict {
+        model: String,
+        world_size: u32,
+        /// Per object group: bytes of its object, window in chunks.
+        registered: Vec<(u64, i64)>,
+        asked: Vec<(u64, i64)>,
     },
     EmptyKvCache,
     /// A layer of a cpu_shm registration is a CUDA tensor.
@@ -60,6 +69,17 @@ impl std::fmt::Display for RegistryError {
                  {:?} {} ({} bytes); this registration has {:?} {} ({} bytes)",
                 l.shape, l.dtype, l.bytes, asked.shape, asked.dtype, asked.bytes
             ),
+            RegistryError::ObjectGroupsConflict {
+                model,
+                world_size,
+                registered,
+                asked,
+            } => write!(
+                f,
+                "model {model} world_size {world_size} is already registered with object groups \
+                 of (bytes, sliding window chunks) {registered:?}; this registration forms \
+                 {asked:?}"
+            ),
             RegistryError::EmptyKvCache => f.write_str("kv_cache is empty"),
             RegistryError::CudaLayer { layer } => write!(
                 f,
@@ -83,39 +103,73 @@ impl std::error::Error for RegistryError {
     }
 }
 
-/// ObjectLayout per (model, world_size), reference-counted by registrations.
+/// The object groups of each (model, world_size), reference-counted by
+/// registrations. A layout of one object group (engine_driven, CUDA, or
+/// object groups not separate) is one group of full attention.
 #[derive(Default)]
 pub struct Layouts {
-    map: HashMap<(String, u32), (ObjectLayout, usize)>,
+    map: HashMap<(String, u32), (Vec<ObjectGroup>, usize)>,
+}
+
+/// Per object group: its object's bytes and its window in chunks.
+fn shape_of(groups: &[ObjectGroup]) -> Vec<(u64, i64)> {
+    groups
+        .iter()
+        .map(|g| (g.layout.bytes, g.window_chunks))
+        .collect()
 }
 
 impl Layouts {
-    pub fn get(&self, model: &str, ws: u32) -> Option<&ObjectLayout> {
-        self.map.get(&(model.to_owned(), ws)).map(|(l, _)| l)
+    pub fn get(&self, model: &str, ws: u32) -> Option<&[ObjectGroup]> {
+        self.map.get(&(model.to_owned(), ws)).map(|(l, _)| &l[..])
     }
 
-    /// Objects are keyed without their layout, so two layouts for one
-    /// (model, world_size) would let one worker read another's bytes as its own
-    /// shape: refuse the second.
+    /// Registers a layout of one object group.
     pub fn register(
         &mut self,
         model: &str,
         ws: u32,
         layout: &ObjectLayout,
     ) -> Result<(), RegistryError> {
+        let group = ObjectGroup {
+            kernel_groups: Vec::new(),
+            window_chunks: -1,
+            layout: layout.clone(),
+        };
+        self.register_groups(model, ws, std::slice::from_ref(&group))
+    }
+
+    /// Objects are keyed without their layout, so two layouts for one
+    /// (model, world_size) would let one worker read another's bytes as its own
+    /// shape: refuse the second.
+    pub fn register_groups(
+        &mut self,
+        model: &str,
+        ws: u32,
+        groups: &[ObjectGroup],
+    ) -> Result<(), RegistryError> {
         match self.map.get_mut(&(model.to_owned(), ws)) {
-            Some((l, refs)) if l.bytes == layout.bytes => {
+            Some((l, refs)) if shape_of(l) == shape_of(groups) => {
                 *refs += 1;
                 Ok(())
             }
-            Some((l, _)) => Err(RegistryError::LayoutConflict {
+            Some((l, _)) if l[0].layout.bytes != groups[0].layout.bytes => {
+                Err(RegistryError::LayoutConflict {
+                    model: model.to_owned(),
+                    world_size: ws,
+                    registered: l[0].layout.clone(),
+                    asked: groups[0].layout.clone(),
+                })
+            }
+            Some((l, _)) => Err(RegistryError::ObjectGroupsConflict {
                 model: model.to_owned(),
                 world_size: ws,
-                registered: l.clone(),
-                asked: layout.clone(),
+                registered: shape_of(l),
+                asked: shape_of(groups),
             }),
             None => {
-                self.map.insert((model.to_owned(), ws), (layout.clone(), 1));
+                self.map
+                    .insert((model.to_owned(), ws), (groups.to_vec(), 1));
                 Ok(())
             }
         }
@@ -515,11 +569,23 @@ impl Registry {
                 // kvcache` reads it as a dict (a string there crashes it).
                 let (layout, device) = match &e.reg {
                     LmcTransfer::CpuShm(r) => (
-                        layout_status(r.num_registered_tensors(), r.kernel_groups()),
+                        layout_status(
+                            r.num_registered_tensors(),
+                            r.kernel_groups(),
+                            r.object_groups(),
+                        ),
                         "cpu_shm".to_string(),
                     ),
                     LmcTransfer::Cuda(c) => (
-                        layout_status(c.geometry.views.len(), &c.geometry.groups),
+                        layout_status(
+                            c.geometry.views.len(),
+                            &c.geometry.groups,
+                            &[ObjectGroup {
+                                kernel_groups: (0..c.geometry.groups.len()).collect(),
+                                window_chunks: -1,
+                                layout: c.geometry.object_layout.clone(),
+                            }],
+                        ),
                         format!("cuda:{}", c.ordinal),
                     ),
                 };
@@ -533,12 +599,21 @@ impl Registry {
     }
 }
 
-/// One entry of `/status`'s `kernel_groups`, as 0.5.6's
-/// `GPUCacheContext.report_status()` writes it (all kernel groups share
-/// object group 0).
 /// A registration's `kv_cache_layout` in `/status`: its tensors and kernel
-/// groups.
-fn layout_status(num_layers: usize, groups: &[kvshard_layout::KernelGroup]) -> serde_json::Value {
+/// groups as 0.5.6's `report_status()` writes them, and (kvshard's) its
+/// object groups: each one's kernel groups, sliding window in chunks (-1:
+/// full attention) and object bytes.
+fn layout_status(
+    num_layers: usize,
+    groups: &[kvshard_layout::KernelGroup],
+    object_groups: &[ObjectGroup],
+) -> serde_json::Value {
+    let og_of = |k: usize| {
+        object_groups
+            .iter()
+            .position(|o| o.kernel_groups.contains(&k))
+            .unwrap_or(0)
+    };
     serde_json::json!({
         "num_layers": num_layers,
         "num_blocks": groups.first().map_or(0, |k| k.geometry.num_blocks),
@@ -546,13 +621,26 @@ fn layout_status(num_layers: usize, groups: &[kvshard_layout::KernelGroup]) -> s
         "kernel_groups": groups
             .iter()
             .enumerate()
-            .map(|(i, k)| kernel_group_status(i, k.engine_group_id, &k.geometry, &k.layers))
+            .map(|(i, k)| kernel_group_status(i, og_of(i), k.engine_group_id, &k.geometry, &k.layers))
+            .collect::<Vec<_>>(),
+        "object_groups": object_groups
+            .iter()
+            .enumerate()
+            .map(|(i, o)| serde_json::json!({
+                "object_group_idx": i,
+                "kernel_group_indices": o.kernel_groups,
+                "sliding_window_chunks": o.window_chunks,
+                "object_bytes": o.layout.bytes,
+            }))
             .collect::<Vec<_>>(),
     })
 }
 
+/// One entry of `/status`'s `kernel_groups`, as 0.5.6's
+/// `GPUCacheContext.report_status()` writes it.
 fn kernel_group_status(
     index: usize,
+    object_group: usize,
     engine_group_id: i64,
     g: &kvshard_layout::Geometry,
     layers: &[usize],
@@ -561,7 +649,7 @@ fn kernel_group_status(
     serde_json::json!({
         "kernel_group_idx": index,
         "engine_group_idx": engine_group_id,
-        "object_group_idx": 0,
+        "object_group_idx": object_group,
         "num_layers": layers.len(),
         "layer_indices": layers,
         "tokens_per_block": g.block_size,
@@ -590,6 +678,7 @@ pub fn open_cpu_shm(
     engine_type: &str,
     chunk_size: usize,
     null_block_id: i64,
+    separate_object_groups: bool,
 ) -> Result<CpuShmRegistration, RegistryError> {
     if kv_cache.is_empty() {
         return Err(RegistryError::EmptyKvCache);
@@ -623,6 +712,13 @@ pub fn open_cpu_shm(
             "register_kv_cache: engine_type {engine_type:?} is treated like vllm's paged layout"
         );
     }
-    CpuShmRegistration::open(&tensors, groups, chunk_size, hint.as_deref(), null_block_id)
-        .map_err(RegistryError::CpuShm)
+    CpuShmRegistration::open_grouped(
+        &tensors,
+        groups,
+        chunk_size,
+        hint.as_deref(),
+        null_block_id,
+        separate_object_groups,
+    )
+    .map_err(RegistryError::CpuShm)
 }

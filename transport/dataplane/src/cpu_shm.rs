@@ -31,7 +31,9 @@ use kvshard_layout::checksum::{
     checksum_axis, digest_kv, index_select_runs, ChecksumDigests, ChecksumRefusal, ChecksumReport,
 };
 use kvshard_layout::geometry::{analyse, Analysis};
-use kvshard_layout::{DetectError, Geometry, KernelGroup, ObjectLayout, ShmTensorSpec};
+use kvshard_layout::{
+    DetectError, Geometry, KernelGroup, ObjectGroup, ObjectLayout, ShmTensorSpec,
+};
 use kvshard_wire::EngineGroupInfo;
 use md5::Md5;
 use memmap2::{MmapOptions, MmapRaw};
@@ -68,6 +70,8 @@ pub enum TransferError {
     BlockCount { expected: usize, actual: usize },
     /// An object buffer has the wrong length.
     BufferSize { expected: usize, actual: usize },
+    /// An object of an object group the registration does not have.
+    ObjectGroup { og: usize, groups: usize },
 }
 
 impl fmt::Display for TransferError {
@@ -106,6 +110,11 @@ impl fmt::Display for TransferError {
             TransferError::BufferSize { expected, actual } => write!(
                 f,
                 "cpu_shm transfer: object buffer must be {expected} bytes, got {actual}"
+            ),
+            TransferError::ObjectGroup { og, groups } => write!(
+                f,
+                "cpu_shm transfer: object group {og} of a registration of {groups} object \
+                 groups"
             ),
         }
     }
@@ -188,6 +197,8 @@ pub struct CpuShmRegistration {
     /// The kernel groups, in object order; each reads its own block list.
     groups: Vec<KernelGroup>,
     object_layout: ObjectLayout,
+    /// The object groups: one object per chunk and group.
+    object_groups: Vec<ObjectGroup>,
     chunk_size_tokens: usize,
     /// Block ids of one chunk, every group's end to end.
     ids_per_chunk: usize,
@@ -306,13 +317,34 @@ impl CpuShmRegistration {
         kv_layout_hint: Option<&str>,
         null_block_id: i64,
     ) -> Result<Self, TransferError> {
+        Self::open_grouped(
+            tensors,
+            groups,
+            chunk_size_tokens,
+            kv_layout_hint,
+            null_block_id,
+            false,
+        )
+    }
+
+    /// [`open`](Self::open), with the kernel groups bucketed into object
+    /// groups as 0.5.6 does under `--separate-object-groups` when `separate`.
+    pub fn open_grouped(
+        tensors: &[ShmTensorSpec],
+        groups: &[EngineGroupInfo],
+        chunk_size_tokens: usize,
+        kv_layout_hint: Option<&str>,
+        null_block_id: i64,
+        separate: bool,
+    ) -> Result<Self, TransferError> {
         let Analysis {
             checked,
             normalised,
             layers: geometries,
             groups,
             object_layout,
-        } = analyse(tensors, groups, chunk_size_tokens, kv_layout_hint)?;
+            object_groups,
+        } = analyse(tensors, groups, chunk_size_tokens, kv_layout_hint, separate)?;
 
         // One mapping per distinct segment; layers may share one.
         let mut segment_len: HashMap<&str, u64> = HashMap::new();
@@ -373,6 +405,7 @@ impl CpuShmRegistration {
             ids_per_chunk: groups.iter().map(|k| k.blocks_per_chunk).sum(),
             groups,
             object_layout,
+            object_groups,
             chunk_size_tokens,
             null_block_id,
         })
@@ -408,9 +441,15 @@ impl CpuShmRegistration {
         self.groups.iter().map(KernelGroup::bytes_per_token).sum()
     }
 
-    /// The object of one full chunk.
+    /// Object group 0's object of one full chunk (the only one unless
+    /// object groups are separate).
     pub fn object_layout(&self) -> ObjectLayout {
         self.object_layout.clone()
+    }
+
+    /// The object groups, by id.
+    pub fn object_groups(&self) -> &[ObjectGroup] {
+        &self.object_groups
     }
 
     /// Each group's slice of a chunk's block ids (`ids_per_chunk` long).
@@ -424,6 +463,30 @@ impl CpuShmRegistration {
             start += k.blocks_per_chunk;
             (k, ids)
         })
+    }
+
+    /// [`group_ids`](Self::group_ids) of object group `og`'s kernel groups.
+    fn object_group_ids<'a>(
+        &'a self,
+        og: usize,
+        block_ids: &'a [i64],
+    ) -> impl Iterator<Item = (&'a KernelGroup, &'a [i64])> + 'a {
+        let members = self
+            .object_groups
+            .get(og)
+            .map_or(&[][..], |o| &o.kernel_groups[..]);
+        self.group_ids(block_ids)
+            .enumerate()
+            .filter(move |(g, _)| members.contains(g))
+            .map(|(_, x)| x)
+    }
+
+    /// Whether every block id object group `og`'s kernel groups have in a
+    /// chunk's list is the null block id: such a chunk carries no KV of the
+    /// group (0.5.6's `all_null_chunk_masks`).
+    pub fn all_null_in(&self, og: usize, block_ids: &[i64]) -> bool {
+        self.object_group_ids(og, block_ids)
+            .all(|(_, ids)| ids.iter().all(|&b| b == self.null_block_id))
     }
 
     /// Every id of a chunk's list (`ids_per_chunk` long, the groups' ids
@@ -451,8 +514,19 @@ impl CpuShmRegistration {
         Ok(())
     }
 
-    fn check_chunk(&self, block_ids: &[i64], buf_len: usize) -> Result<(), TransferError> {
-        let bytes = self.object_layout.bytes as usize;
+    fn check_chunk(
+        &self,
+        og: usize,
+        block_ids: &[i64],
+        buf_len: usize,
+    ) -> Result<(), TransferError> {
+        let Some(group) = self.object_groups.get(og) else {
+            return Err(TransferError::ObjectGroup {
+                og,
+                groups: self.object_groups.len(),
+            });
+        };
+        let bytes = group.layout.bytes as usize;
         if buf_len != bytes {
             return Err(TransferError::BufferSize {
                 expected: bytes,
@@ -468,10 +542,21 @@ impl CpuShmRegistration {
     /// id that is a real block is read like any other block (as 0.5.6 does);
     /// one outside the cache yields zeros.
     pub fn gather(&self, block_ids: &[i64], dst: &mut [u8]) -> Result<(), TransferError> {
-        self.check_chunk(block_ids, dst.len())?;
+        self.gather_group(0, block_ids, dst)
+    }
+
+    /// [`gather`](Self::gather) of object group `og`'s object, which is
+    /// `object_groups()[og].layout.bytes` long.
+    pub fn gather_group(
+        &self,
+        og: usize,
+        block_ids: &[i64],
+        dst: &mut [u8],
+    ) -> Result<(), TransferError> {
+        self.check_chunk(og, block_ids, dst.len())?;
         let dst_len = dst.len();
         let dst_ptr = dst.as_mut_ptr();
-        for (group, ids) in self.group_ids(block_ids) {
+        for (group, ids) in self.object_group_ids(og, block_ids) {
             // A sliding window shorter than the chunk moves the chunk's last
             // blocks into the start of the region; the rest is zeros.
             let moved = group_moved_bytes(group);
@@ -510,10 +595,21 @@ impl CpuShmRegistration {
         block_ids: &[i64],
         skip_tokens: usize,
     ) -> Result<(), TransferError> {
-        self.check_chunk(block_ids, src.len())?;
+        self.scatter_group(0, src, block_ids, skip_tokens)
+    }
+
+    /// [`scatter`](Self::scatter) of object group `og`'s object.
+    pub fn scatter_group(
+        &self,
+        og: usize,
+        src: &[u8],
+        block_ids: &[i64],
+        skip_tokens: usize,
+    ) -> Result<(), TransferError> {
+        self.check_chunk(og, block_ids, src.len())?;
         let src_len = src.len();
         let src_ptr = src.as_ptr();
-        for (group, ids) in self.group_ids(block_ids) {
+        for (group, ids) in self.object_group_ids(og, block_ids) {
             let kept = &ids[ids.len() - group.keep_blocks..];
             let skip_blocks = kept_skip(group, skip_tokens);
             self.for_each_span(group, kept, skip_blocks, true, |shm, obj, len| {

@@ -228,6 +228,7 @@ pub fn kv_layout_hint(layout_hints: &Value) -> Option<String> {
 /// Builds the front's view and the device thread's spec of a CUDA
 /// registration, checking everything that can be checked without the GPU.
 /// `devices` are the GPUs the server sees.
+#[allow(clippy::too_many_arguments)]
 pub fn build(
     kv_cache: &[IpcData],
     groups: &[EngineGroupInfo],
@@ -236,6 +237,7 @@ pub fn build(
     null_block_id: i64,
     devices: &[CudaDevice],
     isolated_ipc: bool,
+    separate_object_groups: bool,
 ) -> Result<(CudaInstance, InstanceSpec), String> {
     if kv_cache.is_empty() {
         return Err("kv_cache is empty".into());
@@ -277,19 +279,24 @@ pub fn build(
         )
     })?;
     let hint = kv_layout_hint(layout_hints);
-    let geometry = DeviceGeometry::detect(&tensors, groups, chunk_size, hint.as_deref()).map_err(
-        |e| match e {
-            DetectError::SegmentTooSmall {
-                name,
-                needed_bytes,
-                segment_bytes,
-            } => format!(
-                "CUDA registration: {name} shares {segment_bytes} bytes but its view needs \
+    let geometry = DeviceGeometry::detect(
+        &tensors,
+        groups,
+        chunk_size,
+        hint.as_deref(),
+        separate_object_groups,
+    )
+    .map_err(|e| match e {
+        DetectError::SegmentTooSmall {
+            name,
+            needed_bytes,
+            segment_bytes,
+        } => format!(
+            "CUDA registration: {name} shares {segment_bytes} bytes but its view needs \
                      {needed_bytes}"
-            ),
-            e => format!("CUDA registration: {e}"),
-        },
-    )?;
+        ),
+        e => format!("CUDA registration: {e}"),
+    })?;
     let chunk_slots = geometry.chunk_size_tokens as u64;
     let mut groups = Vec::with_capacity(geometry.groups.len());
     for (gi, (g, &block_stride_elems)) in geometry
@@ -661,7 +668,8 @@ mod tests {
             "register_kv_cache_cuda_vmm",
         ] {
             let (kv, groups, hints) = golden(name);
-            let (inst, spec) = build(&kv, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap();
+            let (inst, spec) =
+                build(&kv, &groups, &hints, 256, 0, &gpus(UUID), false, false).unwrap();
             assert_eq!(inst.ordinal, 1, "{name}: the worker's GPU by UUID");
             assert_eq!(spec.ordinal, 1);
             assert_eq!(inst.geometry.groups.len(), 1, "{name}");
@@ -743,11 +751,12 @@ mod tests {
             0,
             &gpus("ffffffff-0000-0000-0000-000000000000"),
             false,
+            false,
         )
         .unwrap_err();
         assert!(e.contains(&format!("GPU {UUID} is not visible")), "{e}");
         // A chunk that is not whole blocks.
-        let e = build(&kv, &groups, &hints, 24, 0, &gpus(UUID), false).unwrap_err();
+        let e = build(&kv, &groups, &hints, 24, 0, &gpus(UUID), false, false).unwrap_err();
         assert!(e.contains("multiple of the block size"), "{e}");
 
         let with_raw = |f: &dyn Fn(&mut kvshard_wire::RawCudaIpc)| -> Vec<IpcData> {
@@ -762,11 +771,11 @@ mod tests {
             r.metadata.stride = vec![16777216 * 2, 16384 * 2, 2048, 256, 1];
             r.nbytes *= 2;
         });
-        let e = build(&padded, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap_err();
+        let e = build(&padded, &groups, &hints, 256, 0, &gpus(UUID), false, false).unwrap_err();
         assert!(e.contains("not the tight"), "{e}");
         // A view past the shared range.
         let shifted = with_raw(&|r| r.metadata.storage_offset = 1);
-        let e = build(&shifted, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap_err();
+        let e = build(&shifted, &groups, &hints, 256, 0, &gpus(UUID), false, false).unwrap_err();
         assert!(
             e.contains("shares 67108864 bytes") && e.contains("needs"),
             "{e}"
@@ -778,21 +787,21 @@ mod tests {
             r.metadata.device_uuid = "00000000-0000-0000-0000-000000000000".into();
         }
         two.push(other);
-        let e = build(&two, &[], &hints, 256, 0, &gpus(UUID), false).unwrap_err();
+        let e = build(&two, &[], &hints, 256, 0, &gpus(UUID), false, false).unwrap_err();
         assert!(e.contains("one GPU"), "{e}");
         // A posix_fd VMM export.
         let (mut vmm, groups, hints) = golden("register_kv_cache_cuda_vmm");
         if let IpcData::CudaVmm(v) = &mut vmm[0] {
             v.kind = VmmKind::PosixFd;
         }
-        let e = build(&vmm, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap_err();
+        let e = build(&vmm, &groups, &hints, 256, 0, &gpus(UUID), false, false).unwrap_err();
         assert!(e.contains("posix_fd"), "{e}");
     }
 
     #[test]
     fn block_ids_must_name_blocks() {
         let (kv, groups, hints) = golden("register_kv_cache_cuda_raw");
-        let (inst, _) = build(&kv, &groups, &hints, 256, 0, &gpus(UUID), false).unwrap();
+        let (inst, _) = build(&kv, &groups, &hints, 256, 0, &gpus(UUID), false, false).unwrap();
         assert!(inst.validate_block_ids(&[0, 5, 1023]).is_ok());
         assert!(inst
             .validate_block_ids(&[1024])

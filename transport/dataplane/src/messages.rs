@@ -21,6 +21,36 @@ use crate::cpu_shm::CpuShmRegistration;
 /// Sequence number the front uses to match replies to requests; 0 = no reply wanted.
 pub type Seq = u64;
 
+/// Bytes of one full chunk's object of each object group of a request's
+/// layout, by object group id (a key's `object_group_id`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectSizes(Arc<[u64]>);
+
+impl ObjectSizes {
+    pub fn new(by_group: Vec<u64>) -> Self {
+        ObjectSizes(by_group.into())
+    }
+
+    /// A layout of one object group.
+    pub fn one(size: u64) -> Self {
+        ObjectSizes(Arc::from([size]))
+    }
+
+    /// The size of `key`'s object; 0 for a group the layout does not have
+    /// (no object of that size exists, so it is a miss).
+    pub fn of(&self, key: &ObjectKey) -> u64 {
+        self.group(key.object_group_id)
+    }
+
+    pub fn group(&self, og: u32) -> u64 {
+        self.0.get(og as usize).copied().unwrap_or(0)
+    }
+
+    pub fn groups(&self) -> &[u64] {
+        &self.0
+    }
+}
+
 pub struct ShardMsg {
     pub seq: Seq,
     pub op: ShardOp,
@@ -28,12 +58,12 @@ pub struct ShardMsg {
 
 pub enum ShardOp {
     /// Read-lock every present key `readers` times and touch the hits (LRU);
-    /// look the misses up in L2 (locking what is found there with `size`
-    /// bytes). Answers [`ShardReplyBody::Found`] with the hits' slabs.
+    /// look the misses up in L2 (locking what is found there with the size
+    /// `sizes` gives its object group). Answers [`ShardReplyBody::Found`] with the hits' slabs.
     Lookup {
         keys: Vec<ObjectKey>,
         readers: u32,
-        size: u64,
+        sizes: ObjectSizes,
         /// When the lookup's wait for L2 ends: the misses L2 has not
         /// answered by then are answered as misses (the L2 check goes on and
         /// gives back what it finds). `None`: no limit.
@@ -45,7 +75,7 @@ pub enum ShardOp {
     /// its tiers, and lands in L1 all the same.
     Load {
         keys: Vec<(ObjectKey, Found)>,
-        size: u64,
+        sizes: ObjectSizes,
         readers: u32,
         tag: WriterTag,
         deadline: Option<L2Deadline>,
@@ -107,7 +137,7 @@ pub enum ShardOp {
     Store {
         reg: Arc<CpuShmRegistration>,
         items: Vec<(ObjectKey, Vec<i64>)>,
-        size: u64,
+        sizes: ObjectSizes,
         tag: WriterTag,
     },
     /// lmcache_driven RETRIEVE: scatter each read-locked object, then release

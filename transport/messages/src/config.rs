@@ -308,7 +308,8 @@ pub struct ServerConfig {
     /// Engine block id that means "no KV data here" (`--null-block-id`).
     pub null_block_id: i64,
     /// `--separate-object-groups`: kernel groups of different sliding windows
-    /// would form separate object groups; kvshard refuses such registrations.
+    /// (in whole chunks) form separate object groups, one object per chunk
+    /// and group.
     pub separate_object_groups: bool,
     /// `--isolated-ipc`: CUDA workers exchange timeline-semaphore events
     /// (81 bytes, over CUDA IPC memory) instead of CUDA interprocess events.

@@ -201,6 +201,7 @@ impl Front {
             self.cfg.null_block_id,
             &env.devices,
             self.cfg.isolated_ipc,
+            self.cfg.separate_object_groups,
         );
         let (instance, spec) = match built {
             Ok(b) => b,

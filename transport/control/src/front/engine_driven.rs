@@ -546,8 +546,21 @@ impl Front {
         keys: &[ObjectKey],
         iid: InstanceId,
     ) -> Vec<bool> {
-        let chunks = keys.iter().enumerate().map(|(i, k)| (first_chunk + i, k));
-        let held = self.leases.released(rid, chunks, 1, Some(iid));
+        let chunks: Vec<usize> = (first_chunk..first_chunk + keys.len()).collect();
+        self.hand_over_locks_at(rid, &chunks, keys, iid)
+    }
+
+    /// [`hand_over_locks`](Self::hand_over_locks) of keys each of the
+    /// request's chunk `chunks[i]`.
+    pub(super) fn hand_over_locks_at(
+        &mut self,
+        rid: &str,
+        chunks: &[usize],
+        keys: &[ObjectKey],
+        iid: InstanceId,
+    ) -> Vec<bool> {
+        let at = chunks.iter().copied().zip(keys);
+        let held = self.leases.released(rid, at, 1, Some(iid));
         // `held` is the keys handed over, in the order of `keys`.
         let mut held = held.iter().map(|(k, _)| k).peekable();
         keys.iter()

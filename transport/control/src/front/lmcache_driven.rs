@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvshard_dataplane::messages::{ReplyTo, RetrieveItem, ShardOp, StoreOutcome};
+use kvshard_dataplane::messages::{ObjectSizes, ReplyTo, RetrieveItem, ShardOp, StoreOutcome};
 use kvshard_engine::keys::{self, ObjectKey};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
@@ -88,16 +88,6 @@ impl Front {
                 )
             }
         };
-        if self.cfg.separate_object_groups {
-            let chunk = self.cfg.chunk_size;
-            if let Err(e) = kvshard_layout::geometry::check_one_object_group(groups, chunk) {
-                self.metrics.failed_registrations += 1;
-                return log_limited!(
-                    Level::Error,
-                    "register_kv_cache from instance {iid} failed: {e}"
-                );
-            }
-        }
         if self.refuse_cuda(iid, kv_cache, &model_name, world_size, now) {
             return;
         }
@@ -111,6 +101,7 @@ impl Front {
             engine_type,
             self.cfg.chunk_size,
             self.cfg.null_block_id,
+            self.cfg.separate_object_groups,
         ) {
             Ok(r) => Arc::new(r),
             Err(e) => {
@@ -122,7 +113,11 @@ impl Front {
             }
         };
         let layout = reg.object_layout();
-        if let Err(e) = self.layouts.register(&model_name, ws, &layout) {
+        let object_groups = reg.object_groups().len();
+        if let Err(e) = self
+            .layouts
+            .register_groups(&model_name, ws, reg.object_groups())
+        {
             self.metrics.failed_registrations += 1;
             return log_limited!(Level::Error, "register_kv_cache from instance {iid}: {e}");
         }
@@ -139,7 +134,7 @@ impl Front {
             self.layouts.unregister(&model_name, ws);
             return log_limited!(Level::Error, "register_kv_cache: {e}");
         }
-        log_limited!(Level::Info, "registered lmcache_driven cpu_shm instance {iid} (model={model_name}, world_size={ws}, {} layers)", kv_cache.len());
+        log_limited!(Level::Info, "registered lmcache_driven cpu_shm instance {iid} (model={model_name}, world_size={ws}, {} layers, {} object groups)", kv_cache.len(), object_groups);
     }
 
     /// Per-chunk block id lists: for each chunk, every kernel group's
@@ -247,13 +242,33 @@ impl Front {
             return;
         };
         // All-null chunks (every block of every group null) carry no KV
-        // (align-mode recurrent layers): never store them.
+        // (align-mode recurrent layers): never store them. With object
+        // groups, one object per chunk and group, left out where the
+        // group's blocks are all null.
         let null = self.cfg.null_block_id;
-        let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = objs
-            .into_iter()
-            .zip(blocks)
-            .filter(|(_, b)| !kvshard_layout::geometry::all_null(b, null))
-            .unzip();
+        let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = match &reg {
+            LmcTransfer::CpuShm(r) => {
+                let groups = r.object_groups().len();
+                let mut items = Vec::with_capacity(objs.len() * groups);
+                for (key, b) in objs.into_iter().zip(blocks) {
+                    for og in 0..groups {
+                        if !r.all_null_in(og, &b) {
+                            let key = ObjectKey {
+                                object_group_id: og as u32,
+                                ..key
+                            };
+                            items.push((key, b.clone()));
+                        }
+                    }
+                }
+                items.into_iter().unzip()
+            }
+            LmcTransfer::Cuda(_) => objs
+                .into_iter()
+                .zip(blocks)
+                .filter(|(_, b)| !kvshard_layout::geometry::all_null(b, null))
+                .unzip(),
+        };
         let parts = self.split(&objs);
         if self.refused(&to, involved(&parts)) {
             return self.reply_failure(&to);
@@ -278,10 +293,11 @@ impl Front {
             to,
             outcomes: vec![StoreOutcome::AlreadyPresent; n],
         };
+        let sizes = ObjectSizes::new(reg.object_groups().iter().map(|g| g.layout.bytes).collect());
         if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::Store {
             reg: reg.clone(),
             items: idx.iter().map(|i| (objs[*i], blocks[*i].clone())).collect(),
-            size,
+            sizes: sizes.clone(),
             tag: writer_tag(iid),
         }) {
             self.complete(0, kind);
@@ -309,6 +325,29 @@ impl Front {
         let cs = self.cfg.chunk_size;
         let first = first_chunk_of(&key, cs);
         let skip = usize::try_from(skip).unwrap_or(0);
+        // Per object: its chunk (of the request range). With object groups,
+        // each group's objects of the chunks it needs: a sliding window of
+        // `w` chunks reads the range's last `w` (0.5.6's `group_skips`).
+        let (objs, chunk_of): (Vec<ObjectKey>, Vec<usize>) = match &reg {
+            LmcTransfer::CpuShm(r) if r.object_groups().len() > 1 => {
+                let n = objs.len();
+                let mut out = Vec::new();
+                for (og, g) in r.object_groups().iter().enumerate() {
+                    for (c, key) in objs.iter().enumerate().skip(g.needed_from(n)) {
+                        let key = ObjectKey {
+                            object_group_id: og as u32,
+                            ..*key
+                        };
+                        out.push((key, c));
+                    }
+                }
+                out.into_iter().unzip()
+            }
+            _ => {
+                let chunks = (0..objs.len()).collect();
+                (objs, chunks)
+            }
+        };
         let parts = self.split(&objs);
         // Before the lease book hears of the locks this request releases.
         if self.refused(&to, involved(&parts)) {
@@ -344,7 +383,8 @@ impl Front {
         };
         // The shard releases the one lock this transfer holds on each object
         // it finds read-locked: one of the lookup's, or one taken for it.
-        let take = self.hand_over_locks(&key.request_id, first, &objs, iid);
+        let chunks: Vec<usize> = chunk_of.iter().map(|c| first + c).collect();
+        let take = self.hand_over_locks_at(&key.request_id, &chunks, &objs, iid);
         let kind = InflightKind::Retrieve {
             to,
             oks: vec![false; n],
@@ -353,11 +393,11 @@ impl Front {
             reg: reg.clone(),
             items: idx
                 .iter()
-                .map(|i| RetrieveItem {
-                    key: objs[*i],
-                    blocks: blocks[*i].clone(),
-                    skip: kvshard_layout::geometry::chunk_skip_tokens(skip, *i, cs),
-                    take: take[*i],
+                .map(|&i| RetrieveItem {
+                    key: objs[i],
+                    blocks: blocks[chunk_of[i]].clone(),
+                    skip: kvshard_layout::geometry::chunk_skip_tokens(skip, chunk_of[i], cs),
+                    take: take[i],
                 })
                 .collect(),
         }) {

@@ -7,11 +7,14 @@
 
 use std::time::{Duration, Instant};
 
-use kvshard_dataplane::messages::{Found, L2Deadline, ReplyTo, Seq, ShardMsg, ShardOp, NO_SLAB};
+use kvshard_dataplane::messages::{
+    Found, L2Deadline, ObjectSizes, ReplyTo, Seq, ShardMsg, ShardOp, NO_SLAB,
+};
 use kvshard_engine::keys::{self, HashError, Name, NameError, ObjectKey};
 use kvshard_engine::l1::WriterTag;
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
+use kvshard_layout::geometry::window_start;
 use kvshard_wire::{self as wire, IpcKey};
 
 use super::inflight::{involved, InflightKind};
@@ -26,19 +29,106 @@ pub(super) struct PendingLoad {
     pub(super) request_id: String,
     /// Sequence number of the lookup (the job it will complete).
     pub(super) job_seq: Seq,
-    /// The prefix's keys, chunk-major.
+    /// The prefix's keys: chunk-major, then object group, then kv rank.
     pub(super) keys: Vec<ObjectKey>,
     /// Per key: where the shards found it.
     pub(super) found: Vec<Found>,
     /// Per key: its slab's offset if an L1 hit, else `NO_SLAB`.
     pub(super) slabs: Vec<u64>,
+    /// kv ranks of each object group of a chunk.
     pub(super) num_ranks: usize,
+    /// Per object group: its sliding window in chunks (-1: full attention).
+    pub(super) windows: Vec<i64>,
     pub(super) world_size: u32,
     pub(super) readers: u32,
-    /// Bytes of one object of the request's layout (for L2 loads).
-    pub(super) size: u64,
+    /// Bytes of one object of each object group of the request's layout
+    /// (for L2 lookups and loads).
+    pub(super) sizes: ObjectSizes,
     /// When the lookup was sent to the shards (its read locks' TTL starts after).
     pub(super) sent_at: Instant,
+}
+
+impl PendingLoad {
+    /// Keys of one chunk: every object group's kv ranks.
+    fn rows(&self) -> usize {
+        self.windows.len() * self.num_ranks
+    }
+
+    /// Whether key `i` is one a hit of `len` chunks needs: full-attention
+    /// groups need every chunk of it, a window of `w` chunks its last `w`
+    /// (0.5.6's `unfold`).
+    fn needed(&self, i: usize, len: usize) -> bool {
+        let rows = self.rows();
+        let (chunk, og) = (i / rows, (i % rows) / self.num_ranks);
+        chunk < len && chunk >= window_start(self.windows[og], len)
+    }
+
+    /// Keys of the first `len` chunks (and their slabs), with whether the
+    /// lookup holds each (`held`) for its lease.
+    fn grant(&self, leases: &mut LeaseBook, len: usize, held: &[bool]) {
+        let n = len * self.rows();
+        if n == 0 || self.num_ranks == 0 {
+            return;
+        }
+        let ranks: Vec<u32> = self.keys[..self.num_ranks]
+            .iter()
+            .map(|k| k.kv_rank)
+            .collect();
+        leases.grant(Grant {
+            request_id: &self.request_id,
+            world_size: self.world_size,
+            ranks: &ranks,
+            groups: self.windows.len() as u32,
+            keys: &self.keys[..n],
+            locked: &held[..n],
+            slabs: &self.slabs[..n.min(self.slabs.len())],
+            readers: self.readers,
+            sent_at: self.sent_at,
+        });
+    }
+}
+
+/// The longest prefix every object group can serve (0.5.6's `fold` and its
+/// highest set bit), from per-key values laid out chunk-major, then object
+/// group (`windows.len()` of them), then kv rank (`num_ranks`): a chunk of a
+/// group is present when `hit` holds for each of its ranks; a full-attention
+/// group serves `L` chunks when chunks `0..L` are present, a group of a
+/// window of `w` chunks when its last `min(w, L)` chunks are.
+fn hit_prefix<T>(
+    per_key: &[T],
+    num_ranks: usize,
+    windows: &[i64],
+    hit: impl Fn(&T) -> bool,
+) -> usize {
+    let rows = windows.len() * num_ranks;
+    if rows == 0 {
+        return 0;
+    }
+    let chunks = per_key.len() / rows;
+    // Per group: the run of present chunks ending at the current chunk.
+    let mut runs = vec![0usize; windows.len()];
+    let mut best = 0;
+    for c in 0..chunks {
+        let row = &per_key[c * rows..(c + 1) * rows];
+        let mut servable = true;
+        for (g, w) in windows.iter().enumerate() {
+            let present = row[g * num_ranks..(g + 1) * num_ranks].iter().all(&hit);
+            runs[g] = if present { runs[g] + 1 } else { 0 };
+            let len = c + 1;
+            let need = match usize::try_from(*w) {
+                Ok(w) if w >= 1 => w.min(len),
+                _ => len,
+            };
+            servable &= runs[g] >= need;
+        }
+        if servable {
+            best = c + 1;
+        } else if windows.iter().all(|w| *w < 1) {
+            // Full attention only: nothing past the first gap is servable.
+            break;
+        }
+    }
+    best
 }
 
 /// The longest a `query_prefetch_status` is held for a lookup's first phase
@@ -133,19 +223,41 @@ impl Front {
         hashes: &[keys::ChunkHash],
         ranks: Ranks,
     ) -> Vec<ObjectKey> {
-        let mut out = Vec::with_capacity(hashes.len() * ranks.len());
+        Self::object_keys_of_groups(model, salt, hashes, ranks, 1)
+    }
+
+    /// Object keys of chunks `hashes` for object groups `0..groups` and
+    /// `ranks`: chunk-major, then object group, then rank.
+    pub(super) fn object_keys_of_groups(
+        model: Name,
+        salt: Name,
+        hashes: &[keys::ChunkHash],
+        ranks: Ranks,
+        groups: u32,
+    ) -> Vec<ObjectKey> {
+        let mut out = Vec::with_capacity(hashes.len() * ranks.len() * groups as usize);
         for h in hashes {
-            for kv_rank in ranks.iter() {
-                out.push(ObjectKey {
-                    chunk_hash: *h,
-                    model_name: model,
-                    kv_rank,
-                    object_group_id: 0,
-                    cache_salt: salt,
-                });
+            for og in 0..groups {
+                for kv_rank in ranks.iter() {
+                    out.push(ObjectKey {
+                        chunk_hash: *h,
+                        model_name: model,
+                        kv_rank,
+                        object_group_id: og,
+                        cache_salt: salt,
+                    });
+                }
             }
         }
         out
+    }
+
+    /// The object groups a request of `model` at `world_size` addresses: 1
+    /// when no registration names them.
+    pub(super) fn object_group_count(&self, model: &str, world_size: u32) -> u32 {
+        self.layouts
+            .get(model, world_size)
+            .map_or(1, |g| g.len() as u32)
     }
 
     /// Interned (model_name, cache_salt) of a request, once per request.
@@ -218,7 +330,7 @@ impl Front {
         let Some(layout) = u32::try_from(key.world_size)
             .ok()
             .and_then(|ws| self.layouts.get(&key.model_name, ws))
-            .cloned()
+            .map(|groups| groups.to_vec())
         else {
             log_limited!(
                 Level::Error,
@@ -247,7 +359,7 @@ impl Front {
                 return early(self, "bad_request");
             }
         };
-        let hashes = match self.key_hashes(&key, true, ranks.len(), now) {
+        let hashes = match self.key_hashes(&key, true, ranks.len() * layout.len(), now) {
             Ok(h) => h,
             Err(e) => {
                 log_limited!(Level::Error, "lookup {rid}: {e}");
@@ -281,8 +393,8 @@ impl Front {
                 model_name: key.model_name.clone(),
                 chunk_size: self.cfg.chunk_size,
                 seq_len: key.token_ids.len(),
-                dtype: layout.dtype.to_string(),
-                shape: layout.shape.to_vec(),
+                dtype: layout[0].layout.dtype.to_string(),
+                shape: layout[0].layout.shape.to_vec(),
                 chunk_hashes: hashes.clone(),
             });
             match outcome {
@@ -304,7 +416,7 @@ impl Front {
         }
         self.metrics.lookup_requested_tokens += (hashes.len() * self.cfg.chunk_size) as u64;
         let num_ranks = ranks.len();
-        let objs = Self::object_keys(model, salt, &hashes, ranks);
+        let objs = Self::object_keys_of_groups(model, salt, &hashes, ranks, layout.len() as u32);
         let parts = self.split(&objs);
         if self.refused(&to, involved(&parts)) {
             return early(self, "shard_unavailable");
@@ -316,7 +428,7 @@ impl Front {
             .filter(|idx| !idx.is_empty())
             .map(|idx| idx.iter().map(|i| objs[*i]).collect())
             .collect();
-        let size = layout.bytes;
+        let sizes = ObjectSizes::new(layout.iter().map(|g| g.layout.bytes).collect());
         let kind = InflightKind::Lookup {
             lookup: PendingLoad {
                 request_id: rid.clone(),
@@ -325,9 +437,10 @@ impl Front {
                 found: Vec::new(),
                 slabs: Vec::new(),
                 num_ranks,
+                windows: layout.iter().map(|g| g.window_chunks).collect(),
                 world_size: key.world_size as u32,
                 readers,
-                size,
+                sizes: sizes.clone(),
                 sent_at: now,
             },
         };
@@ -336,7 +449,7 @@ impl Front {
         let immediate = self.fan_out(parts, kind, |_| ShardOp::Lookup {
             keys: sent.next().unwrap_or_default(),
             readers,
-            size,
+            sizes: sizes.clone(),
             deadline,
         });
         debug_assert!(
@@ -355,21 +468,32 @@ impl Front {
         seq: Seq,
         mut p: PendingLoad,
     ) -> Option<(Vec<Waiter>, i64)> {
-        let nr = p.num_ranks;
-        let prefix = chunk_prefix(&p.found, nr, |f| *f != Found::Miss);
+        let prefix = hit_prefix(&p.found, p.num_ranks, &p.windows, |f| *f != Found::Miss);
         let current = self.is_current(&p.request_id, seq);
-        // Locks beyond the prefix are not needed; a superseded lookup keeps none.
-        let keep = if current { prefix * nr } else { 0 };
-        self.release_found(&p.keys[keep..], &p.found[keep..], p.readers);
+        // Locks the prefix does not need are released; a superseded lookup
+        // keeps none.
+        let len = if current { prefix } else { 0 };
+        let unneeded: Vec<usize> = (0..p.keys.len())
+            .filter(|&i| p.found[i] != Found::Miss && !p.needed(i, len))
+            .collect();
+        let keys: Vec<ObjectKey> = unneeded.iter().map(|&i| p.keys[i]).collect();
+        let found: Vec<Found> = unneeded.iter().map(|&i| p.found[i]).collect();
+        self.release_found(&keys, &found, p.readers);
         if !current {
             return None;
         }
+        for i in unneeded {
+            p.found[i] = Found::Miss;
+        }
+        let keep = len * p.rows();
         p.keys.truncate(keep);
         p.found.truncate(keep);
         p.slabs.truncate(keep);
-        if p.found.iter().all(|f| *f == Found::L1) {
-            grant_lease(&mut self.leases, &p, keep);
-            return self.conclude_lookup(&p.request_id, prefix, nr, 0);
+        if !p.found.iter().any(|f| f.is_l2()) {
+            let held: Vec<bool> = p.found.iter().map(|f| *f == Found::L1).collect();
+            p.grant(&mut self.leases, prefix, &held);
+            let hit_keys = held.iter().filter(|h| **h).count();
+            return self.conclude_lookup(&p.request_id, prefix, hit_keys, 0, 0);
         }
         // Status queries held through the first phase learn the job runs on.
         for to in self.jobs.begin_load(&p.request_id) {
@@ -422,12 +546,14 @@ impl Front {
         let Some(p) = found.filter(|p| jobs.is_current(&p.request_id, job_seq)) else {
             return;
         };
-        let nr = p.num_ranks;
-        let prefix = chunk_prefix(&p.found, nr, |f| *f == Found::L1);
-        let keep = prefix * nr;
-        grant_lease(&mut self.leases, p, keep);
-        let beyond: Vec<ObjectKey> = (keep..p.keys.len())
-            .filter(|&i| p.found[i] == Found::L1)
+        let prefix = hit_prefix(&p.found, p.num_ranks, &p.windows, |f| *f == Found::L1);
+        let held: Vec<bool> = (0..p.keys.len())
+            .map(|i| p.found[i] == Found::L1 && p.needed(i, prefix))
+            .collect();
+        p.grant(&mut self.leases, prefix, &held);
+        let hit_keys = held.iter().filter(|h| **h).count();
+        let beyond: Vec<ObjectKey> = (0..p.keys.len())
+            .filter(|&i| p.found[i] == Found::L1 && !held[i])
             .map(|i| p.keys[i])
             .collect();
         // Handed to the lease or released here: whatever ends the load
@@ -447,7 +573,7 @@ impl Front {
              concluded with the {prefix} chunks L1 holds; the loads running go on",
             self.cfg.l2.prefetch_load_timeout
         );
-        if let Some((waiters, hits)) = self.conclude_lookup(&rid, prefix, nr, 0) {
+        if let Some((waiters, hits)) = self.conclude_lookup(&rid, prefix, hit_keys, 0, 0) {
             self.answer_waiters(waiters, hits);
         }
     }
@@ -503,7 +629,7 @@ impl Front {
         }
         self.next_load_tag += 1;
         let tag = WriterTag::load(self.next_load_tag);
-        let (size, readers) = (p.size, p.readers);
+        let (sizes, readers) = (p.sizes.clone(), p.readers);
         let deadline = self.l2_deadline(p.sent_at);
         let kind = InflightKind::Load {
             loaded: vec![false; lkeys.len()],
@@ -513,7 +639,7 @@ impl Front {
         };
         let immediate = self.fan_out(parts, kind, |idx| ShardOp::Load {
             keys: idx.iter().map(|&j| lkeys[j]).collect(),
-            size,
+            sizes: sizes.clone(),
             readers,
             tag,
             deadline,
@@ -542,21 +668,19 @@ impl Front {
         slabs: &[u64],
     ) -> Option<(Vec<Waiter>, i64)> {
         self.loads_inflight -= 1;
-        let nr = p.num_ranks;
         // Per key: readable in L1 now (holding `readers` locks), and where.
         let mut ok: Vec<bool> = p.found.iter().map(|f| *f == Found::L1).collect();
         for ((&i, &l), &at) in loading.iter().zip(loaded).zip(slabs) {
             ok[i] = l;
             p.slabs[i] = if l { at } else { NO_SLAB };
         }
-        let prefix = chunk_prefix(&ok, nr, |b| *b);
+        let prefix = hit_prefix(&ok, p.num_ranks, &p.windows, |b| *b);
         let current = self.is_current(&p.request_id, p.job_seq);
-        let keep = if current { prefix * nr } else { 0 };
-        let release: Vec<ObjectKey> = p.keys[keep..]
-            .iter()
-            .zip(&ok[keep..])
-            .filter(|(_, ok)| **ok)
-            .map(|(k, _)| *k)
+        let len = if current { prefix } else { 0 };
+        let held: Vec<bool> = (0..ok.len()).map(|i| ok[i] && p.needed(i, len)).collect();
+        let release: Vec<ObjectKey> = (0..ok.len())
+            .filter(|&i| ok[i] && !held[i])
+            .map(|i| p.keys[i])
             .collect();
         self.post(release, |keys| ShardOp::Release {
             keys,
@@ -573,27 +697,33 @@ impl Front {
         if !current {
             return None;
         }
+        let rows = p.rows();
+        let from_l2 = |i: usize| held[i] && p.found[i].is_l2();
         let l2_chunks = (0..prefix)
-            .filter(|c| p.found[c * nr..(c + 1) * nr].iter().any(|f| f.is_l2()))
+            .filter(|c| (c * rows..(c + 1) * rows).any(from_l2))
             .count();
-        grant_lease(&mut self.leases, &p, keep);
-        self.conclude_lookup(&p.request_id, prefix, nr, l2_chunks)
+        let l2_keys = (0..held.len()).filter(|&i| from_l2(i)).count();
+        let hit_keys = held.iter().filter(|h| **h).count();
+        p.grant(&mut self.leases, prefix, &held);
+        self.conclude_lookup(&p.request_id, prefix, hit_keys, l2_chunks, l2_keys)
     }
 
-    /// Records a lookup's result: `prefix` chunks hit, `l2_chunks` of them
-    /// (partly) loaded from L2.
+    /// Records a lookup's result: `prefix` chunks hit through `hit_keys`
+    /// objects, `l2_chunks` of them (partly) loaded from L2 through
+    /// `l2_keys` objects.
     pub(super) fn conclude_lookup(
         &mut self,
         rid: &str,
         prefix: usize,
-        num_ranks: usize,
+        hit_keys: usize,
         l2_chunks: usize,
+        l2_keys: usize,
     ) -> Option<(Vec<Waiter>, i64)> {
         let cs = self.cfg.chunk_size as u64;
         self.metrics.lookup_hit_tokens += prefix as u64 * cs;
-        self.metrics.lookup_hit_keys += (prefix * num_ranks) as u64;
+        self.metrics.lookup_hit_keys += hit_keys as u64;
         self.metrics.lookup_hit_l2_tokens += l2_chunks as u64 * cs;
-        self.metrics.lookup_hit_l2_keys += (l2_chunks * num_ranks) as u64;
+        self.metrics.lookup_hit_l2_keys += l2_keys as u64;
         if let Some(s) = self.sessions.get_mut(rid) {
             s.prefetch_hit_chunks = prefix as i64;
         }
@@ -687,7 +817,8 @@ impl Front {
         };
         let mut range_key = key.clone();
         range_key.end = hi * cs;
-        let hashes = match self.key_hashes(&range_key, false, ranks.len(), now) {
+        let groups = self.object_group_count(&key.model_name, ranks.world_size);
+        let hashes = match self.key_hashes(&range_key, false, ranks.len() * groups as usize, now) {
             Ok(h) => h,
             Err(e) => return log_limited!(Level::Error, "free_lookup_locks {rid}: {e}"),
         };
@@ -695,8 +826,8 @@ impl Front {
             Ok(n) => n,
             Err(e) => return log_limited!(Level::Error, "free_lookup_locks {rid}: {e}"),
         };
-        let objs = Self::object_keys(model, salt, &hashes, ranks);
-        let (first, nr) = (start_chunk as usize, ranks.len());
+        let objs = Self::object_keys_of_groups(model, salt, &hashes, ranks, groups);
+        let (first, nr) = (start_chunk as usize, ranks.len() * groups as usize);
         let chunks = objs.iter().enumerate().map(|(i, k)| (first + i / nr, k));
         // Only what the lookup still holds: a repeated call, or one after the
         // locks expired or a forced clear, must not take away another
@@ -742,7 +873,8 @@ impl Front {
             Ok(n) => n,
             Err(e) => return log_limited!(Level::Error, "end_session {rid}: {e}"),
         };
-        let objs = Self::object_keys(model, salt, s.all_hashes(), ranks);
+        let groups = self.object_group_count(&scope.model_name, scope.world_size);
+        let objs = Self::object_keys_of_groups(model, salt, s.all_hashes(), ranks, groups);
         self.post(objs, |keys| ShardOp::Touch { keys });
     }
 
@@ -765,33 +897,6 @@ impl Front {
             self.answer_waiters(waiters, hits);
         }
     }
-}
-
-/// Chunks from the first of a lookup's per-key values (`num_ranks` keys a
-/// chunk, chunk-major) whose every key satisfies `hit`.
-fn chunk_prefix<T>(per_key: &[T], num_ranks: usize, hit: impl Fn(&T) -> bool) -> usize {
-    per_key
-        .chunks_exact(num_ranks)
-        .take_while(|chunk| chunk.iter().all(&hit))
-        .count()
-}
-
-/// Records the read locks a concluded lookup holds on its prefix (its first
-/// `keep` keys, whole chunks) for the workers that will read it.
-fn grant_lease(leases: &mut LeaseBook, p: &PendingLoad, keep: usize) {
-    if keep < p.num_ranks || p.num_ranks == 0 {
-        return;
-    }
-    let ranks: Vec<u32> = p.keys[..p.num_ranks].iter().map(|k| k.kv_rank).collect();
-    leases.grant(Grant {
-        request_id: &p.request_id,
-        world_size: p.world_size,
-        ranks: &ranks,
-        keys: &p.keys[..keep],
-        slabs: &p.slabs[..keep],
-        readers: p.readers,
-        sent_at: p.sent_at,
-    });
 }
 
 /// Why a request's key addresses no object.
@@ -856,5 +961,56 @@ impl std::error::Error for KeyError {
             KeyError::Tokens(e) => Some(e),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Per-key presence of `chunks` chunks of two object groups of one rank
+    /// each: `full[c]` and `window[c]`.
+    fn keys_of(full: &[bool], window: &[bool]) -> Vec<bool> {
+        full.iter()
+            .zip(window)
+            .flat_map(|(a, b)| [*a, *b])
+            .collect()
+    }
+
+    #[test]
+    fn full_attention_alone_is_the_leading_run() {
+        let present = [true, true, false, true];
+        assert_eq!(hit_prefix(&present, 1, &[-1], |b| *b), 2);
+        // Two ranks: a chunk counts only with both.
+        let ranks = [true, true, true, false, true, true];
+        assert_eq!(hit_prefix(&ranks, 2, &[-1], |b| *b), 1);
+        assert_eq!(hit_prefix::<bool>(&[], 1, &[-1], |b| *b), 0);
+    }
+
+    #[test]
+    fn a_window_needs_only_the_last_chunks_of_the_hit() {
+        let t = true;
+        let f = false;
+        // Window of 2 chunks: chunks 0 and 3 of it missing; 3 chunks need its
+        // chunks 1 and 2 only.
+        let k = keys_of(&[t, t, t, t], &[f, t, t, f]);
+        assert_eq!(hit_prefix(&k, 1, &[-1, 2], |b| *b), 3);
+        // Its only chunk that a hit of 4 or 2 would need missing too: 0.
+        let k = keys_of(&[t, t, t, t], &[f, f, t, f]);
+        assert_eq!(hit_prefix(&k, 1, &[-1, 2], |b| *b), 0);
+        // The full group's gap bounds the hit whatever the window holds.
+        let k = keys_of(&[t, t, f, t], &[t, t, t, t]);
+        assert_eq!(hit_prefix(&k, 1, &[-1, 2], |b| *b), 2);
+        // Windows only: the highest servable length, past a gap.
+        let k = keys_of(&[t, f, t, t], &[t, f, t, t]);
+        assert_eq!(hit_prefix(&k, 1, &[1, 2], |b| *b), 4);
+    }
+
+    #[test]
+    fn window_start_is_where_a_group_starts_needing_chunks() {
+        assert_eq!(window_start(-1, 5), 0);
+        assert_eq!(window_start(2, 5), 3);
+        assert_eq!(window_start(8, 5), 0);
+        assert_eq!(window_start(1, 0), 0);
     }
 }

@@ -33,8 +33,11 @@ use kvshard_engine::l2::{kv_rank_world_size, L2Adapter, ObjectBytes, StoreResult
 use kvshard_gds::slab::AlignedBuf;
 use kvshard_io::clock::SharedClock;
 
-use crate::messages::{Found, L2CtlStats, L2Deadline, TierReport, NO_SLAB};
+use crate::messages::{Found, L2CtlStats, L2Deadline, ObjectSizes, TierReport, NO_SLAB};
 use crate::shard::State;
+
+/// Full-chunk object sizes of one model by (world size, object group).
+type GroupSizes = HashMap<(u32, u32), u64>;
 use kvshard_messages::config::{L2PrefetchPolicy, L2Settings, L2StorePolicy};
 
 pub struct L2Shard {
@@ -51,9 +54,9 @@ pub struct L2Shard {
     /// skip_l1: stored keys that were read-locked (a reader got to them first)
     /// when the store finished; dropped from L1 once unlocked.
     skip_l1_later: RefCell<Vec<ObjectKey>>,
-    /// Full-chunk object sizes the adapters were told, by model name and
-    /// world size.
-    layouts: RefCell<HashMap<Name, HashMap<u32, u64>>>,
+    /// Full-chunk object sizes the adapters were told, by model name, then
+    /// world size and object group.
+    layouts: RefCell<HashMap<Name, GroupSizes>>,
     /// Where the controller reads the time (the shard's clock).
     clock: SharedClock,
 }
@@ -122,17 +125,23 @@ impl L2Shard {
         })
     }
 
-    /// A request named objects of `size` bytes (its registered layout's full
-    /// chunk) for `keys`: tells every adapter the size for the keys' model
-    /// and world size, when it is new or changed.
-    pub fn note_layout<'k>(&self, keys: impl IntoIterator<Item = &'k ObjectKey>, size: u64) {
+    /// A request named objects of `size(key)` bytes (its registered
+    /// layout's full chunk of the key's object group) for `keys`: tells every
+    /// adapter the size for the keys' model, world size and object group,
+    /// when it is new or changed.
+    pub fn note_layout<'k>(
+        &self,
+        keys: impl IntoIterator<Item = &'k ObjectKey>,
+        size_of: impl Fn(&ObjectKey) -> u64,
+    ) {
         if self.tiers.is_empty() {
             return;
         }
-        let mut last: Option<(Name, u32)> = None;
+        let mut last: Option<(Name, (u32, u32))> = None;
         for key in keys {
-            let ws = kv_rank_world_size(key.kv_rank);
-            let this = (key.model_name, ws);
+            let group = (kv_rank_world_size(key.kv_rank), key.object_group_id);
+            let size = size_of(key);
+            let this = (key.model_name, group);
             if last == Some(this) {
                 continue;
             }
@@ -141,7 +150,7 @@ impl L2Shard {
                 .layouts
                 .borrow()
                 .get(&this.0)
-                .and_then(|m| m.get(&ws))
+                .and_then(|m| m.get(&group))
                 .copied();
             if known == Some(size) {
                 continue;
@@ -150,9 +159,10 @@ impl L2Shard {
                 .borrow_mut()
                 .entry(key.model_name)
                 .or_default()
-                .insert(ws, size);
+                .insert(group, size);
             for t in &self.tiers {
-                t.adapter().set_full_chunk_size(&key.model_name, ws, size);
+                t.adapter()
+                    .set_full_chunk_size(&key.model_name, group.0, group.1, size);
             }
         }
     }
@@ -437,7 +447,7 @@ async fn store_task(state: State, l2: Rc<L2Shard>, locked: Vec<(ObjectKey, u64)>
 pub async fn lookup(
     l2: &Rc<L2Shard>,
     keys: &[ObjectKey],
-    size: u64,
+    sizes: &ObjectSizes,
     deadline: Option<L2Deadline>,
 ) -> Vec<Found> {
     let mut found = vec![Found::Miss; keys.len()];
@@ -468,6 +478,7 @@ pub async fn lookup(
         let mut wrong = Vec::new();
         let mut still = Vec::new();
         for ((&i, key), r) in pending.iter().zip(ask).zip(res) {
+            let size = sizes.of(&key);
             match r {
                 Some(s) if s == size => found[i] = Found::L2(t as u8),
                 Some(s) => {

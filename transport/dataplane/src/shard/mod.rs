@@ -24,8 +24,8 @@ use kvshard_io::prefault::PrefaultHandle;
 use crate::cpu_shm::CpuShmRegistration;
 use crate::l1_slab::SlabL1;
 use crate::messages::{
-    Found, FrontEvent, L2CtlStats, L2Deadline, RetrieveItem, Seq, ShardMsg, ShardOp, ShardReply,
-    ShardReplyBody, ShardReport, StoreOutcome, NO_SLAB,
+    Found, FrontEvent, L2CtlStats, L2Deadline, ObjectSizes, RetrieveItem, Seq, ShardMsg, ShardOp,
+    ShardReply, ShardReplyBody, ShardReport, StoreOutcome, NO_SLAB,
 };
 use kvshard_messages::config::L2Settings;
 
@@ -436,13 +436,35 @@ fn gather_logged(
     blocks: &[i64],
     dst: &mut [u8],
 ) -> bool {
-    match reg.gather(blocks, dst) {
+    match reg.gather_group(key.object_group_id as usize, blocks, dst) {
         Ok(()) => true,
         Err(e) => {
             kvshard_io::log_limited!(log::Level::Error, "store of {key:?} failed in gather: {e}");
             false
         }
     }
+}
+
+/// A message's keys by object group: each group's object size and the
+/// keys' positions, groups in order of first appearance. Keys of a group
+/// whose size is unknown (0) are left out: nothing of theirs can exist.
+fn by_object_group<'k>(
+    sizes: &ObjectSizes,
+    keys: impl Iterator<Item = &'k ObjectKey>,
+) -> Vec<(u64, Vec<usize>)> {
+    let mut groups: Vec<(u32, u64, Vec<usize>)> = Vec::new();
+    for (i, k) in keys.enumerate() {
+        let og = k.object_group_id;
+        match groups.iter_mut().find(|(g, ..)| *g == og) {
+            Some((.., idx)) => idx.push(i),
+            None => groups.push((og, sizes.group(og), vec![i])),
+        }
+    }
+    groups
+        .into_iter()
+        .filter(|(_, size, _)| *size > 0)
+        .map(|(_, size, idx)| (size, idx))
+        .collect()
 }
 
 /// Scatters one object (`src` may run past it into the slab's padding)
@@ -454,7 +476,11 @@ fn scatter_logged(
     blocks: &[i64],
     skip: usize,
 ) -> bool {
-    let len = reg.object_layout().bytes as usize;
+    let og = key.object_group_id as usize;
+    let len = reg
+        .object_groups()
+        .get(og)
+        .map_or(0, |o| o.layout.bytes as usize);
     let Some(object) = src.get(..len) else {
         kvshard_io::log_limited!(
             log::Level::Error,
@@ -463,7 +489,7 @@ fn scatter_logged(
         );
         return false;
     };
-    match reg.scatter(object, blocks, skip) {
+    match reg.scatter_group(og, object, blocks, skip) {
         Ok(()) => true,
         Err(e) => {
             kvshard_io::log_limited!(
@@ -816,12 +842,12 @@ impl Shard {
             ShardOp::Lookup {
                 keys,
                 readers,
-                size,
+                sizes,
                 deadline,
-            } => self.lookup(to, keys, readers, size, deadline),
+            } => self.lookup(to, keys, readers, sizes, deadline),
             ShardOp::Load {
                 keys,
-                size,
+                sizes,
                 readers,
                 tag,
                 deadline,
@@ -829,8 +855,18 @@ impl Shard {
                 let (state, l2, replies) =
                     (self.state.clone(), self.l2.clone(), self.replies.clone());
                 glommio::spawn_local(async move {
-                    let (ok, slabs) =
-                        l2::load_by(&state, &l2, keys, size, readers, tag, deadline).await;
+                    // One load per object group: each has its own object size.
+                    let mut ok = vec![false; keys.len()];
+                    let mut slabs = vec![NO_SLAB; keys.len()];
+                    for (size, idx) in by_object_group(&sizes, keys.iter().map(|(k, _)| k)) {
+                        let part = idx.iter().map(|&i| keys[i]).collect();
+                        let (o, s) =
+                            l2::load_by(&state, &l2, part, size, readers, tag, deadline).await;
+                        for ((&i, o), s) in idx.iter().zip(o).zip(s) {
+                            ok[i] = o;
+                            slabs[i] = s;
+                        }
+                    }
                     to.send(&replies, ShardReplyBody::Loaded { ok, slabs });
                 })
                 .detach();
@@ -842,9 +878,9 @@ impl Shard {
             ShardOp::Store {
                 reg,
                 items,
-                size,
+                sizes,
                 tag,
-            } => self.store(to, reg, items, size, tag),
+            } => self.store(to, reg, items, sizes, tag),
             ShardOp::Retrieve { reg, items } => self.retrieve(to, reg, items),
             op => self.other(to, op),
         }
@@ -857,7 +893,7 @@ impl Shard {
         to: ReplyAddr,
         keys: Vec<ObjectKey>,
         readers: u32,
-        size: u64,
+        sizes: ObjectSizes,
         deadline: Option<L2Deadline>,
     ) {
         let now = now_of(&self.state);
@@ -871,7 +907,7 @@ impl Shard {
                 .filter(|&i| found[i] == Found::Miss)
                 .collect();
             let ask: Vec<ObjectKey> = misses.iter().map(|&i| keys[i]).collect();
-            let in_l2 = l2::lookup(&l2, &ask, size, deadline).await;
+            let in_l2 = l2::lookup(&l2, &ask, &sizes, deadline).await;
             let mut found = found;
             for (i, f) in misses.into_iter().zip(in_l2) {
                 found[i] = f;
@@ -887,7 +923,7 @@ impl Shard {
         to: ReplyAddr,
         reg: Arc<CpuShmRegistration>,
         items: Vec<(ObjectKey, Vec<i64>)>,
-        size: u64,
+        sizes: ObjectSizes,
         tag: WriterTag,
     ) {
         let n = items.len();
@@ -895,10 +931,21 @@ impl Shard {
         let spawned = glommio::spawn_local_into(
             async move {
                 let slab = state.borrow().slab_l1();
-                let out = match slab {
-                    Some(slab) => store_to_slab(&state, &slab, &reg, items, size, tag).await,
-                    None => store_in_memory(&state, &reg, items, size, tag).await,
-                };
+                // One pass per object group: each has its own object size.
+                let mut out = vec![StoreOutcome::Failed; n];
+                let groups = by_object_group(&sizes, items.iter().map(|(k, _)| k));
+                let mut items: Vec<Option<(ObjectKey, Vec<i64>)>> =
+                    items.into_iter().map(Some).collect();
+                for (size, idx) in groups {
+                    let part = idx.iter().filter_map(|&i| items[i].take()).collect();
+                    let o = match &slab {
+                        Some(slab) => store_to_slab(&state, slab, &reg, part, size, tag).await,
+                        None => store_in_memory(&state, &reg, part, size, tag).await,
+                    };
+                    for (&i, o) in idx.iter().zip(o) {
+                        out[i] = o;
+                    }
+                }
                 let admitted = std::mem::take(&mut state.borrow_mut().to_l2);
                 l2::submit_store(&state, &l2, admitted);
                 to.send(&replies, ShardReplyBody::Stored(out));
@@ -970,13 +1017,14 @@ impl Shard {
 /// layout's full chunk.
 fn note_layout(l2: &L2Shard, op: &ShardOp) {
     match op {
-        ShardOp::Lookup { keys, size, .. } | ShardOp::ReserveWrite { keys, size, .. } => {
-            l2.note_layout(keys, *size)
-        }
+        ShardOp::Lookup { keys, sizes, .. } => l2.note_layout(keys, |k| sizes.of(k)),
+        ShardOp::ReserveWrite { keys, size, .. } => l2.note_layout(keys, |_| *size),
         ShardOp::AdoptWrite { writes, size, .. } => {
-            l2.note_layout(writes.iter().map(|(k, _)| k), *size)
+            l2.note_layout(writes.iter().map(|(k, _)| k), |_| *size)
         }
-        ShardOp::Store { items, size, .. } => l2.note_layout(items.iter().map(|(k, _)| k), *size),
+        ShardOp::Store { items, sizes, .. } => {
+            l2.note_layout(items.iter().map(|(k, _)| k), |k| sizes.of(k))
+        }
         _ => {}
     }
 }
