@@ -149,7 +149,7 @@ impl Bench {
             };
             let body = match msg.op {
                 ShardOp::GrantCredits { size, count } => fresh(size, count as usize),
-                ShardOp::ReserveWrite { keys, size, .. } => fresh(size, keys.len()),
+                ShardOp::ReserveWrite { keys, sizes, .. } => fresh(sizes.group(0), keys.len()),
                 ShardOp::Lookup { keys, .. } => ShardReplyBody::Found {
                     found: vec![Found::Miss; keys.len()],
                     slabs: vec![NO_SLAB; keys.len()],

@@ -487,6 +487,32 @@ fn gpu_workers_need_the_l1_in_memory() {
 #[test]
 fn hybrid_gpu_workers_move_the_0_5_6_objects() {
     for case in group_golden_cases() {
+        replay_group_case(&case, false);
+    }
+}
+
+/// Under `--separate-object-groups`, lmcache 0.5.6's own objects (one per
+/// chunk and object group, none for a group's all-null chunks) and
+/// retrieves (a sliding-window group's last chunks only).
+#[test]
+fn separate_object_groups_move_the_0_5_6_objects() {
+    for case in og_golden_cases() {
+        let want = case["object_groups"]
+            .as_array()
+            .expect("object_groups")
+            .len();
+        assert!(want > 1, "{}", case["name"]);
+        assert_eq!(replay_group_case(&case, true), want, "{}", case["name"]);
+    }
+}
+
+/// Replays one multi-group golden case through a GPU worker (emulated) and
+/// a CPU worker: both store 0.5.6's objects and restore 0.5.6's bytes. With
+/// `separate`, the server runs with `--separate-object-groups` (the cases
+/// of `golden_og_gather.json`). Returns the object groups the registration
+/// formed.
+fn replay_group_case(case: &serde_json::Value, separate: bool) -> usize {
+    {
         let name = case["name"].as_str().unwrap();
         assert_eq!(
             case["chunk_size"], CS as u64,
@@ -495,10 +521,15 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
         let dir = std::env::temp_dir().join(unique("cuda-emu-groups"));
         let l2 = dir.join("l2");
         std::fs::create_dir_all(&l2).unwrap();
-        let srv = start(&dir, &["--l2-adapter", &fs_adapter(&l2)]);
+        let adapter = fs_adapter(&l2);
+        let mut args = vec!["--l2-adapter", adapter.as_str()];
+        if separate {
+            args.push("--separate-object-groups");
+        }
+        let srv = start(&dir, &args);
         let mut c = srv.client();
-        let tensors = golden_tensors(&case);
-        let groups = golden_group_infos(&case);
+        let tensors = golden_tensors(case);
+        let groups = golden_group_infos(case);
         let hint = case["layout_hint"].as_str().unwrap();
         let register = |c: &mut Client, iid: i64, descs: Vec<V>| {
             let frames = register_kv_cache_frames(iid, descs, MODEL, 1, hint, groups.clone());
@@ -563,6 +594,10 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
                 "{name}: {meta}"
             );
         }
+        let object_groups = meta["object_groups"]
+            .as_array()
+            .expect("object groups")
+            .len();
 
         // The GPU worker stores, then a CPU worker of the same layout stores
         // the same bytes under other tokens: the fs L2 then holds 0.5.6's
@@ -586,11 +621,11 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
             assert!(ok, "{name}: store from {iid}");
             assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
         }
-        let want = golden_objects(&case);
+        let want = golden_objects(case);
         let mut twice: Vec<Vec<u8>> = want.iter().flat_map(|o| [o.clone(), o.clone()]).collect();
         twice.sort();
-        let got = l2_objects(&l2, 2 * chunks);
-        assert_eq!(got.len(), 2 * chunks, "{name}: objects in the fs L2");
+        let got = l2_objects(&l2, twice.len());
+        assert_eq!(got.len(), twice.len(), "{name}: objects in the fs L2");
         assert!(
             got == twice,
             "{name}: the stored objects differ from lmcache 0.5.6's gathers"
@@ -635,6 +670,7 @@ fn hybrid_gpu_workers_move_the_0_5_6_objects() {
         }
         drop(srv);
         let _ = std::fs::remove_dir_all(&dir);
+        object_groups
     }
 }
 

@@ -945,6 +945,26 @@ fn hybrid_raw_cuda_workers_move_the_0_5_6_objects() {
     const TEST: &str = "hybrid_raw_cuda_workers_move_the_0_5_6_objects";
     let Some(g) = gpu(TEST) else { return };
     for case in group_golden_cases() {
+        replay_group_case_on(&g, &case, false);
+    }
+}
+
+/// `--separate-object-groups` on the GPU: lmcache 0.5.6's objects (one per
+/// chunk and object group) and retrieves (windows' last chunks only).
+#[test]
+fn separate_object_groups_on_the_gpu_move_the_0_5_6_objects() {
+    const TEST: &str = "separate_object_groups_on_the_gpu_move_the_0_5_6_objects";
+    let Some(g) = gpu(TEST) else { return };
+    for case in og_golden_cases() {
+        replay_group_case_on(&g, &case, true);
+    }
+}
+
+/// One multi-group golden case through a raw-CUDA worker: its store's
+/// objects and each retrieve's tensors must be 0.5.6's; with `separate`,
+/// under `--separate-object-groups`.
+fn replay_group_case_on(g: &Gpu, case: &serde_json::Value, separate: bool) {
+    {
         let name = case["name"].as_str().unwrap();
         assert_eq!(
             case["chunk_size"], CS as u64,
@@ -953,14 +973,15 @@ fn hybrid_raw_cuda_workers_move_the_0_5_6_objects() {
         let dir = test_dir("cuda-gpu-groups");
         let l2 = dir.join("l2");
         std::fs::create_dir_all(&l2).unwrap();
-        let srv = Server::start_logged_env(
-            &["--l2-adapter", &fs_adapter(&l2)],
-            &dir.join("server.log"),
-            &[],
-        );
+        let adapter = fs_adapter(&l2);
+        let mut args = vec!["--l2-adapter", adapter.as_str()];
+        if separate {
+            args.push("--separate-object-groups");
+        }
+        let srv = Server::start_logged_env(&args, &dir.join("server.log"), &[]);
         let mut c = srv.client();
-        let tensors = golden_tensors(&case);
-        let groups = golden_group_infos(&case);
+        let tensors = golden_tensors(case);
+        let groups = golden_group_infos(case);
         let hint = case["layout_hint"].as_str().unwrap();
         let alloc = |filled: bool| -> Vec<DevMem> {
             tensors
@@ -1034,11 +1055,13 @@ fn hybrid_raw_cuda_workers_move_the_0_5_6_objects() {
         );
         assert!(stored, "{name}: store");
         assert_eq!(c.call(OP_END_SESSION, &[s("hs")]), None);
-        let got = l2_objects(&l2, chunks);
+        let want = golden_objects(case);
+        let got = l2_objects(&l2, want.len());
         assert!(
-            got == golden_objects(&case),
-            "{name}: the objects the GPU gathered differ from lmcache 0.5.6's ({} of {chunks})",
-            got.len()
+            got == want,
+            "{name}: the objects the GPU gathered differ from lmcache 0.5.6's ({} of {})",
+            got.len(),
+            want.len()
         );
 
         for (r, retrieve) in case["retrieves"].as_array().unwrap().iter().enumerate() {

@@ -38,7 +38,7 @@ use kvshard_gds::device::exec::{CompletionEvent, DeviceBuffer, KernelModule, Lau
 use kvshard_gds::device::pin::{PinnedRegion, DEFAULT_PIECE_BYTES};
 use kvshard_gds::device::worker::{
     host_copy_parts, plan_batches, Batch, ChunkCopy, CopyDir, GroupSpec, HostPart, InstanceSpec,
-    PinView,
+    ObjectGroupSpec, PinView,
 };
 use kvshard_gds::device::Device;
 use kvshard_gds::kernel::{CopyDirection, KernelLaunch, KernelObjects};
@@ -531,6 +531,7 @@ fn run(env: &CudaEnv, device: &Device) -> BenchResult<()> {
     let ids = shuffled_ids(sizes.chunks * BLOCKS_PER_CHUNK);
     let chunks: Vec<ChunkCopy> = (0..sizes.chunks)
         .map(|c| ChunkCopy {
+            object_group: 0,
             host_addr: arena.addr() + c * object_bytes,
             block_ids: ids[c * BLOCKS_PER_CHUNK..(c + 1) * BLOCKS_PER_CHUNK].to_vec(),
             skip_tokens: 0,
@@ -548,6 +549,7 @@ fn run(env: &CudaEnv, device: &Device) -> BenchResult<()> {
             transfer_slots: CHUNK_TOKENS,
             object_offset: 0,
         }],
+        object_groups: ObjectGroupSpec::every(1, object_bytes as u64),
         chunk_slots: CHUNK_TOKENS,
         object_bytes: object_bytes as u64,
         isolated_ipc: false,

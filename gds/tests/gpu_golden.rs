@@ -42,7 +42,7 @@ use kvshard_gds::device::ipc::IpcMemHandle;
 use kvshard_gds::device::pin::PinnedRegion;
 use kvshard_gds::device::worker::{
     host_copy_parts, ChunkCopy, CopyDir, DeviceJob, DeviceThreads, GroupSpec, InstanceSpec,
-    LayerMemory, LayerSpec, PinView,
+    LayerMemory, LayerSpec, ObjectGroupSpec, PinView,
 };
 use kvshard_gds::device::{require_symbols, Device, WorkerError};
 use kvshard_gds::kernel::{CopyDirection, KernelLaunch, KernelObjects};
@@ -698,6 +698,10 @@ fn spec_for(c: &Case, exports: &Exports, n: usize, src: bool) -> InstanceSpec {
         }],
         layers,
         chunk_slots: c.chunk_slots,
+        object_groups: ObjectGroupSpec::every(
+            1,
+            table.object_bytes(c.chunk_slots).expect("object bytes"),
+        ),
         object_bytes: table.object_bytes(c.chunk_slots).expect("object bytes"),
         isolated_ipc: false,
     }
@@ -756,6 +760,7 @@ fn worker_store_and_retrieve_match_golden() {
         let transfer = |iid: i64, dir: CopyDir, skip: usize| {
             let chunks: Vec<ChunkCopy> = (0..c.objects)
                 .map(|o| ChunkCopy {
+                    object_group: 0,
                     host_addr: base + o * obj,
                     block_ids: c.ids[o * bpo..(o + 1) * bpo].to_vec(),
                     skip_tokens: skip.saturating_sub(o * bpo).min(bpo) * c.shape.bs as usize,

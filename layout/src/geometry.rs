@@ -497,24 +497,24 @@ pub fn object_groups(
         .collect()
 }
 
-/// Refuses a registration that forms several object groups on a path that
-/// stores one object per chunk (the CUDA path), naming the workaround.
-pub fn check_one_object_group(object_groups: &[ObjectGroup]) -> Result<(), DetectError> {
-    match object_groups {
-        [_] => Ok(()),
-        ogs => Err(unsupported(format!(
-            "with --separate-object-groups, this registration forms {} object groups \
-             (kernel groups {:?}, sliding windows of {:?} chunks), and kvshard splits object \
-             groups on the cpu_shm path only, not yet for KV caches in GPU memory; start \
-             kvshard without --separate-object-groups (one object per chunk holding every \
-             group, as lmcache server writes without it)",
-            ogs.len(),
-            ogs.iter()
-                .map(|o| o.kernel_groups.clone())
-                .collect::<Vec<_>>(),
-            ogs.iter().map(|o| o.window_chunks).collect::<Vec<_>>(),
-        ))),
-    }
+/// Whether every block id object group `og`'s kernel groups have in a
+/// chunk's list (every kernel group's `blocks_per_chunk` ids end to end) is
+/// `null_block_id`: such a chunk carries no KV of the group and 0.5.6 does
+/// not store its object (`all_null_chunk_masks`).
+pub fn object_group_all_null(
+    groups: &[KernelGroup],
+    og: &ObjectGroup,
+    block_ids: &[i64],
+    null_block_id: i64,
+) -> bool {
+    let mut first = 0;
+    groups.iter().enumerate().all(|(g, k)| {
+        let ids = block_ids
+            .get(first..first + k.blocks_per_chunk)
+            .unwrap_or(&[]);
+        first += k.blocks_per_chunk;
+        !og.kernel_groups.contains(&g) || all_null(ids, null_block_id)
+    })
 }
 
 /// What a registration's tensors say, before anything is mapped: each
@@ -645,7 +645,10 @@ pub struct DeviceGeometry {
     /// Per registered tensor: its normalised shape and strides (elements).
     pub layer_dims: Vec<(Vec<usize>, Vec<usize>)>,
     pub chunk_size_tokens: usize,
+    /// Object group 0's object of one chunk.
     pub object_layout: ObjectLayout,
+    /// The object groups, by id (one unless they are separate).
+    pub object_groups: Vec<ObjectGroup>,
 }
 
 impl DeviceGeometry {
@@ -669,7 +672,6 @@ impl DeviceGeometry {
             object_layout,
             object_groups,
         } = analyse(tensors, groups, chunk_size_tokens, Some(hint), separate)?;
-        check_one_object_group(&object_groups)?;
         if kernel.is_empty() {
             return Err(invalid("registration carries no KV tensors"));
         }
@@ -733,6 +735,7 @@ impl DeviceGeometry {
             layer_dims: normalised,
             chunk_size_tokens,
             object_layout,
+            object_groups,
         })
     }
 

@@ -9,11 +9,23 @@
 use super::*;
 
 const GROUP_GOLDEN: &str = include_str!("../../gds/tests/golden/golden_group_gather.json");
+const OG_GOLDEN: &str = include_str!("../../gds/tests/golden/golden_og_gather.json");
+
+fn cases_of(golden: &str) -> Vec<serde_json::Value> {
+    let doc: serde_json::Value = serde_json::from_str(golden).expect("golden json");
+    doc["cases"].as_array().expect("cases").clone()
+}
 
 /// Every case of the golden file.
 pub fn group_golden_cases() -> Vec<serde_json::Value> {
-    let doc: serde_json::Value = serde_json::from_str(GROUP_GOLDEN).expect("golden json");
-    doc["cases"].as_array().expect("cases").clone()
+    cases_of(GROUP_GOLDEN)
+}
+
+/// Every case of `golden_og_gather.json` (`make_og_golden.py`): the same
+/// kind of cases, registered with 0.5.6's `--separate-object-groups`, whose
+/// kernel groups form several object groups, one object per chunk and group.
+pub fn og_golden_cases() -> Vec<serde_json::Value> {
+    cases_of(OG_GOLDEN)
 }
 
 /// One registered tensor of a case.
@@ -108,14 +120,23 @@ pub fn golden_group_infos(case: &serde_json::Value) -> Vec<V> {
 }
 
 /// The chunk objects 0.5.6 stored, sorted (fs L2 names are content hashes,
-/// so tests compare the sets).
+/// so tests compare the sets). A case of separate object groups lists each
+/// group's stored chunks' objects.
 pub fn golden_objects(case: &serde_json::Value) -> Vec<Vec<u8>> {
-    let mut want: Vec<Vec<u8>> = case["store"]["objects_hex"]
-        .as_array()
-        .expect("objects_hex")
-        .iter()
-        .map(|h| unhex(h.as_str().expect("hex")))
-        .collect();
+    let hex = |h: &serde_json::Value| unhex(h.as_str().expect("hex"));
+    let mut want: Vec<Vec<u8>> = match case["store"]["objects"].as_array() {
+        Some(per_group) => per_group
+            .iter()
+            .flat_map(|g| g.as_array().expect("a group's objects").iter())
+            .map(|o| hex(&o["hex"]))
+            .collect(),
+        None => case["store"]["objects_hex"]
+            .as_array()
+            .expect("objects_hex")
+            .iter()
+            .map(hex)
+            .collect(),
+    };
     want.sort();
     want
 }

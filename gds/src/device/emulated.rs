@@ -329,8 +329,8 @@ fn transfer(
 ) -> Result<(), WorkerError> {
     let s = &inst.spec;
     validate_chunks(chunks, dir, s)?;
-    let object = s.object_bytes as usize;
     for batch in plan_batches(chunks, s) {
+        let object = s.object_groups[batch.object_group].object_bytes as usize;
         let hosts = &chunks[batch.first_chunk..batch.first_chunk + batch.chunks];
         for (g, ((group, gb), paged)) in s
             .groups

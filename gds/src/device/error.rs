@@ -113,6 +113,30 @@ pub enum WorkerError {
     },
     /// A registration without a kernel group.
     NoGroups,
+    /// What is wrong with object group `object_group` of a registration.
+    ObjectGroup {
+        object_group: usize,
+        source: Box<WorkerError>,
+    },
+    /// A registration without an object group.
+    NoObjectGroups,
+    /// An object group names a kernel group the registration does not
+    /// have, or one another object group holds.
+    ObjectGroupMember {
+        group: usize,
+        groups: usize,
+    },
+    /// A kernel group no object group holds.
+    GroupInNoObjectGroup {
+        group: usize,
+    },
+    /// A chunk of a transfer names an object group the registration does not
+    /// have.
+    ObjectGroupOutOfRange {
+        chunk: usize,
+        object_group: usize,
+        object_groups: usize,
+    },
     /// A group's region of the object does not start where the previous one
     /// ends (regions lie end to end, in group order).
     RegionOffset {
@@ -300,13 +324,21 @@ impl WorkerError {
         }
     }
 
+    pub fn in_object_group(self, object_group: usize) -> WorkerError {
+        WorkerError::ObjectGroup {
+            object_group,
+            source: Box::new(self),
+        }
+    }
+
     /// The innermost error under the context variants.
     pub fn root(&self) -> &WorkerError {
         match self {
             WorkerError::Unusable { source, .. }
             | WorkerError::During { source, .. }
             | WorkerError::Layer { source, .. }
-            | WorkerError::Group { source, .. } => source.root(),
+            | WorkerError::Group { source, .. }
+            | WorkerError::ObjectGroup { source, .. } => source.root(),
             other => other,
         }
     }
@@ -384,6 +416,28 @@ impl fmt::Display for WorkerError {
             E::NoLayers => write!(f, "no layers"),
             E::Group { group, source } => write!(f, "kernel group {group}: {source}"),
             E::NoGroups => write!(f, "no kernel groups"),
+            E::ObjectGroup {
+                object_group,
+                source,
+            } => write!(f, "object group {object_group}: {source}"),
+            E::NoObjectGroups => write!(f, "no object groups"),
+            E::ObjectGroupMember { group, groups } => write!(
+                f,
+                "kernel group {group} is not one of the {groups} kernel groups, or is in \
+                 another object group already"
+            ),
+            E::GroupInNoObjectGroup { group } => {
+                write!(f, "kernel group {group} is in no object group")
+            }
+            E::ObjectGroupOutOfRange {
+                chunk,
+                object_group,
+                object_groups,
+            } => write!(
+                f,
+                "chunk {chunk} is of object group {object_group}, of a registration of \
+                 {object_groups}"
+            ),
             E::RegionOffset { offset, expected } => write!(
                 f,
                 "its region starts at byte {offset} of the object, but the previous group's \
@@ -563,7 +617,8 @@ impl Error for WorkerError {
             E::Unusable { source, .. }
             | E::During { source, .. }
             | E::Layer { source, .. }
-            | E::Group { source, .. } => Some(source.as_ref()),
+            | E::Group { source, .. }
+            | E::ObjectGroup { source, .. } => Some(source.as_ref()),
             E::ThreadSpawn { source, .. } | E::Shm { source, .. } => Some(source.as_ref()),
             E::BatchUnlaunchable(e) | E::Copy(e) | E::CopyRefused { source: e, .. } => Some(e),
             E::HostSplit(e) => Some(e),
@@ -576,6 +631,10 @@ impl Error for WorkerError {
             | E::WrongDevice { .. }
             | E::NoLayers
             | E::NoGroups
+            | E::NoObjectGroups
+            | E::ObjectGroupMember { .. }
+            | E::GroupInNoObjectGroup { .. }
+            | E::ObjectGroupOutOfRange { .. }
             | E::RegionOffset { .. }
             | E::RegionMisaligned { .. }
             | E::ChunkNotWholeBlocks { .. }

@@ -114,10 +114,32 @@ pub struct GroupSpec {
     /// `[kv_size, layers, transfer_slots, hidden]` start of the group's
     /// region; the rest of the region is zeros.
     pub transfer_slots: u64,
-    /// Bytes from an object's start to the group's region, which is
-    /// `table.object_bytes(chunk_slots)` long. Regions lie end to end in
-    /// group order.
+    /// Bytes from the start of its object group's object to the group's
+    /// region, which is `table.object_bytes(chunk_slots)` long. An object
+    /// group's regions lie end to end in group order.
     pub object_offset: u64,
+}
+
+/// One object group of a registration: the kernel groups whose regions one
+/// object of each chunk holds (every group, unless object groups are
+/// separate).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectGroupSpec {
+    /// Indices into the instance's `groups`, ascending.
+    pub groups: Vec<usize>,
+    /// Bytes of one chunk's object of this group.
+    pub object_bytes: u64,
+}
+
+impl ObjectGroupSpec {
+    /// The one object group of a registration of `groups` kernel groups
+    /// whose objects hold them all.
+    pub fn every(groups: usize, object_bytes: u64) -> Vec<ObjectGroupSpec> {
+        vec![ObjectGroupSpec {
+            groups: (0..groups).collect(),
+            object_bytes,
+        }]
+    }
 }
 
 /// Everything a registration needs.
@@ -128,9 +150,12 @@ pub struct InstanceSpec {
     pub layers: Vec<LayerSpec>,
     /// The kernel groups (hybrid models have several), in object order.
     pub groups: Vec<GroupSpec>,
+    /// The object groups, by id; each kernel group is in exactly one.
+    pub object_groups: Vec<ObjectGroupSpec>,
     /// Token slots per chunk object.
     pub chunk_slots: u64,
-    /// Bytes of one chunk object: every group's region.
+    /// Bytes of the largest object group's object of one chunk (a temp
+    /// slot).
     pub object_bytes: u64,
     /// Events are timeline semaphores (`--isolated-ipc`: 81-byte handles
     /// over CUDA IPC memory) instead of CUDA interprocess events.
@@ -148,6 +173,8 @@ impl InstanceSpec {
 /// blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkCopy {
+    /// The chunk's object of this object group: its kernel groups move.
+    pub object_group: usize,
     pub host_addr: usize,
     /// Every group's block ids of the chunk, end to end in group order.
     pub block_ids: Vec<i64>,
@@ -383,17 +410,48 @@ pub fn check_spec(spec: &InstanceSpec) -> Result<(), WorkerError> {
     for (i, layer) in spec.layers.iter().enumerate() {
         layer_window(ordinal, layer).map_err(|e| e.in_layer(i))?;
     }
-    let mut end = 0u64;
-    for (g, group) in spec.groups.iter().enumerate() {
-        let region = check_group(spec, group, end).map_err(|e| e.in_group(g))?;
-        end = end.checked_add(region).ok_or(WorkerError::Overflow {
-            what: "the object's size",
-        })?;
+    if spec.object_groups.is_empty() {
+        return Err(WorkerError::NoObjectGroups);
     }
-    if spec.object_bytes != end {
+    let mut held = vec![false; spec.groups.len()];
+    for (o, og) in spec.object_groups.iter().enumerate() {
+        let mut end = 0u64;
+        for &g in &og.groups {
+            let member = WorkerError::ObjectGroupMember {
+                group: g,
+                groups: spec.groups.len(),
+            };
+            match held.get_mut(g) {
+                Some(h) if !*h => *h = true,
+                _ => return Err(member.in_object_group(o)),
+            }
+            let region = check_group(spec, &spec.groups[g], end, og.object_bytes)
+                .map_err(|e| e.in_group(g).in_object_group(o))?;
+            end = end.checked_add(region).ok_or(WorkerError::Overflow {
+                what: "the object's size",
+            })?;
+        }
+        if og.object_bytes != end {
+            let e = WorkerError::ObjectBytesMismatch {
+                got: og.object_bytes,
+                expected: end,
+            };
+            return Err(e.in_object_group(o));
+        }
+    }
+    if let Some(group) = held.iter().position(|h| !h) {
+        return Err(WorkerError::GroupInNoObjectGroup { group });
+    }
+    let largest = spec
+        .object_groups
+        .iter()
+        .map(|o| o.object_bytes)
+        .max()
+        .unwrap_or(0);
+    if spec.object_bytes != largest {
         return Err(WorkerError::ObjectBytesMismatch {
             got: spec.object_bytes,
-            expected: end,
+            expected: largest,
         });
     }
     (MAX_OBJECTS as u64)
@@ -405,9 +463,14 @@ pub fn check_spec(spec: &InstanceSpec) -> Result<(), WorkerError> {
     Ok(())
 }
 
-/// Checks one group of `spec` whose region should start at byte `offset`;
-/// returns the region's bytes.
-fn check_group(spec: &InstanceSpec, group: &GroupSpec, offset: u64) -> Result<u64, WorkerError> {
+/// Checks one group of `spec` whose region should start at byte `offset` of
+/// its object group's `object_bytes`-byte object; returns the region's bytes.
+fn check_group(
+    spec: &InstanceSpec,
+    group: &GroupSpec,
+    offset: u64,
+    object_bytes: u64,
+) -> Result<u64, WorkerError> {
     let t = &group.table;
     if group.kernel_layers.len() != t.paged_buffers() {
         return Err(WorkerError::KernelLayerCount {
@@ -475,10 +538,11 @@ fn check_group(spec: &InstanceSpec, group: &GroupSpec, offset: u64) -> Result<u6
     // Each temp slot starts at a multiple of object_bytes and the kernel
     // moves whole units from the region's start.
     let unit = u64::from(t.unit_bytes());
-    if group.object_offset % unit != 0 || spec.object_bytes % unit != 0 {
+    if group.object_offset % unit != 0 || object_bytes % unit != 0 || spec.object_bytes % unit != 0
+    {
         return Err(WorkerError::RegionMisaligned {
             offset: group.object_offset,
-            object_bytes: spec.object_bytes,
+            object_bytes,
             unit,
         });
     }
@@ -488,8 +552,8 @@ fn check_group(spec: &InstanceSpec, group: &GroupSpec, offset: u64) -> Result<u6
 /// Checks every chunk of a transfer before anything is enqueued: exactly
 /// `spec.ids_per_chunk()` ids, each group's in `0..nb` of its own buffers,
 /// `skip_tokens <= chunk_slots` (and 0 for a store, which must fill the
-/// whole object), and a non-null host range `[host_addr, host_addr +
-/// object_bytes)` that does not wrap.
+/// whole object), an object group of the spec, and a non-null host range
+/// `[host_addr, host_addr + object_bytes)` (its group's) that does not wrap.
 pub fn validate_chunks(
     chunks: &[ChunkCopy],
     dir: CopyDir,
@@ -535,17 +599,24 @@ pub fn validate_chunks(
                 skip_tokens: chunk.skip_tokens,
             });
         }
+        let Some(og) = spec.object_groups.get(chunk.object_group) else {
+            return Err(WorkerError::ObjectGroupOutOfRange {
+                chunk: c,
+                object_group: chunk.object_group,
+                object_groups: spec.object_groups.len(),
+            });
+        };
         if chunk.host_addr == 0 {
             return Err(WorkerError::NullHostAddress { chunk: c });
         }
-        let end = usize::try_from(spec.object_bytes)
+        let end = usize::try_from(og.object_bytes)
             .ok()
             .and_then(|n| chunk.host_addr.checked_add(n));
         if end.is_none() {
             return Err(WorkerError::HostRangeWraps {
                 chunk: Some(c),
                 addr: chunk.host_addr as u64,
-                len: spec.object_bytes,
+                len: og.object_bytes,
             });
         }
     }
@@ -572,11 +643,14 @@ impl GroupBatch {
 /// One kernel launch per group's worth of chunks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Batch {
+    /// The object group of every chunk of the batch.
+    pub object_group: usize,
     /// Index of the batch's first chunk in the transfer.
     pub first_chunk: usize,
     /// Chunks (kernel objects) in the batch, 1..=MAX_OBJECTS.
     pub chunks: usize,
-    /// Per kernel group, in the spec's order.
+    /// Per kernel group, in the spec's order (the groups of other object
+    /// groups than the batch's have no ids: they are fully skipped).
     pub groups: Vec<GroupBatch>,
 }
 
@@ -587,8 +661,9 @@ impl Batch {
     }
 }
 
-/// Groups chunks into batches of at most [`MAX_OBJECTS`], in order, each
-/// with one launch per kernel group of `spec`.
+/// Groups chunks into batches of at most [`MAX_OBJECTS`] of one object
+/// group, in order, each with one launch per kernel group of that object
+/// group.
 ///
 /// The kernel skips a flat prefix of a batch's blocks, so a group's skip in
 /// a batch is the sum of the skipped blocks of its leading chunks: a chunk
@@ -604,16 +679,30 @@ impl Batch {
 /// blocks of its own block size.
 pub fn plan_batches(chunks: &[ChunkCopy], spec: &InstanceSpec) -> Vec<Batch> {
     let mut out: Vec<Batch> = Vec::new();
+    let member = |og: usize, g: usize| {
+        spec.object_groups
+            .get(og)
+            .is_some_and(|o| o.groups.contains(&g))
+    };
     for (c, chunk) in chunks.iter().enumerate() {
+        let og = chunk.object_group;
         let joins = out.last().is_some_and(|b| {
             b.chunks < MAX_OBJECTS
-                && spec.groups.iter().zip(&b.groups).all(|(g, gb)| {
-                    g.kept_skip(chunk.skip_tokens) == 0
-                        || gb.skip_blocks == b.chunks * g.keep_blocks
-                })
+                && b.object_group == og
+                && spec
+                    .groups
+                    .iter()
+                    .zip(&b.groups)
+                    .enumerate()
+                    .filter(|(g, _)| member(og, *g))
+                    .all(|(_, (g, gb))| {
+                        g.kept_skip(chunk.skip_tokens) == 0
+                            || gb.skip_blocks == b.chunks * g.keep_blocks
+                    })
         });
         if !joins {
             out.push(Batch {
+                object_group: og,
                 first_chunk: c,
                 chunks: 0,
                 groups: spec
@@ -628,13 +717,16 @@ pub fn plan_batches(chunks: &[ChunkCopy], spec: &InstanceSpec) -> Vec<Batch> {
         }
         let b = out.last_mut().expect("a batch was just ensured");
         let mut first = 0;
-        for (g, gb) in spec.groups.iter().zip(&mut b.groups) {
+        for (i, (g, gb)) in spec.groups.iter().zip(&mut b.groups).enumerate() {
+            let ids = &chunk.block_ids[first..first + g.blocks_per_chunk];
+            first += g.blocks_per_chunk;
+            if !member(og, i) {
+                continue;
+            }
             if gb.skip_blocks == b.chunks * g.keep_blocks {
                 gb.skip_blocks += g.kept_skip(chunk.skip_tokens);
             }
-            gb.ids
-                .extend_from_slice(g.kept(&chunk.block_ids[first..first + g.blocks_per_chunk]));
-            first += g.blocks_per_chunk;
+            gb.ids.extend_from_slice(g.kept(ids));
         }
         b.chunks += 1;
     }
@@ -1337,13 +1429,11 @@ impl Worker {
                 group_launches.push(Some(l));
             }
             launches.push(group_launches);
+            let object_bytes = inst.spec.object_groups[b.object_group].object_bytes;
             for chunk in &chunks[b.first_chunk..b.first_chunk + b.chunks] {
-                let parts = host_copy_parts(
-                    self.pin.as_ref(),
-                    chunk.host_addr as u64,
-                    inst.spec.object_bytes,
-                )
-                .map_err(doing)?;
+                let parts =
+                    host_copy_parts(self.pin.as_ref(), chunk.host_addr as u64, object_bytes)
+                        .map_err(doing)?;
                 copies.push(parts);
             }
         }
@@ -1485,7 +1575,8 @@ fn enqueue(
             .zip(&inst.group_offsets)
         {
             let Some(launch) = launch else { continue };
-            let region = (inst.spec.object_bytes - group.object_offset) as usize;
+            let object_bytes = inst.spec.object_groups[b.object_group].object_bytes;
+            let region = (object_bytes - group.object_offset) as usize;
             let mut objects = KernelObjects::default();
             for (i, p) in objects.ptr.iter_mut().take(b.chunks).enumerate() {
                 *p = inst
@@ -1818,6 +1909,7 @@ mod tests {
                 transfer_slots: 256,
                 object_offset: 0,
             }],
+            object_groups: ObjectGroupSpec::every(1, 2 * MIB),
             chunk_slots: 256,
             object_bytes: 2 * MIB,
             isolated_ipc: false,
@@ -1854,6 +1946,7 @@ mod tests {
             ordinal: 0,
             layers: Vec::new(),
             chunk_slots: u64::from(g.table.shape().bs) * g.blocks_per_chunk as u64,
+            object_groups: ObjectGroupSpec::every(groups.len(), object_bytes),
             groups,
             object_bytes,
             isolated_ipc: false,
@@ -1950,27 +2043,93 @@ mod tests {
             object_offset: 2 * MIB,
         });
         s.object_bytes = 2 * MIB + region1;
+        s.object_groups = ObjectGroupSpec::every(2, s.object_bytes);
         check_spec(&s).unwrap();
         assert_eq!(s.ids_per_chunk(), 24);
         let mut gap = s.clone();
         gap.groups[1].object_offset += 16;
         gap.object_bytes += 16;
+        gap.object_groups[0].object_bytes += 16;
         let e = check_spec(&gap).unwrap_err().to_string();
         assert!(
-            e.starts_with("kernel group 1: its region starts at byte"),
+            e.starts_with("object group 0: kernel group 1: its region starts at byte"),
             "{e}"
         );
         let mut short = s.clone();
         short.object_bytes -= region1;
         let e = check_spec(&short).unwrap_err().to_string();
         assert!(e.contains("one chunk of this layout is"), "{e}");
-        let mut small = s;
+        let mut small = s.clone();
         small.layers[2].view_bytes -= 1;
         let e = check_spec(&small).unwrap_err().to_string();
         assert!(
-            e.starts_with("kernel group 1: kernel pointer 0 (layer 2)"),
+            e.starts_with("object group 0: kernel group 1: kernel pointer 0 (layer 2)"),
             "{e}"
         );
+
+        // Separate object groups: each group's region starts its own object;
+        // the temp slots hold the largest.
+        let mut split = s.clone();
+        split.groups[1].object_offset = 0;
+        split.object_bytes = 2 * MIB;
+        split.object_groups = vec![
+            ObjectGroupSpec {
+                groups: vec![0],
+                object_bytes: 2 * MIB,
+            },
+            ObjectGroupSpec {
+                groups: vec![1],
+                object_bytes: region1,
+            },
+        ];
+        check_spec(&split).unwrap();
+        let mut twice = split.clone();
+        twice.object_groups[1].groups = vec![0];
+        let e = check_spec(&twice).unwrap_err().to_string();
+        assert!(
+            e.starts_with("object group 1: kernel group 0 is not one"),
+            "{e}"
+        );
+        let mut largest = split.clone();
+        largest.object_bytes = 2 * MIB + region1;
+        assert!(
+            check_spec(&largest).is_err(),
+            "temp slots sized by the largest object"
+        );
+        // A batch is of one object group; each moves its own groups only, and
+        // a host object is its group's size.
+        let chunk = |og: usize, at: usize| ChunkCopy {
+            object_group: og,
+            host_addr: at,
+            block_ids: (0..24).collect(),
+            skip_tokens: 0,
+        };
+        let chunks = [chunk(0, 0x1000), chunk(1, 0x2000), chunk(1, 0x3000)];
+        validate_chunks(&chunks, CopyDir::ToHost, &split).unwrap();
+        let b = plan_batches(&chunks, &split);
+        assert_eq!(b.len(), 2);
+        assert_eq!((b[0].object_group, b[0].chunks), (0, 1));
+        assert_eq!((b[1].object_group, b[1].chunks), (1, 2));
+        assert_eq!(b[0].groups[0].ids.len(), 16);
+        assert!(b[0].groups[1].fully_skipped());
+        assert!(b[1].groups[0].fully_skipped());
+        assert_eq!(
+            b[1].groups[1].ids,
+            [(16..24).collect::<Vec<i64>>(), (16..24).collect()].concat()
+        );
+        let e = validate_chunks(&[chunk(2, 0x1000)], CopyDir::ToHost, &split).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("object group 2, of a registration of 2"),
+            "{e}"
+        );
+        let wraps = [chunk(1, usize::MAX - region1 as usize + 1)];
+        assert!(matches!(
+            validate_chunks(&wraps, CopyDir::ToHost, &split),
+            Err(WorkerError::HostRangeWraps { .. })
+        ));
+        let fits = [chunk(1, usize::MAX - region1 as usize)];
+        validate_chunks(&fits, CopyDir::ToHost, &split).unwrap();
     }
 
     // -- layer windows and imports --------------------------------------------
@@ -2170,6 +2329,7 @@ mod tests {
     /// A chunk of `n` ids from `first`, skipping `skip` tokens.
     fn chunk(addr: usize, first: i64, n: usize, skip: usize) -> ChunkCopy {
         ChunkCopy {
+            object_group: 0,
             host_addr: addr,
             block_ids: (first..first + n as i64).collect(),
             skip_tokens: skip,
@@ -2220,12 +2380,14 @@ mod tests {
         let spec = spec_of(vec![small_group(4, 2, 100), small_group(8, 1, 10)], 4096);
         assert_eq!(spec.ids_per_chunk(), 3);
         let ok = ChunkCopy {
+            object_group: 0,
             host_addr: 0x1000,
             block_ids: vec![99, 98, 9],
             skip_tokens: 0,
         };
         validate_chunks(std::slice::from_ref(&ok), CopyDir::ToHost, &spec).unwrap();
         let bad = ChunkCopy {
+            object_group: 0,
             block_ids: vec![99, 98, 10],
             ..ok.clone()
         };
@@ -2234,6 +2396,7 @@ mod tests {
             .to_string();
         assert!(e.contains("block id 10 (index 2) is outside 0..10"), "{e}");
         let short = ChunkCopy {
+            object_group: 0,
             block_ids: vec![1, 2],
             ..ok
         };
@@ -2325,6 +2488,7 @@ mod tests {
         for skip_tokens in 0..=(n * chunk_tokens + 5) {
             let chunks: Vec<ChunkCopy> = (0..n)
                 .map(|c| ChunkCopy {
+                    object_group: 0,
                     host_addr: 0x1000 * (c + 1),
                     block_ids: (0..6).map(|i| (c * 6 + i) as i64).collect(),
                     skip_tokens: skip_tokens
@@ -2358,6 +2522,7 @@ mod tests {
         let spec = spec_of(vec![small_group(4, 2, 100), small_group(8, 1, 100)], 4096);
         let chunks: Vec<ChunkCopy> = (0..3)
             .map(|c| ChunkCopy {
+                object_group: 0,
                 host_addr: 0x1000 * (c + 1),
                 block_ids: vec![10 * c as i64, 10 * c as i64 + 1, 50 + c as i64],
                 // 5 tokens of the first chunk: one block of group 0, none of
@@ -2396,6 +2561,7 @@ mod tests {
         window.transfer_slots = 8;
         let spec = spec_of(vec![small_group(4, 4, 100), window], 4096);
         let chunk = |c: i64, skip| ChunkCopy {
+            object_group: 0,
             host_addr: 0x1000,
             block_ids: (0..8).map(|i| 10 * c + i).collect(),
             skip_tokens: skip,
@@ -2422,7 +2588,7 @@ mod tests {
         let mut bad = spec.clone();
         bad.groups[1].transfer_slots = 12;
         bad.layers = vec![raw_layer(1, 0, 1 << 20)];
-        let e = check_group(&bad, &bad.groups[1], 0)
+        let e = check_group(&bad, &bad.groups[1], 0, bad.object_bytes)
             .unwrap_err()
             .to_string();
         assert!(e.contains("moves 2 of 4 blocks of 4 tokens"), "{e}");

@@ -110,8 +110,9 @@ def storage_bytes(tensor):
     return flat.numpy().tobytes()
 
 
-def register(specs, zero, chunk_size, infos):
-    """Client side: shm-wrap each tensor; server side: create_cache_context."""
+def register(specs, zero, chunk_size, infos, separate=False):
+    """Client side: shm-wrap each tensor; server side: create_cache_context
+    (`separate`: 0.5.6's --separate-object-groups)."""
     tensors, wrappers = [], []
     for t, (dtype_name, shape) in enumerate(specs):
         x, _ = make_tensor(dtype_name, shape, t, zero)
@@ -125,7 +126,7 @@ def register(specs, zero, chunk_size, infos):
         layout_hints={"kv_layout": LAYOUT_HINT},
         engine_group_infos=infos,
         engine_type=EngineType.VLLM,
-        separate_object_groups=False,
+        separate_object_groups=separate,
         full_sw_kv=False,
     )
     return tensors, ctx
@@ -162,45 +163,54 @@ def hand_object(tensors, kgs, ids, c):
     return b"".join(parts)
 
 
+def scatter_region(dst, kg, obj, off, ids, c, skip_in_chunk):
+    """Scatter kernel group kg's region of chunk c's object (at byte off) by
+    hand into the tensors dst: raw_skip = skip_in_chunk // block_size (clamped
+    to [0, blocks_per_chunk]) raw blocks of the chunk are skipped; only the
+    kept window (raw positions blocks_per_chunk-keep_blocks ..) is ever
+    written, read from the compact prefix of the region, minus those
+    positions < raw_skip. ids: the group's block ids. Returns the positions
+    in ids written."""
+    bpc, keep, bs = kg["blocks_per_chunk"], kg["keep_blocks"], kg["block_size"]
+    shape = kg["object_shape"]
+    isz = DT[kg["object_dtype"]].itemsize
+    m = kg["transfer_region_bytes"]
+    region = torch.frombuffer(bytearray(obj[off : off + m]), dtype=torch.uint8)
+    region = region.view(shape[0], shape[1], kg["transfer_slots"], shape[3] * isz)
+    raw_skip = min(bpc, skip_in_chunk // bs)
+    kept_skipped = sum(1 for p in range(bpc - keep, bpc) if p < raw_skip)
+    # lmcache's own rule, applied to this chunk alone
+    assert kept_skipped == recalculate_blocks_to_skip(bpc, keep, raw_skip)
+    written = []
+    for k in range(keep):
+        p = bpc - keep + k
+        if p < raw_skip:
+            continue
+        bid = ids[c * bpc + p]
+        written.append(c * bpc + p)
+        for li, layer in enumerate(kg["layers"]):
+            d = byte_view(dst[layer])
+            piece = region[:, li, k * bs : (k + 1) * bs]
+            if d.dim() == 5:
+                d[:, bid] = piece.reshape(2, bs, d.shape[3], d.shape[4])
+            else:
+                d[bid] = piece.reshape(bs, d.shape[2])
+    return written
+
+
 def hand_retrieve(specs, kgs, objects, ids, skip, chunk_size):
-    """Scatter the objects by hand into zero tensors. Per chunk c and kernel
-    group, raw_skip = (skip_first_n_tokens - c*chunk) // block_size (clamped to
-    [0, blocks_per_chunk]) raw blocks of the chunk are skipped; only the kept
-    window (raw positions blocks_per_chunk-keep_blocks ..) is ever written, read
-    from the compact prefix of the region, minus those positions < raw_skip.
-    Returns the storage sha256s and, per kernel group, the written block ids."""
+    """Scatter the objects by hand into zero tensors, every kernel group's
+    region of each chunk (scatter_region). Returns the storage sha256s and,
+    per kernel group, the written block ids."""
     dst = [make_tensor(d, s, t, zero=True)[0] for t, (d, s) in enumerate(specs)]
     written = [[] for _ in kgs]
     for c, obj in enumerate(objects):
         off = 0
         skip_in_chunk = max(0, skip - c * chunk_size)
         for g, kg in enumerate(kgs):
-            bpc, keep, bs = kg["blocks_per_chunk"], kg["keep_blocks"], kg["block_size"]
-            shape = kg["object_shape"]
-            isz = DT[kg["object_dtype"]].itemsize
-            m = kg["transfer_region_bytes"]
-            region = torch.frombuffer(bytearray(obj[off : off + m]), dtype=torch.uint8)
-            region = region.view(
-                shape[0], shape[1], kg["transfer_slots"], shape[3] * isz
-            )
+            for pos in scatter_region(dst, kg, obj, off, ids[g], c, skip_in_chunk):
+                written[g].append(ids[g][pos])
             off += kg["region_bytes"]
-            raw_skip = min(bpc, skip_in_chunk // bs)
-            kept_skipped = sum(1 for p in range(bpc - keep, bpc) if p < raw_skip)
-            # lmcache's own rule, applied to this chunk alone
-            assert kept_skipped == recalculate_blocks_to_skip(bpc, keep, raw_skip)
-            for k in range(keep):
-                p = bpc - keep + k
-                if p < raw_skip:
-                    continue
-                bid = ids[g][c * bpc + p]
-                written[g].append(bid)
-                for li, layer in enumerate(kg["layers"]):
-                    d = byte_view(dst[layer])
-                    piece = region[:, li, k * bs : (k + 1) * bs]
-                    if d.dim() == 5:
-                        d[:, bid] = piece.reshape(2, bs, d.shape[3], d.shape[4])
-                    else:
-                        d[bid] = piece.reshape(bs, d.shape[2])
         assert off == len(obj)
     return [hashlib.sha256(storage_bytes(x)).hexdigest() for x in dst], written
 
@@ -294,6 +304,73 @@ def check_poisoned_store(l1, specs, infos, chunk_size, layout, store_ids, object
     return tail_bytes
 
 
+def kernel_group_record(ctx, chunk_size, g, og=None):
+    """What a case records of kernel group g: its layers, format, blocks, and
+    its region of the object of object group og (0, and not recorded, unless
+    given)."""
+    mgr = ctx.kv_layer_groups_manager
+    kg = mgr.kernel_groups[g]
+    layout = get_layout_desc(ctx, chunk_size, object_group_id=og or 0)
+    pos = mgr.object_groups[og or 0].kernel_group_indices.index(g)
+    shape, dtype = list(layout.shapes[pos]), layout.dtypes[pos]
+    slots = ctx.get_slots_per_chunk_in_sw(g)
+    keep = ctx.calculate_num_blocks(
+        min(chunk_size, mgr.get_subchunk_sw_size_tokens(g)), g
+    )
+    assert shape[2] == chunk_size and keep * int(kg.shape_desc.bs) == slots
+    rec = {
+        "layers": list(kg.layer_indices),
+        "engine_kv_format": ctx.get_engine_kv_format(g).name,
+        "block_size": int(kg.shape_desc.bs),
+        "blocks_per_chunk": ctx.calculate_num_blocks(chunk_size, g),
+        "object_shape": shape,
+        "object_dtype": DT_NAME[dtype],
+    }
+    if og is not None:
+        rec["object_group"] = og
+    rec.update({
+        "object_offset": ctx.get_kernel_group_offset_in_object(og or 0, g),
+        "sw_size_tokens": int(kg.sw_size_tokens),
+        "transfer_slots": slots,
+        "keep_blocks": keep,
+        "region_bytes": math.prod(shape) * dtype.itemsize,
+        "transfer_region_bytes": shape[0] * shape[1] * slots * shape[3]
+        * dtype.itemsize,
+    })
+    return rec
+
+
+def case_header(name, chunk_size, num_chunks, specs, infos):
+    """The fields every golden case starts with: its registration."""
+    return {
+        "name": name,
+        "chunk_size": chunk_size,
+        "layout_hint": LAYOUT_HINT,
+        "num_chunks": num_chunks,
+        "tensors": [
+            {
+                "dtype": dtype_name,
+                "shape": list(shape),
+                "stride": tight_stride(shape),
+                "storage_offset": 0,
+                "storage_bytes": math.prod(shape) * DT[dtype_name].itemsize,
+            }
+            for dtype_name, shape in specs
+        ],
+        "engine_group_infos": [
+            {
+                "engine_group_id": i.engine_group_id,
+                "layer_indices": list(i.layer_indices),
+                "tokens_per_block": i.tokens_per_block,
+                "sw_size_tokens": i.sw_size_tokens,
+                "extra_object_group_tag": i.extra_object_group_tag,
+                "recurrent_state": i.recurrent_state,
+            }
+            for i in infos
+        ],
+    }
+
+
 def run_case(l1, name, chunk_size, num_chunks, specs, groups, seed, skips=None):
     """specs: [(dtype, shape)] in registration order;
     groups: [(layer_indices, tokens_per_block[, sw_size_tokens])] in engine
@@ -307,31 +384,7 @@ def run_case(l1, name, chunk_size, num_chunks, specs, groups, seed, skips=None):
         range(mgr.num_kernel_groups)
     )
     layout = get_layout_desc(ctx, chunk_size, object_group_id=0)
-    kgs = []
-    for g, kg in enumerate(mgr.kernel_groups):
-        shape, dtype = list(layout.shapes[g]), layout.dtypes[g]
-        slots = ctx.get_slots_per_chunk_in_sw(g)
-        keep = ctx.calculate_num_blocks(
-            min(chunk_size, mgr.get_subchunk_sw_size_tokens(g)), g
-        )
-        kgs.append(
-            {
-                "layers": list(kg.layer_indices),
-                "engine_kv_format": ctx.get_engine_kv_format(g).name,
-                "block_size": int(kg.shape_desc.bs),
-                "blocks_per_chunk": ctx.calculate_num_blocks(chunk_size, g),
-                "object_shape": shape,
-                "object_dtype": DT_NAME[dtype],
-                "object_offset": ctx.get_kernel_group_offset_in_object(0, g),
-                "sw_size_tokens": int(kg.sw_size_tokens),
-                "transfer_slots": slots,
-                "keep_blocks": keep,
-                "region_bytes": math.prod(shape) * dtype.itemsize,
-                "transfer_region_bytes": shape[0] * shape[1] * slots * shape[3]
-                * dtype.itemsize,
-            }
-        )
-        assert shape[2] == chunk_size and keep * int(kg.shape_desc.bs) == slots
+    kgs = [kernel_group_record(ctx, chunk_size, g) for g in range(mgr.num_kernel_groups)]
     bpcs = [kg["blocks_per_chunk"] for kg in kgs]
     nbs = [int(kg.shape_desc.nb) for kg in mgr.kernel_groups]
     rng = random.Random(seed)
@@ -401,34 +454,8 @@ def run_case(l1, name, chunk_size, num_chunks, specs, groups, seed, skips=None):
     l1.free(objs)
     ctx.close()
 
-    tens = []
-    for dtype_name, shape in specs:
-        tens.append(
-            {
-                "dtype": dtype_name,
-                "shape": list(shape),
-                "stride": tight_stride(shape),
-                "storage_offset": 0,
-                "storage_bytes": math.prod(shape) * DT[dtype_name].itemsize,
-            }
-        )
-    case = {
-        "name": name,
-        "chunk_size": chunk_size,
-        "layout_hint": LAYOUT_HINT,
-        "num_chunks": num_chunks,
-        "tensors": tens,
-        "engine_group_infos": [
-            {
-                "engine_group_id": i.engine_group_id,
-                "layer_indices": list(i.layer_indices),
-                "tokens_per_block": i.tokens_per_block,
-                "sw_size_tokens": i.sw_size_tokens,
-                "extra_object_group_tag": i.extra_object_group_tag,
-                "recurrent_state": i.recurrent_state,
-            }
-            for i in infos
-        ],
+    case = case_header(name, chunk_size, num_chunks, specs, infos)
+    case.update({
         "kernel_groups": kgs,
         "object_bytes": object_bytes,
         "store": {
@@ -438,7 +465,7 @@ def run_case(l1, name, chunk_size, num_chunks, specs, groups, seed, skips=None):
             "objects_sha256": [hashlib.sha256(o).hexdigest() for o in objects],
         },
         "retrieve": {k: v for k, v in retrieves[0].items() if k != "written_block_ids"},
-    }
+    })
     if any(kg["keep_blocks"] != kg["blocks_per_chunk"] for kg in kgs):
         case["store"]["staged_block_ids"] = staged_ids
     case["retrieves"] = retrieves

@@ -141,9 +141,10 @@ impl ModelShard {
                 ShardReplyBody::Done
             }
             ShardOp::Touch { .. } => ShardReplyBody::Done,
-            ShardOp::ReserveWrite { keys, size, tag } => ShardReplyBody::Slabs(
+            ShardOp::ReserveWrite { keys, sizes, tag } => ShardReplyBody::Slabs(
                 keys.into_iter()
                     .map(|k| {
+                        let size = sizes.of(&k);
                         let s = self.keys.entry(k).or_default();
                         if s.resident.is_some() || s.staged.iter().any(|(t, _)| *t == tag) {
                             return None;

@@ -428,6 +428,37 @@ mod tests {
     }
 
     #[test]
+    fn object_groups_hold_only_the_keys_their_lookup_locked() {
+        let t = Instant::now();
+        let mut b = book();
+        // Two chunks of two object groups, one rank; group 1 (a window of one
+        // chunk) was locked for chunk 1 only.
+        let og = |c: u8, g: u32| ObjectKey {
+            object_group_id: g,
+            ..key(c, 0)
+        };
+        let keys = [og(0, 0), og(0, 1), og(1, 0), og(1, 1)];
+        b.grant(Grant {
+            request_id: "r",
+            world_size: 1,
+            ranks: &[0],
+            groups: 2,
+            locked: &[true, false, true, true],
+            keys: &keys,
+            slabs: &[],
+            readers: 1,
+            sent_at: t,
+        });
+        assert_eq!(b.found("r", 0, &[og(0, 1)]), [true], "covered");
+        let out = b.released("r", [(0, &og(0, 1)), (1, &og(1, 1))], 1, None);
+        assert_eq!(out, [(og(1, 1), 1)], "only the locked one is given back");
+        // A group the lease does not have is not its.
+        assert!(b.released("r", [(0, &og(0, 2))], 1, None).is_empty());
+        let out = b.orphaned("m", 1, |_, _| 0);
+        assert_eq!(out, [(og(0, 0), 1), (og(1, 0), 1)]);
+    }
+
+    #[test]
     fn a_worker_that_never_came_leaves_its_share_to_release() {
         let t = Instant::now();
         let mut b = book();

@@ -236,6 +236,31 @@ pub enum LmcTransfer {
     Cuda(Arc<CudaInstance>),
 }
 
+impl LmcTransfer {
+    /// The object groups, by id.
+    pub fn object_groups(&self) -> &[ObjectGroup] {
+        match self {
+            LmcTransfer::CpuShm(r) => r.object_groups(),
+            LmcTransfer::Cuda(c) => c.object_groups(),
+        }
+    }
+
+    /// Whether object group `og`'s block ids of a chunk are all the null
+    /// block id: its object is not stored.
+    pub fn all_null_in(&self, og: usize, block_ids: &[i64]) -> bool {
+        match self {
+            LmcTransfer::CpuShm(r) => r.all_null_in(og, block_ids),
+            LmcTransfer::Cuda(c) => c.all_null_in(og, block_ids),
+        }
+    }
+
+    /// Bytes of one full chunk's object of each object group.
+    pub fn object_sizes(&self) -> kvshard_dataplane::messages::ObjectSizes {
+        let bytes = self.object_groups().iter().map(|g| g.layout.bytes);
+        kvshard_dataplane::messages::ObjectSizes::new(bytes.collect())
+    }
+}
+
 pub struct LmcEntry {
     pub model_name: String,
     pub world_size: u32,
@@ -580,11 +605,7 @@ impl Registry {
                         layout_status(
                             c.geometry.views.len(),
                             &c.geometry.groups,
-                            &[ObjectGroup {
-                                kernel_groups: (0..c.geometry.groups.len()).collect(),
-                                window_chunks: -1,
-                                layout: c.geometry.object_layout.clone(),
-                            }],
+                            c.object_groups(),
                         ),
                         format!("cuda:{}", c.ordinal),
                     ),

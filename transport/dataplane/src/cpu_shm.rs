@@ -485,8 +485,14 @@ impl CpuShmRegistration {
     /// chunk's list is the null block id: such a chunk carries no KV of the
     /// group (0.5.6's `all_null_chunk_masks`).
     pub fn all_null_in(&self, og: usize, block_ids: &[i64]) -> bool {
-        self.object_group_ids(og, block_ids)
-            .all(|(_, ids)| ids.iter().all(|&b| b == self.null_block_id))
+        self.object_groups.get(og).is_some_and(|o| {
+            kvshard_layout::geometry::object_group_all_null(
+                &self.groups,
+                o,
+                block_ids,
+                self.null_block_id,
+            )
+        })
     }
 
     /// Every id of a chunk's list (`ids_per_chunk` long, the groups' ids

@@ -29,6 +29,7 @@ use kvshard_gds::device::event::IpcEventHandle;
 use kvshard_gds::device::ipc::{FabricHandle, IpcMemHandle};
 use kvshard_gds::device::worker::{
     DeviceJob, DeviceThreads, GroupSpec, InstanceSpec, LayerMemory, LayerRead, LayerSpec,
+    ObjectGroupSpec,
 };
 use kvshard_gds::device::WorkerError;
 
@@ -37,7 +38,9 @@ use kvshard_layout::checksum::{
     checksum_axis, digest_kv, index_select_runs, ChecksumDigests, ChecksumRefusal, ChecksumReport,
 };
 use kvshard_layout::stride::{PageBufferShape, StrideTable};
-use kvshard_layout::{DetectError, DeviceGeometry, KvDtype, ObjectLayout, ShmTensorSpec};
+use kvshard_layout::{
+    DetectError, DeviceGeometry, KvDtype, ObjectGroup, ObjectLayout, ShmTensorSpec,
+};
 use kvshard_wire::msgpack::Value;
 use kvshard_wire::{EngineGroupInfo, InstanceId, IpcData, TensorMetadata, VmmKind};
 use std::sync::mpsc;
@@ -62,9 +65,27 @@ impl CudaInstance {
             .collect()
     }
 
-    /// The L1 object layout of this worker's chunks.
+    /// The L1 object layout of this worker's chunks (object group 0's).
     pub fn layout(&self) -> ObjectLayout {
         self.geometry.object_layout.clone()
+    }
+
+    /// The object groups, by id.
+    pub fn object_groups(&self) -> &[ObjectGroup] {
+        &self.geometry.object_groups
+    }
+
+    /// Whether object group `og`'s block ids of a chunk are all the null
+    /// block id (its object is not stored).
+    pub fn all_null_in(&self, og: usize, block_ids: &[i64]) -> bool {
+        self.geometry.object_groups.get(og).is_some_and(|o| {
+            kvshard_layout::geometry::object_group_all_null(
+                &self.geometry.groups,
+                o,
+                block_ids,
+                self.null_block_id,
+            )
+        })
     }
 
     /// One chunk's block ids (every kernel group's, end to end): each must
@@ -335,11 +356,16 @@ pub fn build(
             ));
         }
         let unit = u64::from(table.unit_bytes());
-        if g.object_offset % unit != 0 || geometry.object_layout.bytes % unit != 0 {
+        let object_bytes = geometry
+            .object_groups
+            .iter()
+            .find(|o| o.kernel_groups.contains(&gi))
+            .map_or(0, |o| o.layout.bytes);
+        if g.object_offset % unit != 0 || object_bytes % unit != 0 {
             return Err(format!(
                 "CUDA registration{of}: the group's region starts at byte {} of a {}-byte \
                  object, not on its {unit}-byte copy unit; the GPU copy kernel cannot write it",
-                g.object_offset, geometry.object_layout.bytes
+                g.object_offset, object_bytes
             ));
         }
         groups.push(GroupSpec {
@@ -351,7 +377,20 @@ pub fn build(
             object_offset: g.object_offset,
         });
     }
-    let object_bytes = geometry.object_layout.bytes;
+    let object_groups: Vec<ObjectGroupSpec> = geometry
+        .object_groups
+        .iter()
+        .map(|o| ObjectGroupSpec {
+            groups: o.kernel_groups.clone(),
+            object_bytes: o.layout.bytes,
+        })
+        .collect();
+    // The temp slots hold the largest object; each group's is a prefix.
+    let object_bytes = object_groups
+        .iter()
+        .map(|o| o.object_bytes)
+        .max()
+        .unwrap_or(0);
     let layers = memories
         .into_iter()
         .zip(&geometry.views)
@@ -365,6 +404,7 @@ pub fn build(
         ordinal: device.ordinal as usize,
         layers,
         groups,
+        object_groups,
         chunk_slots,
         object_bytes,
         isolated_ipc,

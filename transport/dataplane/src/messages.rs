@@ -92,10 +92,10 @@ pub enum ShardOp {
     Touch {
         keys: Vec<ObjectKey>,
     },
-    /// Stage writes of `size` bytes per key under writer `tag`.
+    /// Stage writes of `sizes.of(key)` bytes per key under writer `tag`.
     ReserveWrite {
         keys: Vec<ObjectKey>,
-        size: u64,
+        sizes: ObjectSizes,
         tag: WriterTag,
     },
     /// Lend the front up to `count` write credits of `size` bytes (slabs it

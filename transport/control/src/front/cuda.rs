@@ -207,7 +207,10 @@ impl Front {
             Ok(b) => b,
             Err(e) => return self.refuse_with(iid, refuse(e), &model_name, ws as i64, now),
         };
-        if let Err(e) = self.layouts.register(&model_name, ws, &instance.layout()) {
+        if let Err(e) = self
+            .layouts
+            .register_groups(&model_name, ws, instance.object_groups())
+        {
             return self.refuse_with(iid, refuse(e.to_string()), &model_name, ws as i64, now);
         }
         if self.cuda_threads.is_none() {
@@ -483,6 +486,7 @@ impl Front {
             // Not reserved: already resident (or no room, as 0.5.6 skips it).
             if let Some(slab) = slab {
                 chunks.push(ChunkCopy {
+                    object_group: key.object_group_id as usize,
                     host_addr: mem + slab.offset as usize,
                     block_ids,
                     skip_tokens: 0,
@@ -542,9 +546,11 @@ impl Front {
         };
         let chunks = slabs
             .into_iter()
+            .zip(&keys)
             .zip(blocks)
             .zip(skips)
-            .map(|((slab, block_ids), skip_tokens)| ChunkCopy {
+            .map(|(((slab, key), block_ids), skip_tokens)| ChunkCopy {
+                object_group: key.object_group_id as usize,
                 host_addr: base + slab.map_or(0, |s| s.offset as usize),
                 block_ids,
                 skip_tokens,

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use kvshard_dataplane::messages::{ReplyTo, ShardMsg, ShardOp};
+use kvshard_dataplane::messages::{ObjectSizes, ReplyTo, ShardMsg, ShardOp};
 use kvshard_engine::keys::{self, ObjectKey};
 use kvshard_engine::l1::WriterTag;
 use kvshard_engine::slab::Slab;
@@ -203,7 +203,7 @@ impl Front {
             layout,
             slabs: vec![None; objs.len()],
         };
-        self.reserve_writes(kind, &objs, size, iid);
+        self.reserve_writes(kind, &objs, ObjectSizes::one(size), iid);
     }
 
     /// Answers a prepare_store from the write credits the shards lent, without
@@ -414,7 +414,7 @@ impl Front {
         &mut self,
         kind: InflightKind,
         keys: &[ObjectKey],
-        size: u64,
+        sizes: ObjectSizes,
         iid: InstanceId,
     ) {
         let parts = self.split(keys);
@@ -426,7 +426,7 @@ impl Front {
         let tag = writer_tag(iid);
         if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::ReserveWrite {
             keys: idx.iter().map(|i| keys[*i]).collect(),
-            size,
+            sizes: sizes.clone(),
             tag,
         }) {
             self.complete(0, kind);

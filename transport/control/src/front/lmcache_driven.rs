@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvshard_dataplane::messages::{ObjectSizes, ReplyTo, RetrieveItem, ShardOp, StoreOutcome};
+use kvshard_dataplane::messages::{ReplyTo, RetrieveItem, ShardOp, StoreOutcome};
 use kvshard_engine::keys::{self, ObjectKey};
 use kvshard_io::log_limit::Level;
 use kvshard_io::log_limited;
@@ -234,7 +234,7 @@ impl Front {
         now: Instant,
     ) {
         self.metrics.submitted_stores += 1;
-        let Some((reg, layout)) = self.registry.lmc_reg(iid, now) else {
+        let Some((reg, _)) = self.registry.lmc_reg(iid, now) else {
             return self.reply_unregistered_transfer(&to, "store", iid);
         };
         let Some((objs, blocks)) = self.transfer_chunks(&to, "store", iid, &key, &block_ids, &reg)
@@ -245,36 +245,26 @@ impl Front {
         // (align-mode recurrent layers): never store them. With object
         // groups, one object per chunk and group, left out where the
         // group's blocks are all null.
-        let null = self.cfg.null_block_id;
-        let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = match &reg {
-            LmcTransfer::CpuShm(r) => {
-                let groups = r.object_groups().len();
-                let mut items = Vec::with_capacity(objs.len() * groups);
-                for (key, b) in objs.into_iter().zip(blocks) {
-                    for og in 0..groups {
-                        if !r.all_null_in(og, &b) {
-                            let key = ObjectKey {
-                                object_group_id: og as u32,
-                                ..key
-                            };
-                            items.push((key, b.clone()));
-                        }
-                    }
+        let groups = reg.object_groups().len();
+        let mut items = Vec::with_capacity(objs.len() * groups);
+        for (key, b) in objs.into_iter().zip(blocks) {
+            for og in 0..groups {
+                if !reg.all_null_in(og, &b) {
+                    let key = ObjectKey {
+                        object_group_id: og as u32,
+                        ..key
+                    };
+                    items.push((key, b.clone()));
                 }
-                items.into_iter().unzip()
             }
-            LmcTransfer::Cuda(_) => objs
-                .into_iter()
-                .zip(blocks)
-                .filter(|(_, b)| !kvshard_layout::geometry::all_null(b, null))
-                .unzip(),
-        };
+        }
+        let (objs, blocks): (Vec<ObjectKey>, Vec<Vec<i64>>) = items.into_iter().unzip();
         let parts = self.split(&objs);
         if self.refused(&to, involved(&parts)) {
             return self.reply_failure(&to);
         }
         let n = objs.len();
-        let size = layout.bytes;
+        let sizes = reg.object_sizes();
         let reg = match reg {
             LmcTransfer::CpuShm(reg) => reg,
             LmcTransfer::Cuda(_) => {
@@ -286,14 +276,13 @@ impl Front {
                     event,
                     slabs: vec![None; n],
                 };
-                return self.reserve_writes(kind, &objs, size, iid);
+                return self.reserve_writes(kind, &objs, sizes, iid);
             }
         };
         let kind = InflightKind::Store {
             to,
             outcomes: vec![StoreOutcome::AlreadyPresent; n],
         };
-        let sizes = ObjectSizes::new(reg.object_groups().iter().map(|g| g.layout.bytes).collect());
         if let Some(kind) = self.fan_out(parts, kind, |idx| ShardOp::Store {
             reg: reg.clone(),
             items: idx.iter().map(|i| (objs[*i], blocks[*i].clone())).collect(),
@@ -328,11 +317,11 @@ impl Front {
         // Per object: its chunk (of the request range). With object groups,
         // each group's objects of the chunks it needs: a sliding window of
         // `w` chunks reads the range's last `w` (0.5.6's `group_skips`).
-        let (objs, chunk_of): (Vec<ObjectKey>, Vec<usize>) = match &reg {
-            LmcTransfer::CpuShm(r) if r.object_groups().len() > 1 => {
+        let (objs, chunk_of): (Vec<ObjectKey>, Vec<usize>) = match reg.object_groups() {
+            ogs if ogs.len() > 1 => {
                 let n = objs.len();
                 let mut out = Vec::new();
-                for (og, g) in r.object_groups().iter().enumerate() {
+                for (og, g) in ogs.iter().enumerate() {
                     for (c, key) in objs.iter().enumerate().skip(g.needed_from(n)) {
                         let key = ObjectKey {
                             object_group_id: og as u32,
@@ -358,16 +347,18 @@ impl Front {
             LmcTransfer::CpuShm(reg) => reg,
             LmcTransfer::Cuda(_) => {
                 // Each kernel group leaves the whole blocks these cover.
-                let skips = (0..n)
-                    .map(|i| kvshard_layout::geometry::chunk_skip_tokens(skip, i, cs))
+                let skips = chunk_of
+                    .iter()
+                    .map(|&c| kvshard_layout::geometry::chunk_skip_tokens(skip, c, cs))
                     .collect();
                 // The lookup's read locks are released once the copies end.
-                let take = self.hand_over_locks(&key.request_id, first, &objs, iid);
+                let chunks: Vec<usize> = chunk_of.iter().map(|c| first + c).collect();
+                let take = self.hand_over_locks_at(&key.request_id, &chunks, &objs, iid);
                 let kind = InflightKind::CudaRetrieve {
                     to,
                     iid,
                     keys: objs.clone(),
-                    blocks,
+                    blocks: chunk_of.iter().map(|&c| blocks[c].clone()).collect(),
                     skips,
                     event: t.event,
                     slabs: vec![None; n],

@@ -203,11 +203,18 @@ impl ShardState {
                 self.l1.touch(&keys, now);
                 ShardReplyBody::Done
             }
-            ShardOp::ReserveWrite { keys, size, tag } => {
-                self.maybe_grow(size * keys.len() as u64, None);
-                let res = self.l1.reserve_write(&keys, size, tag, false, now);
-                self.note_store_oom(count_oom(&res), keys.len());
-                ShardReplyBody::Slabs(res.into_iter().map(|r| r.ok()).collect())
+            ShardOp::ReserveWrite { keys, sizes, tag } => {
+                let mut slabs = vec![None; keys.len()];
+                for (size, idx) in by_object_group(&sizes, keys.iter()) {
+                    let part: Vec<ObjectKey> = idx.iter().map(|&i| keys[i]).collect();
+                    self.maybe_grow(size * part.len() as u64, None);
+                    let res = self.l1.reserve_write(&part, size, tag, false, now);
+                    self.note_store_oom(count_oom(&res), part.len());
+                    for (&i, r) in idx.iter().zip(res) {
+                        slabs[i] = r.ok();
+                    }
+                }
+                ShardReplyBody::Slabs(slabs)
             }
             ShardOp::GrantCredits { size, count } => {
                 self.maybe_grow(size.saturating_mul(count as u64), None);
@@ -1018,7 +1025,7 @@ impl Shard {
 fn note_layout(l2: &L2Shard, op: &ShardOp) {
     match op {
         ShardOp::Lookup { keys, sizes, .. } => l2.note_layout(keys, |k| sizes.of(k)),
-        ShardOp::ReserveWrite { keys, size, .. } => l2.note_layout(keys, |_| *size),
+        ShardOp::ReserveWrite { keys, sizes, .. } => l2.note_layout(keys, |k| sizes.of(k)),
         ShardOp::AdoptWrite { writes, size, .. } => {
             l2.note_layout(writes.iter().map(|(k, _)| k), |_| *size)
         }
