@@ -679,26 +679,21 @@ fn replay_group_case(case: &serde_json::Value, separate: bool) -> usize {
 /// Slots of a semaphore buffer, 8 bytes each (lmcache 0.5.6's).
 const SEM_SLOTS: usize = 4096;
 
-/// lmcache 0.5.6's timeline-semaphore event (`!B64sQQ`) naming the shm
-/// segment that stands in for the semaphore buffer's CUDA IPC handle.
-fn timeline_event(sem: &str, slot_offset: u64, seq: u64) -> Vec<u8> {
-    let mut handle = format!("/{sem}").into_bytes();
-    handle.resize(64, 0);
-    let mut ev = vec![1u8];
-    ev.extend_from_slice(&handle);
-    ev.extend_from_slice(&slot_offset.to_be_bytes());
-    ev.extend_from_slice(&seq.to_be_bytes());
-    ev
+/// A timeline-semaphore event naming the shm segment that stands in for
+/// the semaphore buffer's CUDA IPC handle.
+fn shm_timeline_event(sem: &str, slot_offset: u64, seq: u64) -> Vec<u8> {
+    timeline_event(format!("/{sem}").as_bytes(), slot_offset, seq)
 }
 
 /// An 81-byte event's (buffer name, slot offset, seq).
-fn parse_timeline(ev: &[u8]) -> (String, u64, u64) {
-    assert_eq!(ev.len(), 81, "{ev:?}");
-    assert_eq!(ev[0], 1, "version");
-    let end = ev[1..65].iter().position(|&b| b == 0).unwrap_or(64);
-    let name = String::from_utf8(ev[1..1 + end].to_vec()).unwrap();
-    let be = |at: usize| u64::from_be_bytes(ev[at..at + 8].try_into().unwrap());
-    (name, be(65), be(73))
+fn parse_shm_timeline(ev: &[u8]) -> (String, u64, u64) {
+    let (handle, slot, seq) = parse_timeline(ev);
+    let end = handle.iter().position(|&b| b == 0).unwrap_or(64);
+    (
+        String::from_utf8(handle[..end].to_vec()).unwrap(),
+        slot,
+        seq,
+    )
 }
 
 fn slot_value(map: &ShmMap, slot_offset: u64) -> u64 {
@@ -744,11 +739,11 @@ fn isolated_ipc_transfers_wait_on_and_answer_timeline_semaphores() {
             key(&toks, Some(0), "iso-s"),
             V::I(500),
             group_ids(&SRC),
-            V::Bin(timeline_event(&sem_name, 8, 5)),
+            V::Bin(shm_timeline_event(&sem_name, 8, 5)),
         ],
     ));
     assert!(ok, "a store whose semaphore already reached its sequence");
-    let (server_sem, slot, seq) = parse_timeline(&reply);
+    let (server_sem, slot, seq) = parse_shm_timeline(&reply);
     assert!(server_sem.starts_with('/'), "{server_sem}");
     assert!(
         slot > 0 && slot % 8 == 0 && (slot as usize) < SEM_SLOTS * 8,
@@ -778,7 +773,7 @@ fn isolated_ipc_transfers_wait_on_and_answer_timeline_semaphores() {
             key(&toks, Some(0), "iso-r"),
             V::I(500),
             group_ids(&DST),
-            V::Bin(timeline_event(&sem_name, 8, 6)),
+            V::Bin(shm_timeline_event(&sem_name, 8, 6)),
             V::I(0),
         ],
     ));
@@ -790,7 +785,7 @@ fn isolated_ipc_transfers_wait_on_and_answer_timeline_semaphores() {
     );
     writer.join().unwrap();
     assert_eq!(gpu.blocks(&DST), stored, "retrieved after the wait");
-    let (name2, slot2, seq2) = parse_timeline(&reply);
+    let (name2, slot2, seq2) = parse_shm_timeline(&reply);
     assert_eq!((name2, slot2), (server_sem, slot), "one slot per instance");
     assert_eq!(seq2, seq + 1, "each event a later sequence");
     assert!(slot_value(&server, slot) >= seq2);

@@ -1103,3 +1103,153 @@ fn replay_group_case_on(g: &Gpu, case: &serde_json::Value, separate: bool) {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+// -- --isolated-ipc: timeline semaphores in device memory --------------------
+
+/// Slots of a semaphore buffer, 8 bytes each (lmcache 0.5.6's).
+const SEM_SLOTS: usize = 4096;
+
+/// Another process's device allocation, opened here by its IPC handle.
+struct Imported {
+    ptr: sys::CUdeviceptr,
+}
+
+impl Imported {
+    fn open(handle: &[u8]) -> Imported {
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as _;
+        }
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        let mut ptr = 0;
+        // SAFETY: a live out-pointer; the handle is 64 bytes from the server.
+        ck("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags)
+        });
+        Imported { ptr }
+    }
+
+    fn slot(&self, slot_offset: u64) -> u64 {
+        let mut b = [0u8; 8];
+        // SAFETY: the slot lies inside the server's semaphore buffer (the
+        // test checks the offset first); the destination is a live array.
+        ck("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(b.as_mut_ptr() as *mut c_void, self.ptr + slot_offset, 8)
+        });
+        u64::from_le_bytes(b)
+    }
+
+    /// Waits (up to 10 s) for the slot to reach `seq`, as the worker's
+    /// stream would wait on it.
+    fn wait(&self, slot_offset: u64, seq: u64) {
+        let t0 = std::time::Instant::now();
+        while self.slot(slot_offset) < seq {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "the server's slot at {slot_offset} never reached {seq}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
+impl Drop for Imported {
+    fn drop(&mut self) {
+        // SAFETY: opened by cuIpcOpenMemHandle_v2, closed once.
+        unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+    }
+}
+
+/// `--isolated-ipc` on the GPU: a worker's STORE and RETRIEVE carry
+/// timeline-semaphore events of a semaphore buffer in its device memory
+/// (shared by CUDA IPC memory handle); the server's stream waits
+/// (`cuStreamWaitValue64`) until the worker's slot reaches the event's
+/// sequence before it copies, and answers with an event of its own
+/// semaphore buffer whose slot its stream sets (`cuStreamWriteValue64`) once
+/// the copies are done. A CUDA IPC event handle is refused there.
+#[test]
+fn isolated_ipc_worker_waits_and_signals_through_device_semaphores() {
+    const TEST: &str = "isolated_ipc_worker_waits_and_signals_through_device_semaphores";
+    let Some(g) = gpu(TEST) else { return };
+    let dir = test_dir("cuda-gpu-iso");
+    let srv = Server::start_logged_env(&["--isolated-ipc"], &dir.join("server.log"), &[]);
+    let mut c = srv.client();
+    let mut w = Worker {
+        iid: 720,
+        ws: 1,
+        rank: 0,
+        mem: RawMemory::new(NHD, 72, &g.uuid),
+    };
+    w.register(&srv, &mut c);
+    let sem = DevMem::alloc(SEM_SLOTS * 8);
+    let handle = sem.ipc_handle();
+    sem.write(8, &5u64.to_le_bytes());
+    let chunks = 2;
+    let toks = ed_tokens(72, chunks * CS);
+    let src = spread(chunks * BPC, 0, 7);
+    let dst = spread(chunks * BPC, 5, 11);
+    let stored = w.snapshot();
+
+    let k = key(1, Some(0), &toks, "iso-s", 1);
+    let (reply, ok) = transfer_outcome(c.call(
+        OP_STORE,
+        &[
+            k,
+            V::I(720),
+            group_ids(&src),
+            V::Bin(timeline_event(&handle, 8, 5)),
+        ],
+    ));
+    assert!(ok, "a store whose semaphore already reached its sequence");
+    let (server_buf, slot, seq) = parse_timeline(&reply);
+    assert!(slot % 8 == 0 && (slot as usize) < SEM_SLOTS * 8, "{slot}");
+    let server = Imported::open(&server_buf);
+    server.wait(slot, seq);
+    assert_eq!(c.call(OP_END_SESSION, &[s("iso-s")]), None);
+
+    // A retrieve whose sequence the worker reaches later: nothing is copied
+    // until then.
+    w.fill_blocks(&dst, 0);
+    let before = w.snapshot();
+    assert_eq!(lookup(&mut c, 1, &toks, "iso-r", 1), chunks as i64);
+    let k = key(1, Some(0), &toks, "iso-r", 1);
+    let mut frames = vec![enc(&V::I(OP_RETRIEVE))];
+    for a in [
+        k,
+        V::I(720),
+        group_ids(&dst),
+        V::Bin(timeline_event(&handle, 8, 6)),
+        V::I(0),
+    ] {
+        frames.push(enc(&a));
+    }
+    let uid = c.send_raw(frames);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        w.snapshot() == before,
+        "the server copied before the worker's semaphore reached the event"
+    );
+    sem.write(8, &6u64.to_le_bytes());
+    let (reply, ok) = transfer_outcome(c.recv(uid).payload);
+    assert!(ok, "retrieve");
+    let (buf2, slot2, seq2) = parse_timeline(&reply);
+    assert_eq!((buf2, slot2), (server_buf, slot), "one slot per instance");
+    assert_eq!(seq2, seq + 1, "each event a later sequence");
+    server.wait(slot2, seq2);
+    let want = scattered(NHD, &before, &stored, &src, &dst, 0);
+    assert_cache_eq(&w.snapshot(), &want, "retrieved after the wait");
+    assert_eq!(c.call(OP_END_SESSION, &[s("iso-r")]), None);
+
+    // A CUDA IPC event handle is refused under --isolated-ipc.
+    let (ev, cuda_handle) = worker_event();
+    let k = key(1, Some(0), &toks, "iso-x", 1);
+    let (reply, ok) = transfer_outcome(c.call(
+        OP_STORE,
+        &[k, V::I(720), group_ids(&src), V::Bin(cuda_handle)],
+    ));
+    destroy_event(ev);
+    assert!(!ok && reply.is_empty(), "a 64-byte event is refused");
+    drop(server);
+    drop(srv);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -70,6 +70,27 @@ pub fn transfer_outcome(reply: Option<V>) -> (Vec<u8>, bool) {
     }
 }
 
+/// lmcache 0.5.6's timeline-semaphore event (`!B64sQQ`, `--isolated-ipc`):
+/// version 1, the semaphore buffer's 64-byte handle (zero-padded), the
+/// slot's byte offset and the sequence, big-endian.
+pub fn timeline_event(handle: &[u8], slot_offset: u64, seq: u64) -> Vec<u8> {
+    assert!(handle.len() <= 64, "a handle is 64 bytes");
+    let mut ev = vec![1u8];
+    ev.extend_from_slice(handle);
+    ev.resize(65, 0);
+    ev.extend_from_slice(&slot_offset.to_be_bytes());
+    ev.extend_from_slice(&seq.to_be_bytes());
+    ev
+}
+
+/// An 81-byte timeline-semaphore event's (handle, slot offset, seq).
+pub fn parse_timeline(ev: &[u8]) -> (Vec<u8>, u64, u64) {
+    assert_eq!(ev.len(), 81, "{ev:?}");
+    assert_eq!(ev[0], 1, "version");
+    let be = |at: usize| u64::from_be_bytes(ev[at..at + 8].try_into().unwrap());
+    (ev[1..65].to_vec(), be(65), be(73))
+}
+
 /// `/status`'s `registered_gpu_ids`.
 pub fn registered_gpu_ids(srv: &Server) -> Vec<i64> {
     srv.get_json("/status")["registered_gpu_ids"]
