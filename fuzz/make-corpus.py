@@ -13,6 +13,9 @@ Seeds come from the tests, so they follow the formats as the tests do:
 - h1_response: responses framed each way HTTP/1.1 allows, behind the mode byte
   of fuzz/fuzz_targets/h1_response.rs.
 - yaml_config: the YAML strings of src/yaml_config.rs's tests.
+- resp_reply: the reply streams of resp/src/lib.rs's tests, and replies a
+  Redis or Valkey server sends the L2 adapters (statuses, errors with MOVED
+  and ASK, GET bodies, nil, a cluster's slot map), alone and back to back.
 
 Run from anywhere: python3 fuzz/make-corpus.py. It replaces the seed
 directories, so the result depends only on the sources.
@@ -294,6 +297,28 @@ def h1_seeds():
     return seeds
 
 
+def resp_seeds():
+    strings = rust_strings(test_section(ROOT / "resp/src/lib.rs"))
+    replies = [s.encode("latin-1") for s in strings if s[:1] in "+-:$*_"]
+    body = bytes(range(256)) * 4
+    replies += [
+        b"+OK\r\n",
+        b"+PONG\r\n",
+        b":1\r\n",
+        b":0\r\n",
+        b"$-1\r\n",
+        b"-OOM command not allowed when used memory > 'maxmemory'.\r\n",
+        b"-MOVED 3999 127.0.0.1:6381\r\n",
+        b"-ASK 3999 127.0.0.1:6381\r\n",
+        b"-NOAUTH Authentication required.\r\n",
+        b"$%d\r\n" % len(body) + body + b"\r\n",
+        b"*3\r\n*3\r\n:0\r\n:5460\r\n*3\r\n$9\r\n127.0.0.1\r\n:7000\r\n$4\r\nabcd\r\n"
+        b"*3\r\n:5461\r\n:10922\r\n*2\r\n$9\r\n127.0.0.1\r\n:7001\r\n"
+        b"*3\r\n:10923\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:7002\r\n",
+    ]
+    return replies + [b"".join(replies[-6:]), b"".join(replies[:8])]
+
+
 def yaml_seeds():
     strings = rust_strings(test_section(ROOT / "src/yaml_config.rs"))
     return [s.encode() for s in strings if ":" in s and "\n" in s]
@@ -324,6 +349,7 @@ def main():
     write("s3_xml", xml_seeds())
     write("h1_response", h1_seeds())
     write("yaml_config", yaml_seeds())
+    write("resp_reply", resp_seeds())
 
 
 if __name__ == "__main__":
