@@ -862,13 +862,17 @@ impl Shard {
                 let (state, l2, replies) =
                     (self.state.clone(), self.l2.clone(), self.replies.clone());
                 glommio::spawn_local(async move {
-                    // One load per object group: each has its own object size.
+                    // One load per object group (each has its own object
+                    // size), all at once.
+                    let groups = by_object_group(&sizes, keys.iter().map(|(k, _)| k));
+                    let loads = groups.iter().map(|(size, idx)| {
+                        let part = idx.iter().map(|&i| keys[i]).collect();
+                        l2::load_by(&state, &l2, part, *size, readers, tag, deadline)
+                    });
+                    let done = futures_util::future::join_all(loads).await;
                     let mut ok = vec![false; keys.len()];
                     let mut slabs = vec![NO_SLAB; keys.len()];
-                    for (size, idx) in by_object_group(&sizes, keys.iter().map(|(k, _)| k)) {
-                        let part = idx.iter().map(|&i| keys[i]).collect();
-                        let (o, s) =
-                            l2::load_by(&state, &l2, part, size, readers, tag, deadline).await;
+                    for ((_, idx), (o, s)) in groups.iter().zip(done) {
                         for ((&i, o), s) in idx.iter().zip(o).zip(s) {
                             ok[i] = o;
                             slabs[i] = s;
