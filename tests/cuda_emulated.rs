@@ -487,7 +487,7 @@ fn gpu_workers_need_the_l1_in_memory() {
 #[test]
 fn hybrid_gpu_workers_move_the_0_5_6_objects() {
     for case in group_golden_cases() {
-        replay_group_case(&case, false);
+        replay_group_case(&case);
     }
 }
 
@@ -502,176 +502,170 @@ fn separate_object_groups_move_the_0_5_6_objects() {
             .expect("object_groups")
             .len();
         assert!(want > 1, "{}", case["name"]);
-        assert_eq!(replay_group_case(&case, true), want, "{}", case["name"]);
+        assert_eq!(replay_group_case(&case), want, "{}", case["name"]);
     }
 }
 
 /// Replays one multi-group golden case through a GPU worker (emulated) and
-/// a CPU worker: both store 0.5.6's objects and restore 0.5.6's bytes. With
-/// `separate`, the server runs with `--separate-object-groups` (the cases
-/// of `golden_og_gather.json`). Returns the object groups the registration
-/// formed.
-fn replay_group_case(case: &serde_json::Value, separate: bool) -> usize {
-    {
-        let name = case["name"].as_str().unwrap();
+/// a CPU worker: both store 0.5.6's objects and restore 0.5.6's bytes (the
+/// cases of `golden_og_gather.json` under `--separate-object-groups`).
+/// Returns the object groups the registration formed.
+fn replay_group_case(case: &serde_json::Value) -> usize {
+    let name = case["name"].as_str().unwrap();
+    assert_eq!(
+        case["chunk_size"], CS as u64,
+        "{name}: the server's chunk size"
+    );
+    let dir = std::env::temp_dir().join(unique("cuda-emu-groups"));
+    let l2 = dir.join("l2");
+    std::fs::create_dir_all(&l2).unwrap();
+    let args = golden_server_args(&l2, case);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let srv = start(&dir, &args);
+    let mut c = srv.client();
+    let tensors = golden_tensors(case);
+    let groups = golden_group_infos(case);
+    let hint = case["layout_hint"].as_str().unwrap();
+    let register = |c: &mut Client, iid: i64, descs: Vec<V>| {
+        let frames = register_kv_cache_frames(iid, descs, MODEL, 1, hint, groups.clone());
+        assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None, "{name}");
+    };
+    // Per tensor: shm "device memory", filled (source) or zeroed.
+    let segments = |prefix: &str, filled: bool| -> (Vec<String>, Vec<ShmMap>) {
+        tensors
+            .iter()
+            .enumerate()
+            .map(|(t, spec)| {
+                let name = unique(prefix);
+                let mut seg = ShmMap::create(&name, spec.bytes);
+                if filled {
+                    seg.bytes_mut().copy_from_slice(&golden_fill(spec.bytes, t));
+                }
+                (name, seg)
+            })
+            .unzip()
+    };
+    let raw = |names: &[String]| -> Vec<V> {
+        names
+            .iter()
+            .zip(&tensors)
+            .map(|(n, t)| {
+                let t = RawTensor {
+                    alloc_offset: 0,
+                    nbytes: t.bytes,
+                    dtype: &t.dtype,
+                    shape: t.shape.clone(),
+                    stride: t.stride.clone(),
+                };
+                cuda_raw_of(n, &t, GPU_UUID)
+            })
+            .collect()
+    };
+    let cpu = |names: &[String]| -> Vec<V> {
+        names
+            .iter()
+            .zip(&tensors)
+            .map(|(n, t)| {
+                cpu_shm_wrapper(
+                    &format!("/{n}"),
+                    t.bytes as i64,
+                    &t.dtype,
+                    &t.shape,
+                    &t.stride,
+                )
+            })
+            .collect()
+    };
+    let (src_names, _src) = segments("kvt_gsrc", true);
+    register(&mut c, 400, raw(&src_names));
+    let meta = &srv.get_json("/status")["cache_context_meta"]["400"]["kv_cache_layout"];
+    let want_groups = case["kernel_groups"].as_array().unwrap();
+    let got_groups = meta["kernel_groups"].as_array().expect("kernel groups");
+    assert_eq!(got_groups.len(), want_groups.len(), "{name}: {meta}");
+    for (k, want) in got_groups.iter().zip(want_groups) {
+        assert_eq!(k["layer_indices"], want["layers"], "{name}: {meta}");
         assert_eq!(
-            case["chunk_size"], CS as u64,
-            "{name}: the server's chunk size"
+            k["engine_kv_format"], want["engine_kv_format"],
+            "{name}: {meta}"
         );
-        let dir = std::env::temp_dir().join(unique("cuda-emu-groups"));
-        let l2 = dir.join("l2");
-        std::fs::create_dir_all(&l2).unwrap();
-        let adapter = fs_adapter(&l2);
-        let mut args = vec!["--l2-adapter", adapter.as_str()];
-        if separate {
-            args.push("--separate-object-groups");
-        }
-        let srv = start(&dir, &args);
-        let mut c = srv.client();
-        let tensors = golden_tensors(case);
-        let groups = golden_group_infos(case);
-        let hint = case["layout_hint"].as_str().unwrap();
-        let register = |c: &mut Client, iid: i64, descs: Vec<V>| {
-            let frames = register_kv_cache_frames(iid, descs, MODEL, 1, hint, groups.clone());
-            assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None, "{name}");
-        };
-        // Per tensor: shm "device memory", filled (source) or zeroed.
-        let segments = |prefix: &str, filled: bool| -> (Vec<String>, Vec<ShmMap>) {
-            tensors
-                .iter()
-                .enumerate()
-                .map(|(t, spec)| {
-                    let name = unique(prefix);
-                    let mut seg = ShmMap::create(&name, spec.bytes);
-                    if filled {
-                        seg.bytes_mut().copy_from_slice(&golden_fill(spec.bytes, t));
-                    }
-                    (name, seg)
-                })
-                .unzip()
-        };
-        let raw = |names: &[String]| -> Vec<V> {
-            names
-                .iter()
-                .zip(&tensors)
-                .map(|(n, t)| {
-                    let t = RawTensor {
-                        alloc_offset: 0,
-                        nbytes: t.bytes,
-                        dtype: &t.dtype,
-                        shape: t.shape.clone(),
-                        stride: t.stride.clone(),
-                    };
-                    cuda_raw_of(n, &t, GPU_UUID)
-                })
-                .collect()
-        };
-        let cpu = |names: &[String]| -> Vec<V> {
-            names
-                .iter()
-                .zip(&tensors)
-                .map(|(n, t)| {
-                    cpu_shm_wrapper(
-                        &format!("/{n}"),
-                        t.bytes as i64,
-                        &t.dtype,
-                        &t.shape,
-                        &t.stride,
-                    )
-                })
-                .collect()
-        };
-        let (src_names, _src) = segments("kvt_gsrc", true);
-        register(&mut c, 400, raw(&src_names));
-        let meta = &srv.get_json("/status")["cache_context_meta"]["400"]["kv_cache_layout"];
-        let want_groups = case["kernel_groups"].as_array().unwrap();
-        let got_groups = meta["kernel_groups"].as_array().expect("kernel groups");
-        assert_eq!(got_groups.len(), want_groups.len(), "{name}: {meta}");
-        for (k, want) in got_groups.iter().zip(want_groups) {
-            assert_eq!(k["layer_indices"], want["layers"], "{name}: {meta}");
-            assert_eq!(
-                k["engine_kv_format"], want["engine_kv_format"],
-                "{name}: {meta}"
-            );
-        }
-        let object_groups = meta["object_groups"]
-            .as_array()
-            .expect("object groups")
-            .len();
+    }
+    let object_groups = meta["object_groups"]
+        .as_array()
+        .expect("object groups")
+        .len();
 
-        // The GPU worker stores, then a CPU worker of the same layout stores
-        // the same bytes under other tokens: the fs L2 then holds 0.5.6's
-        // objects twice.
-        let chunks = case["num_chunks"].as_u64().unwrap() as usize;
-        let toks = ed_tokens(40, chunks * CS);
-        let store = &case["store"];
-        let (cpu_src_names, _cpu_src) = segments("kvt_gcsrc", true);
-        register(&mut c, 403, cpu(&cpu_src_names));
-        for (iid, seed, event) in [(400, 40, vec![7; 64]), (403, 41, vec![])] {
-            let rid = format!("gstore{iid}");
+    // The GPU worker stores, then a CPU worker of the same layout stores
+    // the same bytes under other tokens: the fs L2 then holds 0.5.6's
+    // objects twice.
+    let chunks = case["num_chunks"].as_u64().unwrap() as usize;
+    let toks = ed_tokens(40, chunks * CS);
+    let store = &case["store"];
+    let (cpu_src_names, _cpu_src) = segments("kvt_gcsrc", true);
+    register(&mut c, 403, cpu(&cpu_src_names));
+    for (iid, seed, event) in [(400, 40, vec![7; 64]), (403, 41, vec![])] {
+        let rid = format!("gstore{iid}");
+        let (_, ok) = transfer_outcome(c.call(
+            OP_STORE,
+            &[
+                key(&ed_tokens(seed, chunks * CS), Some(0), &rid),
+                V::I(iid),
+                block_lists(&store["block_ids"]),
+                V::Bin(event),
+            ],
+        ));
+        assert!(ok, "{name}: store from {iid}");
+        assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
+    }
+    let want = golden_objects(case);
+    let mut twice: Vec<Vec<u8>> = want.iter().flat_map(|o| [o.clone(), o.clone()]).collect();
+    twice.sort();
+    let got = l2_objects(&l2, twice.len());
+    assert_eq!(got.len(), twice.len(), "{name}: objects in the fs L2");
+    assert!(
+        got == twice,
+        "{name}: the stored objects differ from lmcache 0.5.6's gathers"
+    );
+
+    // Each RETRIEVE into zeroed memory of a GPU worker, then of a CPU
+    // worker.
+    for (r, retrieve) in case["retrieves"].as_array().unwrap().iter().enumerate() {
+        let skip = retrieve["skip_first_n_tokens"].as_i64().unwrap();
+        let want_sums: Vec<String> = retrieve["paged_sha256"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_str().unwrap().to_string())
+            .collect();
+        let (dst_names, dst) = segments("kvt_gdst", false);
+        let (cpu_names, cpu_dst) = segments("kvt_gcpu", false);
+        let (gpu_iid, cpu_iid) = (410 + 2 * r as i64, 411 + 2 * r as i64);
+        register(&mut c, gpu_iid, raw(&dst_names));
+        register(&mut c, cpu_iid, cpu(&cpu_names));
+        for (iid, segs) in [(gpu_iid, &dst), (cpu_iid, &cpu_dst)] {
+            let rid = format!("gr{iid}");
+            assert_eq!(lookup(&mut c, &toks, &rid), chunks as i64, "{name}");
             let (_, ok) = transfer_outcome(c.call(
-                OP_STORE,
+                OP_RETRIEVE,
                 &[
-                    key(&ed_tokens(seed, chunks * CS), Some(0), &rid),
+                    key(&toks, Some(0), &rid),
                     V::I(iid),
-                    block_lists(&store["block_ids"]),
-                    V::Bin(event),
+                    block_lists(&retrieve["block_ids"]),
+                    V::Bin(if iid == gpu_iid { vec![7; 64] } else { vec![] }),
+                    V::I(skip),
                 ],
             ));
-            assert!(ok, "{name}: store from {iid}");
+            assert!(ok, "{name}: retrieve into {iid}");
             assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
+            let sums: Vec<String> = segs.iter().map(|m| sha256_hex(m.bytes())).collect();
+            assert_eq!(
+                sums, want_sums,
+                "{name}: instance {iid}'s tensors after a retrieve skipping {skip} tokens"
+            );
         }
-        let want = golden_objects(case);
-        let mut twice: Vec<Vec<u8>> = want.iter().flat_map(|o| [o.clone(), o.clone()]).collect();
-        twice.sort();
-        let got = l2_objects(&l2, twice.len());
-        assert_eq!(got.len(), twice.len(), "{name}: objects in the fs L2");
-        assert!(
-            got == twice,
-            "{name}: the stored objects differ from lmcache 0.5.6's gathers"
-        );
-
-        // Each RETRIEVE into zeroed memory of a GPU worker, then of a CPU
-        // worker.
-        for (r, retrieve) in case["retrieves"].as_array().unwrap().iter().enumerate() {
-            let skip = retrieve["skip_first_n_tokens"].as_i64().unwrap();
-            let want_sums: Vec<String> = retrieve["paged_sha256"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|h| h.as_str().unwrap().to_string())
-                .collect();
-            let (dst_names, dst) = segments("kvt_gdst", false);
-            let (cpu_names, cpu_dst) = segments("kvt_gcpu", false);
-            let (gpu_iid, cpu_iid) = (410 + 2 * r as i64, 411 + 2 * r as i64);
-            register(&mut c, gpu_iid, raw(&dst_names));
-            register(&mut c, cpu_iid, cpu(&cpu_names));
-            for (iid, segs) in [(gpu_iid, &dst), (cpu_iid, &cpu_dst)] {
-                let rid = format!("gr{iid}");
-                assert_eq!(lookup(&mut c, &toks, &rid), chunks as i64, "{name}");
-                let (_, ok) = transfer_outcome(c.call(
-                    OP_RETRIEVE,
-                    &[
-                        key(&toks, Some(0), &rid),
-                        V::I(iid),
-                        block_lists(&retrieve["block_ids"]),
-                        V::Bin(if iid == gpu_iid { vec![7; 64] } else { vec![] }),
-                        V::I(skip),
-                    ],
-                ));
-                assert!(ok, "{name}: retrieve into {iid}");
-                assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
-                let sums: Vec<String> = segs.iter().map(|m| sha256_hex(m.bytes())).collect();
-                assert_eq!(
-                    sums, want_sums,
-                    "{name}: instance {iid}'s tensors after a retrieve skipping {skip} tokens"
-                );
-            }
-        }
-        drop(srv);
-        let _ = std::fs::remove_dir_all(&dir);
-        object_groups
     }
+    drop(srv);
+    let _ = std::fs::remove_dir_all(&dir);
+    object_groups
 }
 
 // -- --isolated-ipc: timeline-semaphore events -------------------------------

@@ -945,7 +945,7 @@ fn hybrid_raw_cuda_workers_move_the_0_5_6_objects() {
     const TEST: &str = "hybrid_raw_cuda_workers_move_the_0_5_6_objects";
     let Some(g) = gpu(TEST) else { return };
     for case in group_golden_cases() {
-        replay_group_case_on(&g, &case, false);
+        replay_group_case_on(&g, &case);
     }
 }
 
@@ -956,152 +956,147 @@ fn separate_object_groups_on_the_gpu_move_the_0_5_6_objects() {
     const TEST: &str = "separate_object_groups_on_the_gpu_move_the_0_5_6_objects";
     let Some(g) = gpu(TEST) else { return };
     for case in og_golden_cases() {
-        replay_group_case_on(&g, &case, true);
+        replay_group_case_on(&g, &case);
     }
 }
 
 /// One multi-group golden case through a raw-CUDA worker: its store's
-/// objects and each retrieve's tensors must be 0.5.6's; with `separate`,
-/// under `--separate-object-groups`.
-fn replay_group_case_on(g: &Gpu, case: &serde_json::Value, separate: bool) {
-    {
-        let name = case["name"].as_str().unwrap();
-        assert_eq!(
-            case["chunk_size"], CS as u64,
-            "{name}: the server's chunk size"
-        );
-        let dir = test_dir("cuda-gpu-groups");
-        let l2 = dir.join("l2");
-        std::fs::create_dir_all(&l2).unwrap();
-        let adapter = fs_adapter(&l2);
-        let mut args = vec!["--l2-adapter", adapter.as_str()];
-        if separate {
-            args.push("--separate-object-groups");
+/// objects and each retrieve's tensors must be 0.5.6's (the cases of
+/// `golden_og_gather.json` under `--separate-object-groups`).
+fn replay_group_case_on(g: &Gpu, case: &serde_json::Value) {
+    let name = case["name"].as_str().unwrap();
+    assert_eq!(
+        case["chunk_size"], CS as u64,
+        "{name}: the server's chunk size"
+    );
+    let dir = test_dir("cuda-gpu-groups");
+    let l2 = dir.join("l2");
+    std::fs::create_dir_all(&l2).unwrap();
+    let args = golden_server_args(&l2, case);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let srv = Server::start_logged_env(&args, &dir.join("server.log"), &[]);
+    let mut c = srv.client();
+    let tensors = golden_tensors(case);
+    let groups = golden_group_infos(case);
+    let hint = case["layout_hint"].as_str().unwrap();
+    let alloc = |filled: bool| -> Vec<DevMem> {
+        tensors
+            .iter()
+            .enumerate()
+            .map(|(t, spec)| {
+                let m = DevMem::alloc(spec.bytes);
+                if filled {
+                    m.write(0, &golden_fill(spec.bytes, t));
+                }
+                m
+            })
+            .collect()
+    };
+    let register = |c: &mut Client, iid: i64, mems: &[DevMem]| {
+        let ints = |v: &[i64]| V::A(v.iter().map(|&x| V::I(x)).collect());
+        let descs = mems
+            .iter()
+            .zip(&tensors)
+            .map(|(m, t)| {
+                let meta = map(&[
+                    ("dtype", s(&t.dtype)),
+                    ("shape", ints(&t.shape)),
+                    ("stride", ints(&t.stride)),
+                    ("storage_offset", V::I(0)),
+                    ("device_uuid", s(&g.uuid)),
+                ]);
+                let inner = map(&[
+                    ("type", s("cuda_raw")),
+                    ("ipc_handle", V::Bin(m.ipc_handle())),
+                    ("alloc_offset", V::I(0)),
+                    ("nbytes", V::I(t.bytes as i64)),
+                    ("version", V::I(1)),
+                    ("metadata", meta),
+                ]);
+                V::Ext(1, enc(&inner))
+            })
+            .collect();
+        let frames = register_kv_cache_frames(iid, descs, MODEL, 1, hint, groups.clone());
+        assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None, "{name}");
+        if let Some(reason) = refused_gpu_reason(&srv, iid) {
+            panic!("{name}: instance {iid} was refused: {reason}");
         }
-        let srv = Server::start_logged_env(&args, &dir.join("server.log"), &[]);
-        let mut c = srv.client();
-        let tensors = golden_tensors(case);
-        let groups = golden_group_infos(case);
-        let hint = case["layout_hint"].as_str().unwrap();
-        let alloc = |filled: bool| -> Vec<DevMem> {
-            tensors
-                .iter()
-                .enumerate()
-                .map(|(t, spec)| {
-                    let m = DevMem::alloc(spec.bytes);
-                    if filled {
-                        m.write(0, &golden_fill(spec.bytes, t));
-                    }
-                    m
-                })
-                .collect()
-        };
-        let register = |c: &mut Client, iid: i64, mems: &[DevMem]| {
-            let ints = |v: &[i64]| V::A(v.iter().map(|&x| V::I(x)).collect());
-            let descs = mems
-                .iter()
-                .zip(&tensors)
-                .map(|(m, t)| {
-                    let meta = map(&[
-                        ("dtype", s(&t.dtype)),
-                        ("shape", ints(&t.shape)),
-                        ("stride", ints(&t.stride)),
-                        ("storage_offset", V::I(0)),
-                        ("device_uuid", s(&g.uuid)),
-                    ]);
-                    let inner = map(&[
-                        ("type", s("cuda_raw")),
-                        ("ipc_handle", V::Bin(m.ipc_handle())),
-                        ("alloc_offset", V::I(0)),
-                        ("nbytes", V::I(t.bytes as i64)),
-                        ("version", V::I(1)),
-                        ("metadata", meta),
-                    ]);
-                    V::Ext(1, enc(&inner))
-                })
-                .collect();
-            let frames = register_kv_cache_frames(iid, descs, MODEL, 1, hint, groups.clone());
-            assert_eq!(c.call(OP_REGISTER_KV_CACHE, &frames), None, "{name}");
-            if let Some(reason) = refused_gpu_reason(&srv, iid) {
-                panic!("{name}: instance {iid} was refused: {reason}");
-            }
-            assert!(registered_gpu_ids(&srv).contains(&iid), "{name}: {iid}");
-        };
-        // Sends a transfer with this process's event; waits for the server's.
-        let transfer = |c: &mut Client, op: i64, frames: Vec<V>| -> bool {
-            let (ev, handle) = worker_event();
-            let mut frames = frames;
-            frames.insert(3, V::Bin(handle));
-            let (server_ev, ok) = transfer_outcome(c.call(op, &frames));
-            if ok {
-                wait_server_event(&server_ev);
-            }
-            destroy_event(ev);
-            ok
-        };
+        assert!(registered_gpu_ids(&srv).contains(&iid), "{name}: {iid}");
+    };
+    // Sends a transfer with this process's event; waits for the server's.
+    let transfer = |c: &mut Client, op: i64, frames: Vec<V>| -> bool {
+        let (ev, handle) = worker_event();
+        let mut frames = frames;
+        frames.insert(3, V::Bin(handle));
+        let (server_ev, ok) = transfer_outcome(c.call(op, &frames));
+        if ok {
+            wait_server_event(&server_ev);
+        }
+        destroy_event(ev);
+        ok
+    };
 
-        let src = alloc(true);
-        register(&mut c, 600, &src);
-        let chunks = case["num_chunks"].as_u64().unwrap() as usize;
-        let toks = ed_tokens(60, chunks * CS);
-        let stored = transfer(
+    let src = alloc(true);
+    register(&mut c, 600, &src);
+    let chunks = case["num_chunks"].as_u64().unwrap() as usize;
+    let toks = ed_tokens(60, chunks * CS);
+    let stored = transfer(
+        &mut c,
+        OP_STORE,
+        vec![
+            key(1, Some(0), &toks, "hs", 1),
+            V::I(600),
+            block_lists(&case["store"]["block_ids"]),
+        ],
+    );
+    assert!(stored, "{name}: store");
+    assert_eq!(c.call(OP_END_SESSION, &[s("hs")]), None);
+    let want = golden_objects(case);
+    let got = l2_objects(&l2, want.len());
+    assert!(
+        got == want,
+        "{name}: the objects the GPU gathered differ from lmcache 0.5.6's ({} of {})",
+        got.len(),
+        want.len()
+    );
+
+    for (r, retrieve) in case["retrieves"].as_array().unwrap().iter().enumerate() {
+        let iid = 610 + r as i64;
+        let dst = alloc(false);
+        register(&mut c, iid, &dst);
+        let rid = format!("hr{iid}");
+        assert_eq!(lookup(&mut c, 1, &toks, &rid, 1), chunks as i64, "{name}");
+        let skip = retrieve["skip_first_n_tokens"].as_i64().unwrap();
+        let ok = transfer(
             &mut c,
-            OP_STORE,
+            OP_RETRIEVE,
             vec![
-                key(1, Some(0), &toks, "hs", 1),
-                V::I(600),
-                block_lists(&case["store"]["block_ids"]),
+                key(1, Some(0), &toks, &rid, 1),
+                V::I(iid),
+                block_lists(&retrieve["block_ids"]),
+                V::I(skip),
             ],
         );
-        assert!(stored, "{name}: store");
-        assert_eq!(c.call(OP_END_SESSION, &[s("hs")]), None);
-        let want = golden_objects(case);
-        let got = l2_objects(&l2, want.len());
-        assert!(
-            got == want,
-            "{name}: the objects the GPU gathered differ from lmcache 0.5.6's ({} of {})",
-            got.len(),
-            want.len()
+        assert!(ok, "{name}: retrieve into {iid}");
+        assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
+        let sums: Vec<String> = dst
+            .iter()
+            .zip(&tensors)
+            .map(|(m, t)| sha256_hex(&m.read(0, t.bytes)))
+            .collect();
+        let want: Vec<String> = retrieve["paged_sha256"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            sums, want,
+            "{name}: tensors after a retrieve skipping {skip} tokens"
         );
-
-        for (r, retrieve) in case["retrieves"].as_array().unwrap().iter().enumerate() {
-            let iid = 610 + r as i64;
-            let dst = alloc(false);
-            register(&mut c, iid, &dst);
-            let rid = format!("hr{iid}");
-            assert_eq!(lookup(&mut c, 1, &toks, &rid, 1), chunks as i64, "{name}");
-            let skip = retrieve["skip_first_n_tokens"].as_i64().unwrap();
-            let ok = transfer(
-                &mut c,
-                OP_RETRIEVE,
-                vec![
-                    key(1, Some(0), &toks, &rid, 1),
-                    V::I(iid),
-                    block_lists(&retrieve["block_ids"]),
-                    V::I(skip),
-                ],
-            );
-            assert!(ok, "{name}: retrieve into {iid}");
-            assert_eq!(c.call(OP_END_SESSION, &[s(&rid)]), None);
-            let sums: Vec<String> = dst
-                .iter()
-                .zip(&tensors)
-                .map(|(m, t)| sha256_hex(&m.read(0, t.bytes)))
-                .collect();
-            let want: Vec<String> = retrieve["paged_sha256"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|h| h.as_str().unwrap().to_string())
-                .collect();
-            assert_eq!(
-                sums, want,
-                "{name}: tensors after a retrieve skipping {skip} tokens"
-            );
-        }
-        drop(srv);
-        let _ = std::fs::remove_dir_all(&dir);
     }
+    drop(srv);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 // -- --isolated-ipc: timeline semaphores in device memory --------------------

@@ -987,15 +987,8 @@ fn kernel_groups_round_trip_each_through_its_own_block_list() {
         })
         .collect();
     let iid = 300;
-    let args = [
-        V::I(iid),
-        V::A(wrappers),
-        s(MODEL),
-        V::I(1),
-        s("vllm"),
-        map(&[("kv_layout", s("NHD"))]),
-        V::A(vec![kv_group_of(0, &[0, 2], BS), kv_group_of(1, &[1], BS)]),
-    ];
+    let groups = vec![kv_group_of(0, &[0, 2], BS), kv_group_of(1, &[1], BS)];
+    let args = register_kv_cache_frames(iid, wrappers, MODEL, 1, "NHD", groups);
     assert_eq!(c.call(OP_REGISTER_KV_CACHE, &args), None);
     assert!(registered_gpu_ids(&srv).contains(&iid), "hybrid registered");
     let status = srv.get_json("/status");
@@ -1116,38 +1109,17 @@ fn kernel_groups_round_trip_each_through_its_own_block_list() {
     assert_eq!(digests(&sums["chunk_checksums"]), [md5_hex(&bytes)]);
 }
 
-/// The `.data` files of an fs L2 under `dir` (any depth), waiting up to 30 s
-/// for at least `n`: `(object group, path)` by the file name's third field.
+/// The `.data` files of an fs L2 under `dir`, waiting as [`l2_files`]:
+/// `(object group, path)` by the file name's third field.
 fn og_files(dir: &std::path::Path, n: usize) -> Vec<(u32, std::path::PathBuf)> {
-    let list = || {
-        let mut out = Vec::new();
-        let mut stack = vec![dir.to_path_buf()];
-        while let Some(d) = stack.pop() {
-            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-                let p = e.path();
-                let name = p
-                    .file_name()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .to_string();
-                if p.is_dir() {
-                    stack.push(p);
-                } else if let Some(stem) = name.strip_suffix(".data") {
-                    let og = stem.split('@').nth(2).expect("og field");
-                    out.push((u32::from_str_radix(og, 16).expect("og hex"), p));
-                }
-            }
-        }
-        out
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        let files = list();
-        if files.len() >= n || std::time::Instant::now() > deadline {
-            return files;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    l2_files(dir, n)
+        .into_iter()
+        .map(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            let og = name.split('@').nth(2).expect("og field");
+            (u32::from_str_radix(og, 16).expect("og hex"), p)
+        })
+        .collect()
 }
 
 /// `--separate-object-groups` as 0.5.6 buckets kernel groups: a group of a
@@ -1193,18 +1165,11 @@ fn separate_object_groups_store_each_group_and_serve_its_window() {
         })
         .collect();
     let iid = 310;
-    let register = [
-        V::I(iid),
-        V::A(wrappers),
-        s(MODEL),
-        V::I(1),
-        s("vllm"),
-        map(&[("kv_layout", s("NHD"))]),
-        V::A(vec![
-            kv_group_windowed(0, &[0, 1], BS, -1),
-            kv_group_windowed(1, &[2], BS, 2 * CS as i64),
-        ]),
+    let groups = vec![
+        kv_group_windowed(0, &[0, 1], BS, -1),
+        kv_group_windowed(1, &[2], BS, 2 * CS as i64),
     ];
+    let register = register_kv_cache_frames(iid, wrappers, MODEL, 1, "NHD", groups);
     assert_eq!(c.call(OP_REGISTER_KV_CACHE, &register), None);
     assert!(registered_gpu_ids(&srv).contains(&iid), "registered");
     let status = srv.get_json("/status");

@@ -141,10 +141,10 @@ pub fn golden_objects(case: &serde_json::Value) -> Vec<Vec<u8>> {
     want
 }
 
-/// Every `.data` file under `dir`, read, sorted; waits up to 30 s for at
-/// least `n` (an fs L2 writes behind the STORE reply).
-pub fn l2_objects(dir: &std::path::Path, n: usize) -> Vec<Vec<u8>> {
-    let read = || {
+/// The paths of every `.data` file under `dir` (any depth); waits up to
+/// 30 s for at least `n` (an fs L2 writes behind the STORE reply).
+pub fn l2_files(dir: &std::path::Path, n: usize) -> Vec<std::path::PathBuf> {
+    let list = || {
         let mut out = Vec::new();
         let mut stack = vec![dir.to_path_buf()];
         while let Some(d) = stack.pop() {
@@ -153,20 +153,40 @@ pub fn l2_objects(dir: &std::path::Path, n: usize) -> Vec<Vec<u8>> {
                 if p.is_dir() {
                     stack.push(p);
                 } else if p.extension().is_some_and(|x| x == "data") {
-                    out.push(std::fs::read(&p).unwrap_or_default());
+                    out.push(p);
                 }
             }
         }
         out
     };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let mut got = read();
+    let mut got = list();
     while got.len() < n && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(50));
-        got = read();
+        got = list();
     }
+    got
+}
+
+/// Every `.data` file under `dir`, read, sorted; waits as [`l2_files`].
+pub fn l2_objects(dir: &std::path::Path, n: usize) -> Vec<Vec<u8>> {
+    let mut got: Vec<Vec<u8>> = l2_files(dir, n)
+        .iter()
+        .map(|p| std::fs::read(p).unwrap_or_default())
+        .collect();
     got.sort();
     got
+}
+
+/// The server flags a golden case replays under: an fs L2 at `l2`, and
+/// `--separate-object-groups` for the cases of `golden_og_gather.json`
+/// (those that list their object groups).
+pub fn golden_server_args(l2: &std::path::Path, case: &serde_json::Value) -> Vec<String> {
+    let mut args = vec!["--l2-adapter".to_string(), fs_adapter(l2)];
+    if case.get("object_groups").is_some() {
+        args.push("--separate-object-groups".to_string());
+    }
+    args
 }
 
 /// An fs L2 adapter spec for `dir`.
