@@ -463,7 +463,7 @@ pub fn object_groups(
         };
         let tag = info.map_or(0, |i| i.extra_object_group_tag);
         let recurrent = info.is_some_and(|i| i.recurrent_state);
-        (tag, recurrent, if separate { sw_chunks } else { -1 })
+        (tag, recurrent, sw_chunks)
     };
     let mut buckets: Vec<((i64, bool, i64), Vec<usize>)> = Vec::new();
     for g in 0..groups.len() {

@@ -115,11 +115,7 @@ fn hit_prefix<T>(
             let present = row[g * num_ranks..(g + 1) * num_ranks].iter().all(&hit);
             runs[g] = if present { runs[g] + 1 } else { 0 };
             let len = c + 1;
-            let need = match usize::try_from(*w) {
-                Ok(w) if w >= 1 => w.min(len),
-                _ => len,
-            };
-            servable &= runs[g] >= need;
+            servable &= runs[g] >= len - window_start(*w, len);
         }
         if servable {
             best = c + 1;
