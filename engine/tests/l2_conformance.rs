@@ -796,3 +796,131 @@ fn s3_conforms() {
         failing_item: &failing_item,
     }));
 }
+
+#[path = "../../tests/support/redis.rs"]
+#[allow(dead_code)]
+mod redis;
+
+/// The default user may write only keys that start with `prefix` followed
+/// by anything but `x`: the store of a model named `x...` is refused
+/// (NOPERM) while the rest of its batch is stored.
+fn refuse_x_writes(port: u16, prefix: &str) {
+    let pattern = format!("%W~{prefix}[^x]*");
+    let r = redis::redis_command(
+        port,
+        &[
+            "ACL",
+            "SETUSER",
+            "default",
+            "on",
+            "nopass",
+            "+@all",
+            "resetkeys",
+            "%R~*",
+            &pattern,
+        ],
+    );
+    assert_eq!(r, "OK", "ACL SETUSER");
+}
+
+fn resp_config(
+    flavor: kvshard_engine::l2::config::RespFlavor,
+    nodes: Vec<(String, u16)>,
+    cluster_mode: bool,
+    key_prefix: String,
+    capacity: Option<u64>,
+) -> kvshard_engine::l2::config::RespConfig {
+    kvshard_engine::l2::config::RespConfig {
+        flavor,
+        nodes,
+        cluster_mode,
+        username: None,
+        password: None,
+        key_prefix,
+        num_workers: 4,
+        tls_enable: false,
+        tls_ca_bundle: None,
+        database_id: None,
+        request_timeout_secs: 10.0,
+        connection_timeout_secs: 10.0,
+        max_capacity_gb: capacity.map_or(0.0, |c| c as f64 / GIB),
+        ttl_seconds: None,
+        breaker_initial_cooldown_s: 5.0,
+        breaker_max_cooldown_s: 300.0,
+    }
+}
+
+fn resp_adapter(c: &kvshard_engine::l2::config::RespConfig) -> Box<dyn L2Adapter> {
+    Box::new(kvshard_engine::l2::resp::RespAdapter::new(c, 0, 1).expect("resp adapter"))
+}
+
+/// The model name whose stores [`refuse_x_writes`] refuses.
+fn failing_resp_item() -> (ObjectKey, Vec<u8>) {
+    (key("xmodel", 1, ""), payload(7777, OBJ))
+}
+
+/// `resp` on one server: every case starts from an empty server (FLUSHALL),
+/// as 0.5.6's resp adapter has no key prefix.
+#[test]
+fn resp_conforms() {
+    use kvshard_engine::l2::config::RespFlavor;
+    let server = redis::RedisServer::start(&[]);
+    refuse_x_writes(server.port, "");
+    let make = |_case: &str, capacity: Option<u64>| {
+        assert_eq!(server.command(&["FLUSHALL"]), "OK");
+        let c = resp_config(
+            RespFlavor::Resp,
+            vec![("127.0.0.1".into(), server.port)],
+            false,
+            String::new(),
+            capacity,
+        );
+        Backing {
+            adapter: resp_adapter(&c),
+            twin: Some(resp_adapter(&c)),
+        }
+    };
+    run(conformance(&Subject {
+        kind: "resp",
+        make: &make,
+        failing_item: &failing_resp_item,
+    }));
+}
+
+/// `valkey` on `ports` (one server, or a cluster's nodes): every case has
+/// its own key prefix.
+fn valkey_subject_run(kind: &'static str, ports: &[u16], cluster_mode: bool) {
+    use kvshard_engine::l2::config::RespFlavor;
+    let make = |case: &str, capacity: Option<u64>| {
+        let prefix = format!("suite-{case}");
+        for p in ports {
+            refuse_x_writes(*p, &format!("{prefix}@"));
+        }
+        let nodes = ports.iter().map(|p| ("127.0.0.1".to_owned(), *p)).collect();
+        let c = resp_config(RespFlavor::Valkey, nodes, cluster_mode, prefix, capacity);
+        Backing {
+            adapter: resp_adapter(&c),
+            twin: Some(resp_adapter(&c)),
+        }
+    };
+    run(conformance(&Subject {
+        kind,
+        make: &make,
+        failing_item: &failing_resp_item,
+    }));
+}
+
+#[test]
+fn valkey_conforms() {
+    let server = redis::RedisServer::start(&[]);
+    valkey_subject_run("valkey", &[server.port], false);
+}
+
+/// `valkey` with `cluster_mode` on 3 masters with a replica each: keys
+/// spread over every master, listings visit them all.
+#[test]
+fn valkey_cluster_conforms() {
+    let cluster = redis::RedisCluster::start(3, 1);
+    let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
+    valkey_subject_run("valkey-cluster", &ports, true);
+}

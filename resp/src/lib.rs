@@ -15,6 +15,9 @@
 //! stream that is not RESP is an error, never a panic: the connection that
 //! carried it is then out of step and must be closed.
 
+pub mod client;
+pub mod cluster;
+pub mod router;
 use std::fmt;
 
 /// What ends every line and every bulk body.
@@ -274,22 +277,32 @@ fn push_len(out: &mut Vec<u8>, kind: u8, n: usize) {
 pub fn encode(out: &mut Vec<u8>, args: &[&[u8]]) {
     push_len(out, b'*', args.len());
     for a in args {
-        push_len(out, b'$', a.len());
-        out.extend_from_slice(a);
-        out.extend_from_slice(CRLF);
+        encode_bulk(out, a);
     }
 }
 
 /// Appends the command `args` followed by the head of one more argument of
 /// `body_len` bytes, whose bytes the caller sends itself, then [`CRLF`].
 pub fn encode_with_body(out: &mut Vec<u8>, args: &[&[u8]], body_len: usize) {
-    push_len(out, b'*', args.len() + 1);
+    encode_arguments(out, args, body_len, 0);
+}
+
+/// Appends the head of a command of `args`, one argument of `body_len`
+/// bytes the caller sends itself (then [`CRLF`]), and `after` more
+/// arguments the caller appends with [`encode_bulk`].
+pub fn encode_arguments(out: &mut Vec<u8>, args: &[&[u8]], body_len: usize, after: usize) {
+    push_len(out, b'*', args.len() + 1 + after);
     for a in args {
-        push_len(out, b'$', a.len());
-        out.extend_from_slice(a);
-        out.extend_from_slice(CRLF);
+        encode_bulk(out, a);
     }
     push_len(out, b'$', body_len);
+}
+
+/// Appends one bulk string.
+pub fn encode_bulk(out: &mut Vec<u8>, arg: &[u8]) {
+    push_len(out, b'$', arg.len());
+    out.extend_from_slice(arg);
+    out.extend_from_slice(CRLF);
 }
 
 /// Appends `reply` as a server would send it (RESP2; nil as `$-1`). Status

@@ -84,6 +84,8 @@ struct State {
 /// One client's breaker.
 pub struct Breaker {
     config: BreakerConfig,
+    /// Names the client in log lines (`s3`, `resp 127.0.0.1:6379`).
+    label: String,
     clock: Arc<dyn Clock>,
     state: RefCell<State>,
 }
@@ -98,10 +100,16 @@ impl fmt::Debug for Breaker {
 }
 
 impl Breaker {
-    /// A closed breaker.
+    /// A closed breaker of an S3 client.
     pub fn new(config: BreakerConfig, clock: Arc<dyn Clock>) -> Breaker {
+        Breaker::labeled(config, clock, "s3")
+    }
+
+    /// A closed breaker whose log lines name the client `label`.
+    pub fn labeled(config: BreakerConfig, clock: Arc<dyn Clock>, label: &str) -> Breaker {
         let next_cooldown = config.initial_cooldown;
         Breaker {
+            label: label.to_owned(),
             config,
             clock,
             state: RefCell::new(State {
@@ -166,7 +174,8 @@ impl Breaker {
         s.trips += 1;
         s.next_cooldown = cooldown.saturating_mul(2).min(self.config.max_cooldown);
         log::warn!(
-            "s3: circuit breaker open after {} consecutive connection failures; retry in {:.1} s (trip {})",
+            "{}: circuit breaker open after {} consecutive connection failures; retry in {:.1} s (trip {})",
+            self.label,
             s.consecutive_failures,
             cooldown.as_secs_f64(),
             s.trips
@@ -187,7 +196,10 @@ impl Breaker {
         s.consecutive_failures = 0;
         s.next_cooldown = self.config.initial_cooldown;
         if was_open {
-            log::info!("s3: circuit breaker closed: the endpoint answered a probe");
+            log::info!(
+                "{}: circuit breaker closed: the endpoint answered a probe",
+                self.label
+            );
         }
         was_open
     }

@@ -104,11 +104,60 @@ pub struct S3Config {
     pub breaker_max_cooldown_s: f64,
 }
 
+/// Which of lmcache 0.5.6's two RESP adapters a spec names: the same
+/// engine serves both, the fields differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RespFlavor {
+    /// `{"type":"resp", "host", "port", ...}` (0.5.6's C++ connector).
+    Resp,
+    /// `{"type":"valkey", "startup_nodes", ...}` (0.5.6's valkey-glide one).
+    Valkey,
+}
+
+/// `{"type":"resp"|"valkey", ...}`: one key per object in Redis or Valkey
+/// (standalone or cluster), named as lmcache 0.5.6 names them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RespConfig {
+    pub flavor: RespFlavor,
+    /// `host` + `port` (resp), `startup_nodes` (valkey): the server, or a
+    /// cluster's seed nodes.
+    pub nodes: Vec<(String, u16)>,
+    /// `cluster_mode` (valkey, false): Redis Cluster / Valkey Cluster.
+    pub cluster_mode: bool,
+    /// `username` / `password`: `AUTH`; for resp, the
+    /// `LMCACHE_RESP_USERNAME` / `LMCACHE_RESP_PASSWORD` fallbacks.
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// `key_prefix` (valkey, ""): keys are `<prefix>@<name>`.
+    pub key_prefix: String,
+    /// `num_workers` (8): connections per node, split over shards.
+    pub num_workers: u32,
+    /// `tls_enable` (false): TLS by rustls, the server's certificate
+    /// verified against the system roots and `tls_ca_bundle`.
+    pub tls_enable: bool,
+    /// kvshard `tls_ca_bundle`: extra PEM roots.
+    pub tls_ca_bundle: Option<String>,
+    /// `database_id` (valkey): `SELECT` after connecting (standalone only).
+    pub database_id: Option<u32>,
+    /// `request_timeout` (5 s) and `connection_timeout` (10 s), seconds.
+    pub request_timeout_secs: f64,
+    pub connection_timeout_secs: f64,
+    /// `max_capacity_gb` (0 = no aggregate capacity).
+    pub max_capacity_gb: f64,
+    /// `ttl_seconds` (valkey): `SET ... EX` when set.
+    pub ttl_seconds: Option<u64>,
+    /// kvshard `breaker_initial_cooldown_s` (5) / `breaker_max_cooldown_s`
+    /// (300): each node's circuit breaker.
+    pub breaker_initial_cooldown_s: f64,
+    pub breaker_max_cooldown_s: f64,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum AdapterKind {
     Mock(MockConfig),
     Fs(FsConfig),
     S3(S3Config),
+    Resp(RespConfig),
 }
 
 /// One `--l2-adapter` flag, validated.
@@ -127,6 +176,10 @@ impl AdapterSpec {
             AdapterKind::Mock(_) => "mock",
             AdapterKind::Fs(_) => "fs",
             AdapterKind::S3(_) => "s3",
+            AdapterKind::Resp(ref c) => match c.flavor {
+                RespFlavor::Resp => "resp",
+                RespFlavor::Valkey => "valkey",
+            },
         }
     }
 
@@ -139,7 +192,7 @@ impl AdapterSpec {
         match &self.kind {
             AdapterKind::S3(c) => c.seed_usage_on_start,
             AdapterKind::Fs(f) => f.max_capacity_gb > 0.0,
-            AdapterKind::Mock(_) => false,
+            AdapterKind::Mock(_) | AdapterKind::Resp(_) => false,
         }
     }
 
@@ -149,12 +202,13 @@ impl AdapterSpec {
             AdapterKind::Mock(m) => (m.max_size_gb * GIB) as u64,
             AdapterKind::Fs(f) => (f.max_capacity_gb * GIB) as u64,
             AdapterKind::S3(c) => (c.max_capacity_gb * GIB) as u64,
+            AdapterKind::Resp(c) => (c.max_capacity_gb * GIB) as u64,
         }
     }
 }
 
 /// Adapter types this build has.
-pub const KNOWN_TYPES: &[&str] = &["fs", "mock", "s3"];
+pub const KNOWN_TYPES: &[&str] = &["fs", "mock", "resp", "s3", "valkey"];
 
 /// Adapter types of lmcache 0.5.6 that kvshard does not build (yet).
 const UNBUILT_TYPES: &[&str] = &[
@@ -163,8 +217,6 @@ const UNBUILT_TYPES: &[&str] = &[
     "nixl_store_dynamic",
     "nixl_native",
     "mooncake_store",
-    "resp",
-    "valkey",
     "aerospike",
     "bigtable",
     "hf3fs",
@@ -213,6 +265,8 @@ pub fn parse_adapter_spec(index: usize, raw: &str) -> Result<AdapterSpec, String
             "max_capacity_gb",
         ],
         "s3" => S3_FIELDS,
+        "resp" => RESP_FIELDS,
+        "valkey" => VALKEY_FIELDS,
         t if UNBUILT_TYPES.contains(&t) => {
             return Err(format!(
                 "{at}: adapter type '{t}' is not available in this build of kvshard (available: {KNOWN_TYPES:?})"
@@ -265,6 +319,13 @@ pub fn parse_adapter_spec(index: usize, raw: &str) -> Result<AdapterSpec, String
                 *v = Value::String(REDACTED.into());
             }
             AdapterKind::S3(c)
+        }
+        "resp" | "valkey" => {
+            let c = parse_resp(obj, type_name == "valkey", &at)?;
+            if let Some(v) = json.get_mut("password") {
+                *v = Value::String(REDACTED.into());
+            }
+            AdapterKind::Resp(c)
         }
         _ => {
             let base_path = match obj.get("base_path") {
@@ -480,6 +541,208 @@ fn parse_s3(obj: &Map<String, Value>, at: &str) -> Result<S3Config, String> {
         max_inflight_requests: count("s3_max_inflight_requests", Some(num_io_threads))?
             .expect("defaulted"),
         seed_usage_on_start: boolean("s3_seed_usage_on_start", false)?,
+        breaker_initial_cooldown_s,
+        breaker_max_cooldown_s,
+    })
+}
+
+const RESP_FIELDS: &[&str] = &[
+    "host",
+    "port",
+    "num_workers",
+    "username",
+    "password",
+    "max_capacity_gb",
+    // kvshard: the valkey type's connection settings, on resp too.
+    "tls_enable",
+    "database_id",
+    "request_timeout",
+    "connection_timeout",
+    "tls_ca_bundle",
+    "breaker_initial_cooldown_s",
+    "breaker_max_cooldown_s",
+];
+
+const VALKEY_FIELDS: &[&str] = &[
+    "startup_nodes",
+    "cluster_mode",
+    "username",
+    "password",
+    "key_prefix",
+    "num_workers",
+    "tls_enable",
+    "database_id",
+    "request_timeout",
+    "connection_timeout",
+    "max_capacity_gb",
+    "ttl_seconds",
+    "tls_ca_bundle",
+    "breaker_initial_cooldown_s",
+    "breaker_max_cooldown_s",
+];
+
+/// `host:port[,host:port...]` (0.5.6's `startup_nodes`).
+fn parse_nodes(raw: &str) -> Result<Vec<(String, u16)>, String> {
+    let mut nodes = Vec::new();
+    for entry in raw.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (host, port) = entry
+            .rsplit_once(':')
+            .filter(|(h, _)| !h.is_empty())
+            .ok_or_else(|| format!("entry {entry:?} is not host:port"))?;
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        let port: u16 = port
+            .parse()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| format!("entry {entry:?} has no port in 1..65535"))?;
+        nodes.push((host.to_owned(), port));
+    }
+    if nodes.is_empty() {
+        return Err("no host:port entry".to_owned());
+    }
+    Ok(nodes)
+}
+
+fn parse_resp(obj: &Map<String, Value>, valkey: bool, at: &str) -> Result<RespConfig, String> {
+    let text = |k: &str| -> Result<Option<String>, String> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if s.is_empty() => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(format!("{at}: field '{k}' must be a string")),
+        }
+    };
+    let boolean = |k: &str| -> Result<bool, String> {
+        match obj.get(k) {
+            None => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => Err(format!("{at}: field '{k}' must be a boolean")),
+        }
+    };
+    // 0.5.6 refuses booleans and floats for its integer fields.
+    let integer = |k: &str, min: u64, max: u64| -> Result<Option<u64>, String> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if (min..=max).contains(&n) => Ok(Some(n)),
+                _ => Err(format!(
+                    "{at}: field '{k}' must be an integer in {min}..={max}"
+                )),
+            },
+        }
+    };
+    let seconds = |k: &str, default: f64| -> Result<f64, String> {
+        match obj.get(k) {
+            None => Ok(default),
+            Some(v) if !v.is_boolean() => match v.as_f64() {
+                Some(x) if x > 0.0 && x.is_finite() => Ok(x),
+                _ => Err(format!(
+                    "{at}: field '{k}' must be a positive number of seconds"
+                )),
+            },
+            Some(_) => Err(format!(
+                "{at}: field '{k}' must be a positive number of seconds"
+            )),
+        }
+    };
+    let nodes = if valkey {
+        let raw = match obj.get("startup_nodes") {
+            Some(Value::String(s)) => s.as_str(),
+            _ => {
+                return Err(format!(
+                    "{at}: field 'startup_nodes' must be a 'host:port[,host:port...]' string"
+                ))
+            }
+        };
+        parse_nodes(raw).map_err(|e| format!("{at}: field 'startup_nodes': {e}"))?
+    } else {
+        let host = text("host")?
+            .ok_or_else(|| format!("{at}: field 'host' must be a non-empty string"))?;
+        let port = integer("port", 1, u16::MAX as u64)?
+            .ok_or_else(|| format!("{at}: field 'port' must be an integer in 1..=65535"))?;
+        vec![(host, port as u16)]
+    };
+    let cluster_mode = boolean("cluster_mode")?;
+    if !cluster_mode && nodes.len() > 1 {
+        // 0.5.6 uses the first and logs a warning; a second server that
+        // is never used is a mistake worth stopping for.
+        return Err(format!(
+            "{at}: field 'startup_nodes' lists {} nodes but 'cluster_mode' is false: a standalone \
+             server is one node (list it alone, or set \"cluster_mode\": true)",
+            nodes.len()
+        ));
+    }
+    let database_id = integer("database_id", 0, u32::MAX as u64)?.map(|d| d as u32);
+    if cluster_mode && database_id.is_some_and(|d| d != 0) {
+        return Err(format!(
+            "{at}: field 'database_id': a cluster has database 0 only (0.5.6 ignores the field in cluster_mode)"
+        ));
+    }
+    let (env_user, env_password) = if valkey {
+        (None, None)
+    } else {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        (env("LMCACHE_RESP_USERNAME"), env("LMCACHE_RESP_PASSWORD"))
+    };
+    let username = text("username")?.or(env_user);
+    let password = text("password")?.or(env_password).map(Secret);
+    if username.is_some() && password.is_none() {
+        return Err(format!(
+            "{at}: field 'username' needs a 'password' (AUTH with an ACL user takes both)"
+        ));
+    }
+    let key_prefix = text("key_prefix")?.unwrap_or_default();
+    if key_prefix.contains('@') {
+        return Err(format!(
+            "{at}: field 'key_prefix' must not contain '@' (got {key_prefix:?})"
+        ));
+    }
+    let max_capacity_gb = match obj.get("max_capacity_gb") {
+        None => 0.0,
+        Some(v) => match v.as_f64() {
+            Some(x) if x >= 0.0 && x.is_finite() && !v.is_boolean() => x,
+            _ => {
+                return Err(format!(
+                    "{at}: field 'max_capacity_gb' must be a non-negative number"
+                ))
+            }
+        },
+    };
+    let ttl_seconds = integer("ttl_seconds", 1, u32::MAX as u64)?;
+    if ttl_seconds.is_some() && max_capacity_gb > 0.0 {
+        log::warn!(
+            "{at}: 'ttl_seconds' with 'max_capacity_gb' > 0: keys Redis expires are still counted toward the capacity until kvshard finds them gone"
+        );
+    }
+    let breaker_initial_cooldown_s = seconds("breaker_initial_cooldown_s", 5.0)?;
+    let breaker_max_cooldown_s = seconds("breaker_max_cooldown_s", 300.0)?;
+    if breaker_max_cooldown_s < breaker_initial_cooldown_s {
+        return Err(format!(
+            "{at}: field 'breaker_max_cooldown_s' ({breaker_max_cooldown_s}) is below 'breaker_initial_cooldown_s' ({breaker_initial_cooldown_s})"
+        ));
+    }
+    Ok(RespConfig {
+        flavor: if valkey {
+            RespFlavor::Valkey
+        } else {
+            RespFlavor::Resp
+        },
+        nodes,
+        cluster_mode,
+        username,
+        password,
+        key_prefix,
+        num_workers: integer("num_workers", 1, 4096)?.unwrap_or(8) as u32,
+        tls_enable: boolean("tls_enable")?,
+        tls_ca_bundle: text("tls_ca_bundle")?,
+        database_id,
+        request_timeout_secs: seconds("request_timeout", 5.0)?,
+        connection_timeout_secs: seconds("connection_timeout", 10.0)?,
+        max_capacity_gb,
+        ttl_seconds,
         breaker_initial_cooldown_s,
         breaker_max_cooldown_s,
     })
@@ -729,6 +992,109 @@ mod tests {
         assert!(
             err(r#"{"type":"s3","s3_endpoint":"bkt.h:notaport","s3_region":"r"}"#)
                 .contains("'s3_endpoint'")
+        );
+    }
+
+    #[test]
+    fn parses_resp_and_valkey_with_0_5_6_defaults() {
+        let spec = parse_adapter_spec(
+            1,
+            r#"{"type":"resp","host":"10.0.0.5","port":6379,"password":"pw","max_capacity_gb":2}"#,
+        )
+        .unwrap();
+        assert_eq!(spec.type_name(), "resp");
+        assert_eq!(spec.capacity_bytes(), 2 << 30);
+        assert_eq!(spec.json["password"], REDACTED);
+        let AdapterKind::Resp(c) = &spec.kind else {
+            panic!("{spec:?}")
+        };
+        assert_eq!(c.nodes, [("10.0.0.5".to_owned(), 6379)]);
+        assert_eq!(c.password, Some(Secret("pw".into())));
+        assert_eq!(
+            (c.num_workers, c.cluster_mode, c.tls_enable),
+            (8, false, false)
+        );
+        assert_eq!(
+            (c.request_timeout_secs, c.connection_timeout_secs),
+            (5.0, 10.0)
+        );
+        assert!(c.key_prefix.is_empty() && c.ttl_seconds.is_none());
+        assert!(!format!("{spec:?}").contains("pw\""));
+
+        let spec = parse_adapter_spec(
+            2,
+            r#"{"type":"valkey","startup_nodes":"h1:7000, h2:7001,[::1]:7002","cluster_mode":true,
+                "username":"kv","password":"s","key_prefix":"prod","num_workers":16,"tls_enable":true,
+                "request_timeout":2.5,"connection_timeout":3,"ttl_seconds":600,"database_id":0}"#,
+        )
+        .unwrap();
+        assert_eq!(spec.type_name(), "valkey");
+        let AdapterKind::Resp(c) = &spec.kind else {
+            panic!("{spec:?}")
+        };
+        assert_eq!(c.flavor, RespFlavor::Valkey);
+        assert_eq!(
+            c.nodes,
+            [
+                ("h1".to_owned(), 7000),
+                ("h2".to_owned(), 7001),
+                ("::1".to_owned(), 7002)
+            ]
+        );
+        assert!(c.cluster_mode && c.tls_enable);
+        assert_eq!(c.username.as_deref(), Some("kv"));
+        assert_eq!(c.key_prefix, "prod");
+        assert_eq!((c.num_workers, c.ttl_seconds), (16, Some(600)));
+        assert_eq!(
+            (c.request_timeout_secs, c.connection_timeout_secs),
+            (2.5, 3.0)
+        );
+    }
+
+    #[test]
+    fn resp_errors_name_the_field() {
+        assert!(err(r#"{"type":"resp","port":1}"#).contains("'host'"));
+        assert!(err(r#"{"type":"resp","host":"h"}"#).contains("'port'"));
+        assert!(err(r#"{"type":"resp","host":"h","port":70000}"#).contains("'port'"));
+        assert!(
+            err(r#"{"type":"resp","host":"h","port":1,"num_workers":0}"#).contains("'num_workers'")
+        );
+        assert!(
+            err(r#"{"type":"resp","host":"h","port":1,"num_workers":true}"#)
+                .contains("'num_workers'")
+        );
+        assert!(
+            err(r#"{"type":"resp","host":"h","port":1,"key_prefix":"p"}"#)
+                .contains("unknown field 'key_prefix'")
+        );
+        assert!(err(r#"{"type":"resp","host":"h","port":1,"username":"u"}"#).contains("'password'"));
+        assert!(err(r#"{"type":"valkey"}"#).contains("'startup_nodes'"));
+        assert!(err(r#"{"type":"valkey","startup_nodes":"h"}"#).contains("host:port"));
+        assert!(err(r#"{"type":"valkey","startup_nodes":"h:0"}"#).contains("'startup_nodes'"));
+        assert!(err(r#"{"type":"valkey","startup_nodes":"a:1,b:2"}"#).contains("'cluster_mode'"));
+        assert!(
+            err(r#"{"type":"valkey","startup_nodes":"a:1","key_prefix":"a@b"}"#)
+                .contains("'key_prefix'")
+        );
+        assert!(
+            err(r#"{"type":"valkey","startup_nodes":"a:1","ttl_seconds":0}"#)
+                .contains("'ttl_seconds'")
+        );
+        assert!(
+            err(r#"{"type":"valkey","startup_nodes":"a:1","ttl_seconds":1.5}"#)
+                .contains("'ttl_seconds'")
+        );
+        assert!(
+            err(r#"{"type":"valkey","startup_nodes":"a:1","request_timeout":0}"#)
+                .contains("'request_timeout'")
+        );
+        assert!(err(
+            r#"{"type":"valkey","startup_nodes":"a:1","cluster_mode":true,"database_id":3}"#
+        )
+        .contains("'database_id'"));
+        assert!(
+            err(r#"{"type":"valkey","startup_nodes":"a:1","cluster":true}"#)
+                .contains("unknown field 'cluster'")
         );
     }
 }

@@ -28,6 +28,7 @@ pub mod fs;
 pub mod health;
 pub mod mock;
 pub mod naming;
+pub mod resp;
 pub mod s3;
 pub mod tier;
 

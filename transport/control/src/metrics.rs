@@ -186,6 +186,7 @@ impl Metrics {
         );
         render_l2(t, shards);
         render_s3(t, shards);
+        render_resp(t, shards);
         t.counter(
             "lmcache_mp_lookups_requests_total",
             "Lookup requests",
@@ -948,6 +949,131 @@ fn render_s3(t: &mut PromText, shards: &[ShardReport]) {
             "PUTs whose L1 body a connection still held a request deadline after the request ended",
             &l,
             sum(&["client", "put_body_held"]),
+        );
+    }
+}
+
+/// The `kvshard_resp_*` families of each resp or valkey adapter, summed
+/// over shards from what every shard reports in `/status`.
+fn render_resp(t: &mut PromText, shards: &[ShardReport]) {
+    let tiers = shards.first().map_or(0, |r| r.l2.len());
+    for i in 0..tiers {
+        let kind = &shards[0].l2[i].status["type"];
+        if kind != "resp" && kind != "valkey" {
+            continue;
+        }
+        let n = shards[0].l2[i].name.clone();
+        let adapters: Vec<&serde_json::Value> = shards
+            .iter()
+            .filter_map(|r| r.l2.get(i))
+            .map(|t| &t.status["adapter"])
+            .collect();
+        let sum = |path: &[&str]| -> u64 {
+            adapters
+                .iter()
+                .map(|a| path.iter().fold(*a, |v, p| &v[*p]).as_u64().unwrap_or(0))
+                .sum()
+        };
+        let mut requests: BTreeMap<(String, String), u64> = BTreeMap::new();
+        for a in &adapters {
+            let Some(ops) = a["client"]["requests"].as_object() else {
+                continue;
+            };
+            for (op, outcomes) in ops {
+                for (outcome, v) in outcomes.as_object().into_iter().flatten() {
+                    *requests.entry((op.clone(), outcome.clone())).or_default() +=
+                        v.as_u64().unwrap_or(0);
+                }
+            }
+        }
+        for ((op, outcome), v) in &requests {
+            t.counter_labeled(
+                "kvshard_resp_requests_total",
+                "Redis/Valkey requests by command and outcome (ok, nil, wrong_size, error: a server error reply; unavailable: not sent, no connection or breaker open; timeout, connection, protocol, refused)",
+                &[("l2_name", &n), ("op", op), ("outcome", outcome)],
+                *v,
+            );
+        }
+        let l = [("l2_name", n.as_str())];
+        for (name, help, path) in [
+            (
+                "kvshard_resp_timeouts_total",
+                "Redis/Valkey requests with no reply within request_timeout (their connection is closed)",
+                &["client", "timeouts"][..],
+            ),
+            (
+                "kvshard_resp_connects_total",
+                "Redis/Valkey connections opened",
+                &["client", "connects"][..],
+            ),
+            (
+                "kvshard_resp_connect_failures_total",
+                "Redis/Valkey connection attempts that failed",
+                &["client", "connect_failures"][..],
+            ),
+            (
+                "kvshard_resp_breaker_trips_total",
+                "Times a Redis/Valkey node's circuit breaker opened",
+                &["client", "breaker_trips"][..],
+            ),
+            (
+                "kvshard_resp_sent_bytes_total",
+                "Bytes written to Redis/Valkey",
+                &["client", "bytes_sent"][..],
+            ),
+            (
+                "kvshard_resp_received_bytes_total",
+                "Bytes read from Redis/Valkey",
+                &["client", "bytes_received"][..],
+            ),
+            (
+                "kvshard_resp_oom_rejected_total",
+                "Stores the server refused for want of memory (OOM at maxmemory)",
+                &["oom_rejected"][..],
+            ),
+            (
+                "kvshard_resp_load_missing_total",
+                "Loads that found no value (evicted or expired since the lookup)",
+                &["load_missing"][..],
+            ),
+            (
+                "kvshard_resp_load_wrong_size_total",
+                "Loads whose value had another size than the L1 object (a miss)",
+                &["load_wrong_size"][..],
+            ),
+            (
+                "kvshard_resp_cluster_moved_total",
+                "MOVED redirects followed",
+                &["client", "cluster", "moved"][..],
+            ),
+            (
+                "kvshard_resp_cluster_ask_total",
+                "ASK redirects followed",
+                &["client", "cluster", "ask"][..],
+            ),
+            (
+                "kvshard_resp_cluster_refreshes_total",
+                "Cluster slot maps fetched",
+                &["client", "cluster", "refreshes"][..],
+            ),
+        ] {
+            t.counter_labeled(name, help, &l, sum(path));
+        }
+        t.gauge_labeled(
+            "kvshard_resp_connections",
+            "Open Redis/Valkey connections",
+            &l,
+            sum(&["client", "connections"]) as f64,
+        );
+        let open = adapters
+            .iter()
+            .filter(|a| a["client"]["breaker_open"] == true)
+            .count();
+        t.gauge_labeled(
+            "kvshard_resp_breaker_open_shards",
+            "Shards with an open Redis/Valkey circuit breaker (their requests fail at once)",
+            &l,
+            open as f64,
         );
     }
 }

@@ -317,6 +317,28 @@ impl StatusSnapshot {
                         v["is_healthy"] = false.into();
                     }
                 }
+                kvshard_engine::l2::config::AdapterKind::Resp(c) => {
+                    let disabled = tiers.iter().any(|t| {
+                        t.status["adapter"]["client"]["breaker_open"] == true
+                            || t.status["health"]["gate"]["closed"] == true
+                    });
+                    let locked: u64 = tiers
+                        .iter()
+                        .filter_map(|t| t.status["adapter"]["locked_keys"].as_u64())
+                        .sum();
+                    v["nodes"] = c
+                        .nodes
+                        .iter()
+                        .map(|(h, p)| format!("{h}:{p}"))
+                        .collect::<Vec<_>>()
+                        .into();
+                    v["cluster_mode"] = c.cluster_mode.into();
+                    v["locked_key_count"] = locked.into();
+                    v["connection_disabled"] = disabled.into();
+                    if disabled {
+                        v["is_healthy"] = false.into();
+                    }
+                }
                 kvshard_engine::l2::config::AdapterKind::Mock(_) => {
                     let locked: u64 = tiers
                         .iter()
@@ -352,6 +374,10 @@ fn adapter_class(spec: &kvshard_engine::l2::config::AdapterSpec) -> &'static str
         kvshard_engine::l2::config::AdapterKind::Mock(_) => "MockL2Adapter",
         kvshard_engine::l2::config::AdapterKind::Fs(_) => "FSL2Adapter",
         kvshard_engine::l2::config::AdapterKind::S3(_) => "S3L2Adapter",
+        kvshard_engine::l2::config::AdapterKind::Resp(ref c) => match c.flavor {
+            kvshard_engine::l2::config::RespFlavor::Resp => "NativeConnectorL2Adapter",
+            kvshard_engine::l2::config::RespFlavor::Valkey => "ValkeyL2Adapter",
+        },
     }
 }
 

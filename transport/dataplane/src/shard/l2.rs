@@ -83,6 +83,9 @@ fn build_adapter(
                 num_shards,
             ))
         }
+        AdapterKind::Resp(c) => Box::new(kvshard_engine::l2::resp::RespAdapter::new(
+            c, shard, num_shards,
+        )?),
     })
 }
 
