@@ -15,7 +15,10 @@
 //!   fail at once.
 //! - Connection-level failures (connect, timeout, a connection that breaks)
 //!   move the node's circuit breaker; while it is open requests fail at
-//!   once, until its cooldown ends or a [`Node::probe`] is answered.
+//!   once, until its cooldown ends or a probe (a PING) is answered. One
+//!   request per [`PROBE_EVERY`] sends that probe first, so the node is used
+//!   again within about a second of its return, however long the cooldown
+//!   has grown.
 //! - A nil reply, or a bulk of another size than the destination, is an
 //!   answer ([`Answer`]), read to its end: the connection stays in step.
 
@@ -46,6 +49,8 @@ const COALESCE_BYTES: usize = 64 * 1024;
 const READ_BUFFER_BYTES: usize = 64 * 1024;
 /// Largest reply read whole into the buffer.
 const MAX_BUFFERED_REPLY: usize = 16 << 20;
+/// How often a node whose breaker is open is probed by a request.
+pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// How long a probe waits for its PING.
 pub const PROBE_LIMIT: Duration = Duration::from_secs(2);
 
@@ -895,6 +900,10 @@ pub struct Node {
     backoff: Cell<Duration>,
     last_connect_error: RefCell<Option<ClientError>>,
     breaker: Breaker,
+    /// When a request last probed past the open breaker, and whether one
+    /// does now.
+    last_probe: Cell<Option<Instant>>,
+    probing: Cell<bool>,
     stats: Rc<Stats>,
 }
 
@@ -915,6 +924,8 @@ impl Node {
             backoff: Cell::new(BACKOFF_START),
             last_connect_error: RefCell::new(None),
             breaker,
+            last_probe: Cell::new(None),
+            probing: Cell::new(false),
             stats,
         }
     }
@@ -923,8 +934,10 @@ impl Node {
         format!("{}:{}", self.host, self.port)
     }
 
+    /// Whether requests fail at once: the breaker is open, or there is no
+    /// connection and the next connect waits out a backoff.
     pub fn breaker_open(&self) -> bool {
-        self.breaker.status().open
+        self.breaker.status().open || (self.connections() == 0 && self.backing_off())
     }
 
     /// Live connections.
@@ -948,7 +961,7 @@ impl Node {
         serde_json::json!({
             "address": self.address(),
             "connections": self.connections(),
-            "breaker_open": b.open,
+            "breaker_open": self.breaker_open(),
             "breaker_retry_in_seconds": b.retry_in_seconds,
             "breaker_trips": b.trips,
             "last_connect_error": self.last_connect_error.borrow().as_ref().map(|e| e.to_string()),
@@ -1045,15 +1058,34 @@ impl Node {
     /// counting what the answer means.
     pub async fn call(&self, req: &Request) -> Result<Answer, ClientError> {
         if let Err(left) = self.breaker.check() {
-            self.stats.count(req.op, "unavailable");
-            return Err(ClientError::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "{}: circuit breaker open, retry in {:.1} s",
-                    self.address(),
-                    left.as_secs_f64()
-                ),
-            ));
+            // Once a [`PROBE_EVERY`] a request probes first, so that the
+            // breaker closes within about that long of the server's return
+            // whatever its cooldown has grown to.
+            let due = !self.probing.get()
+                && self
+                    .last_probe
+                    .get()
+                    .is_none_or(|at| at.elapsed() >= PROBE_EVERY);
+            let answered = if due {
+                self.probing.set(true);
+                self.last_probe.set(Some(Instant::now()));
+                let r = self.probe().await;
+                self.probing.set(false);
+                r.is_ok()
+            } else {
+                false
+            };
+            if !answered {
+                self.stats.count(req.op, "unavailable");
+                return Err(ClientError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "{}: circuit breaker open, retry in {:.1} s",
+                        self.address(),
+                        left.as_secs_f64()
+                    ),
+                ));
+            }
         }
         let r = self.call_past_breaker(req, self.opts.request_timeout).await;
         match &r {

@@ -53,3 +53,9 @@ pub use mounts::*;
 mod faults;
 #[allow(unused_imports)]
 pub use faults::*;
+
+// ------------------------------------------------------------ redis-server
+
+mod redis;
+#[allow(unused_imports)]
+pub use redis::*;

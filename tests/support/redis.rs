@@ -46,27 +46,54 @@ pub fn redis_bin_dir() -> PathBuf {
     .clone()
 }
 
+/// A user's credentials for [`redis_call`].
+pub type RedisAuth<'a> = Option<(&'a str, &'a str)>;
+
+/// One command on a fresh connection, after `AUTH user password` when
+/// `auth` is given: its reply, bytes as they are.
+pub fn redis_call(port: u16, auth: RedisAuth<'_>, args: &[&[u8]]) -> kvshard_resp::Reply {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to redis");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut out = Vec::new();
+    let mut want = 1;
+    if let Some((user, password)) = auth {
+        kvshard_resp::encode(&mut out, &[b"AUTH", user.as_bytes(), password.as_bytes()]);
+        want = 2;
+    }
+    kvshard_resp::encode(&mut out, args);
+    s.write_all(&out).unwrap();
+    let mut buf = Vec::new();
+    let mut replies = Vec::new();
+    let mut chunk = vec![0u8; 1 << 16];
+    while replies.len() < want {
+        match kvshard_resp::parse_reply(&buf).expect("RESP from redis") {
+            Some((reply, used)) => {
+                buf.drain(..used);
+                replies.push(reply);
+            }
+            None => {
+                let n = s.read(&mut chunk).expect("redis reply");
+                assert!(n > 0, "redis closed the connection");
+                buf.extend_from_slice(&chunk[..n]);
+            }
+        }
+    }
+    if auth.is_some() {
+        assert_eq!(
+            replies[0],
+            kvshard_resp::Reply::Simple(b"OK".to_vec()),
+            "AUTH"
+        );
+    }
+    replies.pop().unwrap()
+}
+
 /// One command over a fresh connection, its reply as text (`+OK` as `OK`,
 /// `-ERR x` as `ERR x`, integers as digits, bulk strings as they are, an
 /// array's elements one per line). For setting up and checking servers.
 pub fn redis_command(port: u16, args: &[&str]) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to redis");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut out = format!("*{}\r\n", args.len());
-    for a in args {
-        out.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-    }
-    s.write_all(out.as_bytes()).unwrap();
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 65536];
-    loop {
-        let n = s.read(&mut chunk).expect("redis reply");
-        assert!(n > 0, "redis closed the connection");
-        buf.extend_from_slice(&chunk[..n]);
-        if let Ok(Some((reply, _))) = kvshard_resp::parse_reply(&buf) {
-            return reply_text(&reply);
-        }
-    }
+    let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+    reply_text(&redis_call(port, None, &args))
 }
 
 fn reply_text(r: &kvshard_resp::Reply) -> String {
