@@ -1,7 +1,7 @@
 //! The resp and valkey adapters against real `redis-server` processes, in
 //! what the conformance suite does not do: values that change or vanish
-//! between a lookup and its load, and a cluster whose slots move and whose
-//! master fails over while loads and stores run. Through all of it a load
+//! between a lookup and its load, and a cluster whose slots move, whose
+//! master fails over while loads and stores run, and whose master dies. Through all of it a load
 //! is the stored bytes or a miss, never other bytes, and the connections
 //! stay in step.
 
@@ -190,8 +190,8 @@ async fn loads_during(
 }
 
 #[test]
-fn a_cluster_resharded_and_failed_over_under_load_keeps_every_chunk() {
-    let cluster = redis::RedisCluster::start(3, 1);
+fn a_cluster_resharded_failed_over_and_losing_a_master_keeps_every_chunk() {
+    let mut cluster = redis::RedisCluster::start(3, 1);
     let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
     let a = RespAdapter::new(&config(&ports, true, "rs"), 0, 1).unwrap();
     let items: Vec<(ObjectKey, Vec<u8>)> = (0..300)
@@ -295,5 +295,47 @@ fn a_cluster_resharded_and_failed_over_under_load_keeps_every_chunk() {
             }
         }
         eprintln!("failover: {missed} loads missed while the replica took over");
+
+        // The new master dies: the cluster promotes its replica (the old
+        // master) by itself, and the client finds it without being told.
+        let dead = cluster
+            .nodes
+            .iter()
+            .position(|n| n.port == replica)
+            .unwrap();
+        cluster.nodes[dead].kill();
+        let all: Vec<(ObjectKey, Vec<u8>)> = (0..340)
+            .map(|i| (key(i), payload(1000 + i as u64, OBJ)))
+            .collect();
+        let all_keys: Vec<ObjectKey> = all.iter().map(|(k, _)| *k).collect();
+        let t0 = Instant::now();
+        loop {
+            let got = load_all(&a, &all_keys, OBJ).await;
+            let mut missing = 0;
+            for ((ok, bytes), (k, want)) in got.iter().zip(&all) {
+                if *ok {
+                    assert!(bytes == want, "{k:?}: other bytes after the master died");
+                } else {
+                    missing += 1;
+                }
+            }
+            if missing == 0 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(40),
+                "{missing} chunks still missing {:?} after their master died",
+                t0.elapsed()
+            );
+            glommio::timer::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(
+            redis::redis_command(master, &["ROLE"]).starts_with("master"),
+            "the replica was not promoted"
+        );
+        eprintln!(
+            "a killed master: every chunk loads again {:?} later",
+            t0.elapsed()
+        );
     });
 }
