@@ -299,6 +299,8 @@ def h1_seeds():
 
 def resp_seeds():
     strings = rust_strings(test_section(ROOT / "resp/src/lib.rs"))
+    # The cluster tests hold CLUSTER SHARDS / SLOTS replies a real server sent.
+    strings += rust_strings(test_section(ROOT / "resp/src/cluster.rs"))
     replies = [s.encode("latin-1") for s in strings if s[:1] in "+-:$*_"]
     body = bytes(range(256)) * 4
     replies += [

@@ -3,10 +3,16 @@
 //! bulk body taken as the client takes it), never panicking, never taking
 //! more bytes than there are, agreeing with each other, and every reply
 //! parsed re-encoding to bytes that parse back to it (each cut short of its
-//! end asking for more).
+//! end asking for more). Every reply is also read as a cluster's slot map
+//! (`CLUSTER SHARDS`, `CLUSTER SLOTS`) and every error line as a redirect:
+//! whatever they make of it, they never panic, and a map they accept names
+//! a master for a slot only within the ranges it covers.
 
 #![no_main]
 
+use kvshard_resp::cluster::{
+    parse_cluster_shards, parse_cluster_slots, parse_redirect, Redirect, SlotMap, SLOTS,
+};
 use kvshard_resp::{check_bulk_end, encode_reply, parse_head, parse_reply, Head, Reply};
 use libfuzzer_sys::fuzz_target;
 
@@ -40,6 +46,61 @@ fn head_first(buf: &[u8], depth: usize) -> Result<Option<usize>, kvshard_resp::R
     Ok(Some(used))
 }
 
+/// A map's answers agree with its ranges.
+fn check_map(map: &SlotMap) {
+    let covered = map.covered_slots();
+    assert!(covered <= u32::from(SLOTS));
+    let mut counted = 0u32;
+    let mut last_end: Option<u16> = None;
+    for (start, end, master) in map.ranges() {
+        assert!(start <= end && end < SLOTS);
+        assert!(
+            last_end.is_none_or(|e| e < start),
+            "ranges overlap or are unsorted"
+        );
+        last_end = Some(end);
+        counted += u32::from(end - start) + 1;
+        assert_eq!(map.master_of(start), Some(master));
+        assert_eq!(map.master_of(end), Some(master));
+    }
+    assert_eq!(counted, covered);
+    assert_eq!(map.is_complete(), covered == u32::from(SLOTS));
+}
+
+/// The cluster readers on one reply.
+fn cluster(reply: &Reply) {
+    for map in [
+        parse_cluster_shards(reply, "10.0.0.1", false),
+        parse_cluster_shards(reply, "10.0.0.1", true),
+        parse_cluster_slots(reply, "10.0.0.1"),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        check_map(&map);
+        // A redirect to a new node splits a range and keeps the map sound.
+        let mut moved = map.clone();
+        if let Some((start, end, _)) = map.ranges().next() {
+            let slot = start + (end - start) / 2;
+            let to = kvshard_resp::cluster::NodeAddr {
+                host: "10.9.9.9".into(),
+                port: 7777,
+            };
+            moved.set_slot(slot, to.clone());
+            assert_eq!(moved.master_of(slot), Some(&to));
+            assert_eq!(moved.covered_slots(), map.covered_slots());
+            check_map(&moved);
+        }
+    }
+    if let Reply::Error(line) = reply {
+        if let Some(Redirect::Moved { slot, .. } | Redirect::Ask { slot, .. }) =
+            parse_redirect(line, "10.0.0.1")
+        {
+            assert!(slot < SLOTS);
+        }
+    }
+}
+
 fuzz_target!(|data: &[u8]| {
     let mut at = 0;
     while at < data.len() {
@@ -64,6 +125,7 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(parse_reply(&again[..cut]), Ok(None), "cut at {cut}");
             }
         }
+        cluster(&reply);
         if let Reply::Simple(t) | Reply::Error(t) = &reply {
             assert!(!t.contains(&b'\r') && !t.contains(&b'\n'));
         }
