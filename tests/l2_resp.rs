@@ -732,3 +732,159 @@ fn a_killed_server_comes_back() {
     assert_eq!(hits, 2);
     assert!(back == new_bytes);
 }
+
+/// Slots a `CLUSTER NODES` line lists.
+fn slot_count(line: &str) -> u32 {
+    line.split(' ')
+        .skip(8)
+        .filter_map(|r| {
+            let (a, b) = r.split_once('-').unwrap_or((r, r));
+            Some(b.parse::<u32>().ok()? - a.parse::<u32>().ok()? + 1)
+        })
+        .sum()
+}
+
+/// The `myself` line of a node's `CLUSTER NODES`.
+fn myself(port: u16) -> String {
+    redis_command(port, &["CLUSTER", "NODES"])
+        .lines()
+        .find(|l| l.contains("myself"))
+        .expect("a myself line")
+        .to_owned()
+}
+
+fn is_master(port: u16) -> bool {
+    redis_command(port, &["ROLE"]).starts_with("master")
+}
+
+/// Lookups and retrieves of `toks` from `srv` until `job` (on a thread)
+/// ends; every hit must be the stored bytes: the rounds, and those that
+/// did not hit every chunk.
+fn retrieves_during(
+    srv: &Server,
+    toks: &[u32],
+    stored: &[Vec<u8>],
+    label: &str,
+    job: impl FnOnce() + Send + 'static,
+) -> (u32, u32) {
+    let worker = std::thread::spawn(job);
+    let (mut rounds, mut short) = (0, 0);
+    while !worker.is_finished() || rounds == 0 {
+        let (hits, back) =
+            ed_lookup_retrieve(srv, 2, toks, stored.len(), &format!("{label}-{rounds}"));
+        assert!(
+            back[..] == stored[..hits as usize],
+            "{label}: round {rounds} retrieved other bytes"
+        );
+        if (hits as usize) < stored.len() {
+            short += 1;
+        }
+        rounds += 1;
+    }
+    worker.join().expect("the cluster job failed");
+    (rounds, short)
+}
+
+#[test]
+fn a_cluster_resharded_and_failed_over_during_a_run_keeps_every_chunk() {
+    let cluster = RedisCluster::start(3, 1);
+    let spec = format!(
+        r#"{{"type":"valkey","startup_nodes":"{}","cluster_mode":true,"num_workers":2,"key_prefix":"e2e"}}"#,
+        cluster.startup_nodes()
+    );
+    let n = 24;
+    let toks = ed_tokens(901, n * ED_CHUNK);
+    let srv = Server::start(&["--l2-adapter", &spec]);
+    let stored = ed_store_chunks(&srv, 1, &toks, n, 11);
+    let keys_in = |c: &RedisCluster| -> i64 {
+        c.nodes
+            .iter()
+            .filter(|node| is_master(node.port))
+            .map(|node| integer(node.port, None, &["DBSIZE"]))
+            .sum()
+    };
+    wait_until("the chunks in the cluster", || {
+        keys_in(&cluster) == n as i64 && srv.stores_settled()
+    });
+    drop(srv);
+    // An empty L1: every hit comes from the cluster.
+    let srv = Server::start(&["--l2-adapter", &spec]);
+
+    // The master holding the most chunks gives all its slots to another.
+    let masters: Vec<u16> = cluster
+        .nodes
+        .iter()
+        .map(|node| node.port)
+        .filter(|p| is_master(*p))
+        .collect();
+    let from = *masters
+        .iter()
+        .max_by_key(|p| integer(**p, None, &["DBSIZE"]))
+        .unwrap();
+    let to = *masters.iter().find(|p| **p != from).unwrap();
+    let moving = integer(from, None, &["DBSIZE"]);
+    assert!(moving > 0);
+    let slots = slot_count(&myself(from)).to_string();
+    let (from_id, to_id) = (
+        redis_command(from, &["CLUSTER", "MYID"]),
+        redis_command(to, &["CLUSTER", "MYID"]),
+    );
+    let cli = redis_bin_dir().join("redis-cli");
+    let (rounds, short) = retrieves_during(&srv, &toks, &stored, "reshard", move || {
+        let out = std::process::Command::new(cli)
+            .args(["--cluster", "reshard", &format!("127.0.0.1:{from}")])
+            .args(["--cluster-from", &from_id, "--cluster-to", &to_id])
+            .args(["--cluster-slots", &slots, "--cluster-yes"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("redis-cli");
+        assert!(
+            out.status.success(),
+            "reshard: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    });
+    assert_eq!(
+        integer(from, None, &["DBSIZE"]),
+        0,
+        "the reshard left chunks behind"
+    );
+    assert_eq!(
+        short, 0,
+        "{short} of {rounds} rounds missed chunks while {moving} moved"
+    );
+    assert!(total(&srv, "kvshard_resp_cluster_moved_total") > 0.0);
+    cluster.wait_ok();
+
+    // The master now holding them fails over to its replica.
+    let to_id = redis_command(to, &["CLUSTER", "MYID"]);
+    let replica = cluster
+        .nodes
+        .iter()
+        .map(|node| node.port)
+        .find(|p| myself(*p).contains(&format!("slave {to_id}")))
+        .expect("a replica of the master");
+    let (rounds, short) = retrieves_during(&srv, &toks, &stored, "failover", move || {
+        // A manual failover gives up quietly when the replica does not
+        // catch up within 5 s (a busy machine): ask again, as an operator
+        // would.
+        let t0 = Instant::now();
+        let mut asked: Option<Instant> = None;
+        while !is_master(replica) {
+            if asked.is_none_or(|at| at.elapsed() > Duration::from_secs(8)) {
+                assert_eq!(redis_command(replica, &["CLUSTER", "FAILOVER"]), "OK");
+                asked = Some(Instant::now());
+            }
+            assert!(t0.elapsed() < Duration::from_secs(45), "no failover");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    });
+    eprintln!("failover: {short} of {rounds} rounds missed chunks");
+    cluster.wait_ok();
+    // Every acknowledged chunk is there, byte for byte.
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, n, "after");
+    assert_eq!(hits as usize, n);
+    assert!(back == stored);
+}

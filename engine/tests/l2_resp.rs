@@ -258,14 +258,21 @@ fn a_cluster_resharded_failed_over_and_losing_a_master_keeps_every_chunk() {
             })
             .expect("a replica of the master");
         let (_, missed) = loads_during(&a, &items, move || {
-            assert_eq!(
-                redis::redis_command(replica, &["CLUSTER", "FAILOVER"]),
-                "OK"
-            );
+            // A manual failover gives up quietly when the replica does not
+            // catch up within 5 s (a busy machine): ask again, as an
+            // operator would.
             let t0 = Instant::now();
+            let mut asked: Option<Instant> = None;
             while !redis::redis_command(replica, &["ROLE"]).starts_with("master") {
+                if asked.is_none_or(|at| at.elapsed() > Duration::from_secs(8)) {
+                    assert_eq!(
+                        redis::redis_command(replica, &["CLUSTER", "FAILOVER"]),
+                        "OK"
+                    );
+                    asked = Some(Instant::now());
+                }
                 assert!(
-                    t0.elapsed() < Duration::from_secs(30),
+                    t0.elapsed() < Duration::from_secs(45),
                     "the failover did not end"
                 );
                 std::thread::sleep(Duration::from_millis(50));
