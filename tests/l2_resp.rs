@@ -888,3 +888,27 @@ fn a_cluster_resharded_and_failed_over_during_a_run_keeps_every_chunk() {
     assert_eq!(hits as usize, n);
     assert!(back == stored);
 }
+
+#[test]
+fn database_id_selects_the_database() {
+    let redis = RedisServer::start(&[]);
+    let spec = valkey_spec(redis.port, r#","database_id":5"#);
+    let toks = ed_tokens(951, 2 * ED_CHUNK);
+    let srv = Server::start(&["--l2-adapter", &spec]);
+    let stored = ed_store_chunks(&srv, 1, &toks, 2, 21);
+    let keyspace = || redis_command(redis.port, &["INFO", "keyspace"]);
+    wait_until("the keys in database 5", || {
+        keyspace().contains("db5:keys=2,") && srv.stores_settled()
+    });
+    assert!(!keyspace().contains("db0:"), "{}", keyspace());
+    drop(srv);
+    let srv = Server::start(&["--l2-adapter", &spec]);
+    let (hits, back) = ed_lookup_retrieve(&srv, 2, &toks, 2, "db5");
+    assert_eq!(hits, 2);
+    assert!(back == stored);
+    // The same keys are not in another database.
+    let other = valkey_spec(redis.port, r#","database_id":6"#);
+    let srv = Server::start(&["--l2-adapter", &other]);
+    let (hits, _) = ed_lookup_retrieve(&srv, 2, &toks, 2, "db6");
+    assert_eq!(hits, 0);
+}
