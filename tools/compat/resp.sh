@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # The resp and valkey adapters with the real lmcache 0.5.6 client and server, on a
 # real redis-server on loopback (Debian's, tools/redis/install.sh):
-#  1. kvshard (resp) stores through the client (lmcache_driven), restarts with an
-#     empty L1, and every warm lookup hits from Redis with every checksum passing;
-#  2. resp (engine_driven): a Redis written by `lmcache server`'s resp adapter (its C++ connector) is
-#     read by kvshard, and one written by kvshard is read by `lmcache server`; both
-#     wrote the same keys with the same values, byte for byte;
-#  3. valkey (0.5.6's valkey-glide adapter, valkey-glide-sync installed here) with a
+#  1. resp (lmcache_driven): a Redis written by `lmcache server`'s resp adapter (its
+#     C++ connector) is read by kvshard started with an empty L1, every warm lookup a
+#     hit with every checksum passing, and one written by kvshard is read by `lmcache
+#     server`; both wrote the same keys with the same values, byte for byte;
+#  2. valkey (engine_driven) (0.5.6's valkey-glide adapter, valkey-glide-sync installed here) with a
 #     key_prefix: the same both ways, every key under `<prefix>@`.
 # Usage: tools/compat/resp.sh [path/to/kvshard]   (run tools/compat/run.sh first: it installs the client)
 set -euo pipefail
@@ -79,36 +78,28 @@ PY
 }
 RESP="{\"type\":\"resp\",\"host\":\"127.0.0.1\",\"port\":$RPORT}"
 
-# 1. kvshard -> restart -> kvshard, through Redis.
-mode=lmcache_driven
-rcli flushall >/dev/null
-start kvshard "$RESP"; phase store "$WORK/sums-$mode" "$mode" 100; wait_keys "$CHUNKS"; stop
-start kvshard "$RESP"; phase load "$WORK/sums-$mode" "$mode" 100
-hits=$(metric "$HTTP" lmcache_mp_lookup_hit_l2_keys_total)
-gets=$(metric "$HTTP" kvshard_resp_requests_total); stop
-[ "$hits" -eq "$CHUNKS" ] || { echo "compat-resp: restart ($mode): $hits of $CHUNKS keys from Redis"; exit 1; }
-echo "compat-resp: kvshard restart ($mode): $N/$N requests hit from Redis, checksums match ($hits keys loaded, $gets requests)"
-
-# 2. and 3.: lmcache server writes, kvshard reads; kvshard writes, lmcache server reads.
-both_ways() { # label adapter-json start key-glob
-    local label="$1" adapter="$2" at="$3" glob="$4"
+# lmcache server writes, kvshard reads; kvshard writes, lmcache server reads.
+both_ways() { # label adapter-json mode start key-glob
+    local label="$1" adapter="$2" mode="$3" at="$4" glob="$5"
     rcli flushall >/dev/null
-    start lmcache "$adapter"; phase store "$WORK/sums-$label-l" engine_driven "$at"; wait_keys "$CHUNKS"; stop
+    start lmcache "$adapter"; phase store "$WORK/sums-$label-l" "$mode" "$at"; wait_keys "$CHUNKS"; stop
     snapshot >"$WORK/snap-$label-l"
-    start kvshard "$adapter"; phase load "$WORK/sums-$label-l" engine_driven "$at"; stop
+    start kvshard "$adapter"; phase load "$WORK/sums-$label-l" "$mode" "$at"
+    hits=$(metric "$HTTP" lmcache_mp_lookup_hit_l2_keys_total); stop
+    [ "$hits" -eq "$CHUNKS" ] || { echo "compat-resp: $label: $hits of $CHUNKS keys came from Redis"; exit 1; }
     rcli flushall >/dev/null
-    start kvshard "$adapter"; phase store "$WORK/sums-$label-k" engine_driven "$at"; wait_keys "$CHUNKS"; stop
+    start kvshard "$adapter"; phase store "$WORK/sums-$label-k" "$mode" "$at"; wait_keys "$CHUNKS"; stop
     snapshot >"$WORK/snap-$label-k"
-    start lmcache "$adapter"; phase load "$WORK/sums-$label-k" engine_driven "$at"; stop
+    start lmcache "$adapter"; phase load "$WORK/sums-$label-k" "$mode" "$at"; stop
     [ "$(wc -l <"$WORK/snap-$label-k")" -eq "$CHUNKS" ] \
         || { echo "compat-resp: $label: kvshard wrote $(wc -l <"$WORK/snap-$label-k") keys, not $CHUNKS"; exit 1; }
     diff "$WORK/snap-$label-l" "$WORK/snap-$label-k" >/dev/null \
         || { echo "compat-resp: $label: the keys or values differ"; diff "$WORK/snap-$label-l" "$WORK/snap-$label-k" | head; exit 1; }
     # shellcheck disable=SC2053 # the glob is a pattern
     while read -r k _; do [[ "$k" == $glob ]] || { echo "compat-resp: $label: key $k is not $glob"; exit 1; }; done <"$WORK/snap-$label-k"
-    echo "compat-resp: $label: lmcache server and kvshard wrote the same $CHUNKS keys byte for byte, each read the other's, checksums match"
+    echo "compat-resp: $label ($mode): lmcache server and kvshard wrote the same $CHUNKS keys byte for byte, each read the other's, checksums match"
 }
-both_ways resp "$RESP" 200 'test-model@*'
+both_ways resp "$RESP" lmcache_driven 200 'test-model@*'
 VALKEY="{\"type\":\"valkey\",\"startup_nodes\":\"127.0.0.1:$RPORT\",\"key_prefix\":\"compat\",\"num_workers\":4}"
-both_ways valkey "$VALKEY" 300 'compat@test-model@*'
+both_ways valkey "$VALKEY" engine_driven 300 'compat@test-model@*'
 echo "compat-resp: all passed"
