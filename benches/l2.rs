@@ -14,6 +14,22 @@
 //!    while this process writes as many bytes to a file itself. Both servers
 //!    pre-fault L1 (`--no-l1-use-lazy`, as recommended with an L2: stores
 //!    then never wait on page faults).
+//! 4. Redis: `RespAdapter` (flavor resp, num_workers 8, one shard, on a
+//!    glommio executor) storing batches of N objects into one local
+//!    `redis-server` the bench starts (loopback, `--save "" --appendonly no`,
+//!    no maxmemory, default io-threads) and loading them back into other
+//!    buffers: 4 MiB and 32 MiB objects (the 256-token chunks of a 32-layer
+//!    fp16 model with 1 and 8 KV heads of 128), 1, 8 and 64 in flight, at
+//!    least 2 GiB each way per cell. GB/s and client CPU s/GB (getrusage of
+//!    this process over the timed calls; redis-server's CPU is not counted) next
+//!    to lmcache 0.5.6's own resp adapter on the same objects in the same run
+//!    (`common/resp_lmcache_bench.py`, run by the venv at
+//!    `$KVSHARD_COMPAT_VENV` or `~/.cache/kvshard/lmcache-0.5.6` that
+//!    `tools/compat/run.sh` installs; skipped, saying why, without it) and
+//!    `redis-benchmark -P 1 -c N` (SET and GET as two runs, each with its own
+//!    CPU from getrusage of children). Prints whether the bars hold (>= 2x
+//!    lmcache's GB/s at <= half its CPU per GB; >= 0.8x redis-benchmark's)
+//!    without asserting them; the loaded bytes are asserted.
 //!
 //! Sections 2 and 3 print whether L1 got huge pages: O_DIRECT into scattered
 //! base pages is split into many more disk requests (on this kind of VM a
@@ -22,7 +38,8 @@
 //!
 //! `cargo bench --bench l2` runs the full sizes; under `cargo test` (no
 //! `--bench` argument) it runs tiny sizes and a few iterations, still checking
-//! the bytes. `KVSHARD_BENCH_ONLY=2` runs one part. Files live in
+//! the bytes (section 4: 64 KiB objects, 1 and 8 in flight, without its two
+//! baselines). `KVSHARD_BENCH_ONLY=2` runs one part. Files live in
 //! `target/l2-bench-<pid>` (on the real disk, not tmpfs, so O_DIRECT means
 //! something); with `KVSHARD_BENCH_DIR` set, the `l2-bench-<pid>` directory is
 //! made there instead. It is removed at the end.
@@ -49,8 +66,9 @@ use bench_dir::BenchDir;
 use hdrhistogram::Histogram;
 use io_uring::IoUring;
 use kvshard_engine::keys::{Name, ObjectKey};
-use kvshard_engine::l2::config::FsConfig;
+use kvshard_engine::l2::config::{FsConfig, RespConfig, RespFlavor};
 use kvshard_engine::l2::fs::FsAdapter;
+use kvshard_engine::l2::resp::RespAdapter;
 use kvshard_engine::l2::{L2Adapter, ObjectBytes, StoreResult};
 use pattern::fill;
 use raw_direct::{raw_direct, RawOp};
@@ -63,6 +81,8 @@ const REQ_TOKENS: usize = CHUNK_TOKENS * REQ_CHUNKS;
 const MODEL: &str = "l2bench";
 /// Transfers in flight in the raw io_uring baseline (as the adapter's ring).
 const RAW_DEPTH: usize = 32;
+/// Section 4: bytes each way per (size, in flight) cell at full size.
+const REDIS_CELL_BYTES: usize = 2 << 30;
 
 // ------------------------------------------------------------------ helpers
 
@@ -916,6 +936,578 @@ fn hit_latency_under_flush(
     );
 }
 
+// ------------------------------- 4. Redis: resp adapter vs lmcache and redis-benchmark
+
+/// Bytes of one 256-token chunk of a 32-layer fp16 model with `kv_heads`
+/// KV heads of 128: [2, 32, 256, heads * 128] float16.
+fn redis_chunk_bytes(kv_heads: usize) -> usize {
+    2 * 32 * CHUNK_TOKENS * 128 * 2 * kv_heads
+}
+
+/// Stride of the per-round spot check: 64 bytes every this many bytes.
+const SPOT_STRIDE: usize = 1 << 20;
+
+fn rusage_seconds(who: libc::c_int) -> f64 {
+    // SAFETY: getrusage fills the zeroed struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, exclusively borrowed rusage.
+    assert_eq!(unsafe { libc::getrusage(who, &mut ru) }, 0, "getrusage");
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// User + system CPU seconds of this whole process (every thread).
+fn cpu_seconds() -> f64 {
+    rusage_seconds(libc::RUSAGE_SELF)
+}
+
+/// Bytes moved one way, the wall time they took and the client CPU spent.
+#[derive(Clone, Copy, Default)]
+struct Moved {
+    bytes: usize,
+    secs: f64,
+    cpu: f64,
+}
+
+impl Moved {
+    fn gbps(&self) -> f64 {
+        self.bytes as f64 / 1e9 / self.secs
+    }
+
+    fn cpu_per_gb(&self) -> f64 {
+        self.cpu / (self.bytes as f64 / 1e9)
+    }
+
+    fn add(&mut self, bytes: usize, t: Instant, cpu0: f64) {
+        self.secs += t.elapsed().as_secs_f64();
+        self.cpu += cpu_seconds() - cpu0;
+        self.bytes += bytes;
+    }
+}
+
+/// One cell's store (SET) and load (GET) figures.
+#[derive(Clone, Copy)]
+struct StoreLoad {
+    store: Moved,
+    load: Moved,
+}
+
+/// One cell of the matrix: `inflight` objects per batch, `rounds` batches.
+#[derive(Clone, Copy)]
+struct RedisCell {
+    inflight: usize,
+    rounds: usize,
+}
+
+/// The ranges the per-round spot check compares: both ends and 64 bytes
+/// every [`SPOT_STRIDE`] (as `resp_lmcache_bench.py` does).
+fn spot_ranges(size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    [0..64, size - 64..size].into_iter().chain(
+        (SPOT_STRIDE / 2..size.saturating_sub(64))
+            .step_by(SPOT_STRIDE)
+            .map(|o| o..o + 64),
+    )
+}
+
+/// Marks object `i` of round `round` of cell `cell` at both ends, so a load
+/// that returns another round's (or object's) bytes is caught by the spot
+/// check.
+fn tag_object(buf: &mut [u8], cell: usize, round: usize, i: usize) {
+    let mut t = [0u8; 8];
+    t[..2].copy_from_slice(&(cell as u16).to_le_bytes());
+    t[2..4].copy_from_slice(&(i as u16).to_le_bytes());
+    t[4..].copy_from_slice(&(round as u32).to_le_bytes());
+    let n = buf.len();
+    buf[..8].copy_from_slice(&t);
+    buf[n - 8..].copy_from_slice(&t);
+}
+
+fn resp_config(port: u16) -> RespConfig {
+    RespConfig {
+        flavor: RespFlavor::Resp,
+        nodes: vec![("127.0.0.1".to_owned(), port)],
+        cluster_mode: false,
+        username: None,
+        password: None,
+        key_prefix: String::new(),
+        num_workers: 8,
+        tls_enable: false,
+        tls_ca_bundle: None,
+        database_id: None,
+        request_timeout_secs: 60.0,
+        connection_timeout_secs: 10.0,
+        max_capacity_gb: 0.0,
+        ttl_seconds: None,
+        breaker_initial_cooldown_s: 5.0,
+        breaker_max_cooldown_s: 300.0,
+    }
+}
+
+/// kvshard's `RespAdapter` (one shard) storing and loading every cell of
+/// objects of `size` bytes, on one glommio executor.
+///
+/// The executor runs on a thread of its own: the sockets its rings still
+/// hold when it ends are cancelled by the kernel on the ring's thread, which
+/// can interrupt (EINTR) a blocking read that thread makes next, such as the
+/// plain-socket commands `redis_throughput` sends between the runs.
+fn kvshard_resp(port: u16, size: usize, cells: &[RedisCell]) -> Vec<StoreLoad> {
+    let cells = cells.to_vec();
+    std::thread::spawn(move || kvshard_resp_cells(port, size, &cells))
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
+
+fn kvshard_resp_cells(port: u16, size: usize, cells: &[RedisCell]) -> Vec<StoreLoad> {
+    let most = cells.iter().map(|c| c.inflight).max().unwrap();
+    let mut src: Vec<Aligned> = (0..most)
+        .map(|i| {
+            let mut b = Aligned::zeroed(size);
+            fill(b.bytes_mut(), 0x4000 + i as u64);
+            b
+        })
+        .collect();
+    let mut dst: Vec<Aligned> = (0..most).map(|_| Aligned::zeroed(size)).collect();
+    glommio_run(async move {
+        let adapter = RespAdapter::new(&resp_config(port), 0, 1).expect("resp adapter");
+        // Open the connections before timing anything: one batch over all 8.
+        let warm: Vec<ObjectKey> = (0..most.min(8))
+            .map(|i| object_key(usize::MAX, i))
+            .collect();
+        let items: Vec<(ObjectKey, ObjectBytes)> = warm
+            .iter()
+            .cloned()
+            // SAFETY: `src` outlives the awaited store; nothing writes it.
+            .zip(src.iter_mut().map(|b| unsafe { b.view() }))
+            .collect();
+        let res = adapter.store(&items).await;
+        assert!(
+            res.iter().all(|r| *r == StoreResult::Stored(size as u64)),
+            "warm-up store: {res:?}"
+        );
+        let items: Vec<(ObjectKey, ObjectBytes)> = warm
+            .iter()
+            .cloned()
+            // SAFETY: `dst` outlives the awaited load; nothing else touches it.
+            .zip(dst.iter_mut().map(|b| unsafe { b.view() }))
+            .collect();
+        let ok = adapter.load(&items).await;
+        assert!(ok.iter().all(|x| *x), "warm-up load: {ok:?}");
+        let freed = adapter.delete(&warm).await;
+        assert!(
+            freed.iter().all(|f| f.is_some()),
+            "warm-up delete: {freed:?}"
+        );
+
+        let mut out = Vec::new();
+        for (c, cell) in cells.iter().enumerate() {
+            let n = cell.inflight;
+            let (mut store, mut load) = (Moved::default(), Moved::default());
+            for b in &mut dst[..n] {
+                b.bytes_mut().fill(0);
+            }
+            for round in 0..cell.rounds {
+                let keys: Vec<ObjectKey> =
+                    (0..n).map(|i| object_key((c << 32) | round, i)).collect();
+                for (i, (s, d)) in src.iter_mut().zip(dst.iter_mut()).take(n).enumerate() {
+                    tag_object(s.bytes_mut(), c, round, i);
+                    for r in spot_ranges(size) {
+                        d.bytes_mut()[r].fill(0);
+                    }
+                }
+                let items: Vec<(ObjectKey, ObjectBytes)> = keys
+                    .iter()
+                    .cloned()
+                    // SAFETY: `src` outlives the awaited store; nothing
+                    // writes it meanwhile.
+                    .zip(src.iter_mut().map(|b| unsafe { b.view() }))
+                    .collect();
+                let (cpu0, t) = (cpu_seconds(), Instant::now());
+                let res = adapter.store(&items).await;
+                store.add(n * size, t, cpu0);
+                assert!(
+                    res.iter().all(|r| *r == StoreResult::Stored(size as u64)),
+                    "{n} in flight, store round {round}: {res:?}"
+                );
+                let items: Vec<(ObjectKey, ObjectBytes)> = keys
+                    .iter()
+                    .cloned()
+                    // SAFETY: `dst` outlives the awaited load; nothing else
+                    // touches it meanwhile.
+                    .zip(dst.iter_mut().map(|b| unsafe { b.view() }))
+                    .collect();
+                let (cpu0, t) = (cpu_seconds(), Instant::now());
+                let ok = adapter.load(&items).await;
+                load.add(n * size, t, cpu0);
+                assert!(
+                    ok.iter().all(|x| *x),
+                    "{n} in flight, load round {round}: {ok:?}"
+                );
+                for (i, (s, d)) in src.iter().zip(&dst).take(n).enumerate() {
+                    for r in spot_ranges(size) {
+                        assert!(
+                            s.bytes()[r.clone()] == d.bytes()[r.clone()],
+                            "{n} in flight, round {round}, object {i}: loaded bytes {r:?} differ"
+                        );
+                    }
+                    if round == 0 {
+                        assert!(
+                            s.bytes() == d.bytes(),
+                            "{n} in flight, object {i}: loaded bytes differ"
+                        );
+                    }
+                }
+                // Keep the server's footprint to one batch.
+                let freed = adapter.delete(&keys).await;
+                assert!(freed.iter().all(|f| *f == Some(size as u64)), "{freed:?}");
+            }
+            out.push(StoreLoad { store, load });
+        }
+        out
+    })
+}
+
+/// The lmcache 0.5.6 virtualenv's python, or why there is none.
+fn lmcache_python() -> Result<String, String> {
+    let venv = match std::env::var("KVSHARD_COMPAT_VENV") {
+        Ok(v) if !v.is_empty() => PathBuf::from(v),
+        _ => PathBuf::from(std::env::var("HOME").map_err(|_| "HOME is not set".to_owned())?)
+            .join(".cache/kvshard/lmcache-0.5.6"),
+    };
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        return Err(format!(
+            "no lmcache 0.5.6 virtualenv at {} (tools/compat/run.sh installs it; KVSHARD_COMPAT_VENV \
+             names another)",
+            venv.display()
+        ));
+    }
+    let probe = std::process::Command::new(&python)
+        .args(["-c", "import lmcache.lmcache_redis, numpy"])
+        .env("LMCACHE_DISABLE_BANNER", "1")
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+    if !probe.status.success() {
+        let err = String::from_utf8_lossy(&probe.stderr);
+        return Err(format!(
+            "{} cannot import lmcache.lmcache_redis: {}",
+            python.display(),
+            err.lines().last().unwrap_or("").trim()
+        ));
+    }
+    Ok(python.to_str().unwrap().to_owned())
+}
+
+/// lmcache 0.5.6's resp adapter on the same cells, as its own process
+/// (`common/resp_lmcache_bench.py`) reports them.
+fn lmcache_resp(python: &str, port: u16, size: usize, cells: &[RedisCell]) -> Vec<StoreLoad> {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/benches/common/resp_lmcache_bench.py"
+    );
+    let spec: Vec<String> = cells
+        .iter()
+        .map(|c| format!("{}:{}", c.inflight, c.rounds))
+        .collect();
+    let out = std::process::Command::new(python)
+        .arg(script)
+        .args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--num-workers",
+            "8",
+        ])
+        .args(["--size", &size.to_string(), "--cells", &spec.join(",")])
+        .env("LMCACHE_DISABLE_BANNER", "1")
+        .output()
+        .expect("run resp_lmcache_bench.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "resp_lmcache_bench.py failed ({}): {}{stdout}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .expect("a JSON line");
+    let v: serde_json::Value = serde_json::from_str(line).expect("resp_lmcache_bench.py's JSON");
+    assert_eq!(v["size"].as_u64(), Some(size as u64), "{v}");
+    let got = v["cells"].as_array().expect("cells");
+    assert_eq!(got.len(), cells.len(), "{v}");
+    got.iter()
+        .zip(cells)
+        .map(|(g, c)| {
+            assert_eq!(g["inflight"].as_u64(), Some(c.inflight as u64), "{g}");
+            assert_eq!(g["verified"], true, "lmcache's loaded bytes: {g}");
+            let bytes = g["bytes"].as_u64().unwrap() as usize;
+            assert_eq!(bytes, c.inflight * c.rounds * size, "{g}");
+            let f = |k: &str| g[k].as_f64().unwrap_or_else(|| panic!("{k} in {g}"));
+            StoreLoad {
+                store: Moved {
+                    bytes,
+                    secs: f("store_seconds"),
+                    cpu: f("store_cpu_seconds"),
+                },
+                load: Moved {
+                    bytes,
+                    secs: f("load_seconds"),
+                    cpu: f("load_cpu_seconds"),
+                },
+            }
+        })
+        .collect()
+}
+
+/// One `redis-benchmark -t <test>` run: its requests/s times `size`, and
+/// its CPU (getrusage of children around it).
+fn redis_benchmark(
+    bin: &Path,
+    port: u16,
+    test: &str,
+    size: usize,
+    clients: usize,
+    count: usize,
+) -> Moved {
+    let cpu0 = rusage_seconds(libc::RUSAGE_CHILDREN);
+    let out = std::process::Command::new(bin)
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-t", test])
+        .args(["-d", &size.to_string(), "-n", &count.to_string(), "-P", "1"])
+        .args(["-c", &clients.to_string(), "--csv"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run redis-benchmark");
+    let cpu = rusage_seconds(libc::RUSAGE_CHILDREN) - cpu0;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "redis-benchmark -t {test} failed ({}): {}{stdout}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = format!("\"{}\"", test.to_uppercase());
+    let rps: f64 = stdout
+        .lines()
+        .find_map(|l| {
+            let mut f = l.split(',');
+            (f.next() == Some(want.as_str()))
+                .then(|| f.next().unwrap().trim_matches('"').parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no {want} line in redis-benchmark's output: {stdout}"));
+    let bytes = count * size;
+    Moved {
+        bytes,
+        secs: count as f64 / rps,
+        cpu,
+    }
+}
+
+/// redis-benchmark's SET then GET of `size`-byte values on every cell, the
+/// in-flight count as its clients, as many requests as the adapters move.
+fn redis_benchmark_cells(
+    bin: &Path,
+    srv: &RedisServer,
+    size: usize,
+    cells: &[RedisCell],
+) -> Vec<StoreLoad> {
+    cells
+        .iter()
+        .map(|c| {
+            let count = c.inflight * c.rounds;
+            let store = redis_benchmark(bin, srv.port, "set", size, c.inflight, count);
+            // It really sent `size` bytes (its -d is capped at 1 GiB).
+            assert_eq!(
+                srv.command(&["STRLEN", "key:__rand_int__"]),
+                size.to_string(),
+                "redis-benchmark -d"
+            );
+            let load = redis_benchmark(bin, srv.port, "get", size, c.inflight, count);
+            srv.command(&["DEL", "key:__rand_int__"]);
+            StoreLoad { store, load }
+        })
+        .collect()
+}
+
+/// Whether kvshard's figure `k` clears the bars against lmcache's `l`
+/// (>= 2x the throughput at <= half the CPU per GB) and redis-benchmark's
+/// `r` (>= 0.8x the throughput).
+fn bar_lmcache(k: &Moved, l: &Moved) -> bool {
+    k.gbps() >= 2.0 * l.gbps() && k.cpu_per_gb() <= 0.5 * l.cpu_per_gb()
+}
+
+fn bar_redis_benchmark(k: &Moved, r: &Moved) -> bool {
+    k.gbps() >= 0.8 * r.gbps()
+}
+
+fn size_label(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
+
+fn redis_throughput(
+    sizes: &[(usize, &str)],
+    inflight: &[usize],
+    cell_bytes: usize,
+    baselines: bool,
+) {
+    let srv = RedisServer::start(&[]);
+    let version = srv
+        .command(&["INFO", "server"])
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("redis_version:")
+                .map(|v| v.trim().to_owned())
+        })
+        .unwrap_or_default();
+    let python = if baselines {
+        lmcache_python()
+    } else {
+        Err("smoke run under cargo test; `cargo bench` runs it".to_owned())
+    };
+    let rb_bin = redis_bin_dir().join("redis-benchmark");
+    let rb = if !baselines {
+        Err("smoke run under cargo test; `cargo bench` runs it".to_owned())
+    } else if rb_bin.exists() {
+        Ok(rb_bin)
+    } else {
+        Err(format!("no {} (Debian's redis-tools)", rb_bin.display()))
+    };
+    println!(
+        "== 4. Redis {version} on loopback (one redis-server: --save \"\" --appendonly no, no maxmemory, default \
+         io-threads): store N objects in one batch, then load them back into other buffers, N in flight, batches \
+         repeated to move >= {} each way per cell (at least 2 batches); bytes checked every batch at both ends \
+         and a 1 MiB stride, whole in the first. kvshard: RespAdapter (resp, num_workers 8, one shard, glommio). \
+         Baselines: lmcache 0.5.6's resp adapter (NativeConnectorL2Adapter over LMCacheRedisClient, num_workers 8, \
+         submit + poll on its eventfd as its storage controllers do), and redis-benchmark -t set / -t get -d SIZE \
+         -P 1 -c N with as many requests. GB/s = 1e9 bytes/s; CPU = client user+sys s per GB (getrusage; \
+         redis-server's CPU is not counted)",
+        size_label(cell_bytes)
+    );
+    if let Err(why) = &python {
+        println!("(lmcache baseline skipped: {why})");
+    }
+    if let Err(why) = &rb {
+        println!("(redis-benchmark baseline skipped: {why})");
+    }
+    let mut misses: Vec<String> = Vec::new();
+    let (mut bar1, mut bar2) = ((0, 0), (0, 0));
+    for &(size, what) in sizes {
+        let cells: Vec<RedisCell> = inflight
+            .iter()
+            .map(|&n| RedisCell {
+                inflight: n,
+                rounds: cell_bytes.div_ceil(n * size).max(2),
+            })
+            .collect();
+        let kv = kvshard_resp(srv.port, size, &cells);
+        assert_eq!(srv.command(&["DBSIZE"]), "0", "kvshard left keys behind");
+        let lm = python
+            .as_ref()
+            .ok()
+            .map(|py| lmcache_resp(py, srv.port, size, &cells));
+        assert_eq!(srv.command(&["DBSIZE"]), "0", "lmcache left keys behind");
+        let rbf = rb
+            .as_ref()
+            .ok()
+            .map(|b| redis_benchmark_cells(b, &srv, size, &cells));
+        let fig = |v: Option<f64>| v.map_or_else(|| format!("{:>6}", "-"), |x| format!("{x:>6.2}"));
+        let ratio =
+            |v: Option<f64>| v.map_or_else(|| format!("{:>5}", "-"), |x| format!("{x:>5.2}"));
+        println!("-- {} objects ({what})", size_label(size));
+        println!(
+            "{:>8} | {:^13} | {:^13} | {:^13} | {:^11} | {:^11} | {:^41}",
+            "",
+            "kvshard GB/s",
+            "lmcache GB/s",
+            "redis-bench",
+            "kv/lmcache",
+            "kv/redis-b",
+            "client CPU s/GB"
+        );
+        println!(
+            "{:>8} | {:>6} {:>6} | {:>6} {:>6} | {:>6} {:>6} | {:>5} {:>5} | {:>5} {:>5} | {:>6} {:>6} {:>6} {:>6} {:>6} {:>6}",
+            "inflight", "store", "load", "store", "load", "set", "get", "store", "load", "store", "load",
+            "kv st", "kv ld", "lm st", "lm ld", "rb set", "rb get"
+        );
+        for (j, c) in cells.iter().enumerate() {
+            let k = &kv[j];
+            let l = lm.as_ref().map(|v| v[j]);
+            let r = rbf.as_ref().map(|v| v[j]);
+            println!(
+                "{:>8} | {} {} | {} {} | {} {} | {} {} | {} {} | {} {} {} {} {} {}",
+                c.inflight,
+                fig(Some(k.store.gbps())),
+                fig(Some(k.load.gbps())),
+                fig(l.map(|l| l.store.gbps())),
+                fig(l.map(|l| l.load.gbps())),
+                fig(r.map(|r| r.store.gbps())),
+                fig(r.map(|r| r.load.gbps())),
+                ratio(l.map(|l| k.store.gbps() / l.store.gbps())),
+                ratio(l.map(|l| k.load.gbps() / l.load.gbps())),
+                ratio(r.map(|r| k.store.gbps() / r.store.gbps())),
+                ratio(r.map(|r| k.load.gbps() / r.load.gbps())),
+                fig(Some(k.store.cpu_per_gb())),
+                fig(Some(k.load.cpu_per_gb())),
+                fig(l.map(|l| l.store.cpu_per_gb())),
+                fig(l.map(|l| l.load.cpu_per_gb())),
+                fig(r.map(|r| r.store.cpu_per_gb())),
+                fig(r.map(|r| r.load.cpu_per_gb())),
+            );
+            for (op, km, lm, rm) in [
+                ("store", k.store, l.map(|l| l.store), r.map(|r| r.store)),
+                ("load", k.load, l.map(|l| l.load), r.map(|r| r.load)),
+            ] {
+                let at = format!("{} x {} {op}", size_label(size), c.inflight);
+                if let Some(lm) = lm {
+                    bar1.1 += 1;
+                    if bar_lmcache(&km, &lm) {
+                        bar1.0 += 1;
+                    } else {
+                        misses.push(format!(
+                            "bar 1 misses at {at}: {:.2}x lmcache's GB/s at {:.2}x its CPU/GB",
+                            km.gbps() / lm.gbps(),
+                            km.cpu_per_gb() / lm.cpu_per_gb()
+                        ));
+                    }
+                }
+                if let Some(rm) = rm {
+                    bar2.1 += 1;
+                    if bar_redis_benchmark(&km, &rm) {
+                        bar2.0 += 1;
+                    } else {
+                        misses.push(format!(
+                            "bar 2 misses at {at}: {:.2}x redis-benchmark's GB/s",
+                            km.gbps() / rm.gbps()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    let verdict = |(ok, all): (usize, usize)| match (ok, all) {
+        (_, 0) => "not measured (baseline skipped)".to_owned(),
+        (ok, all) if ok == all => format!("holds ({ok} of {all} cells x directions)"),
+        (ok, all) => format!("does not hold ({ok} of {all} cells x directions)"),
+    };
+    println!(
+        "bar 1, kvshard >= 2x lmcache 0.5.6's GB/s at <= 0.5x its client CPU s/GB: {}",
+        verdict(bar1)
+    );
+    println!(
+        "bar 2, kvshard >= 0.8x redis-benchmark's GB/s: {}",
+        verdict(bar2)
+    );
+    for m in &misses {
+        println!("  {m}");
+    }
+}
+
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     if !full {
@@ -935,11 +1527,30 @@ fn main() {
         if only.is_empty() || only == "3" {
             hit_latency_under_flush(&dir.sub("s3"), 8, 512, 1000, 32);
         }
+        if only.is_empty() || only == "4" {
+            redis_throughput(
+                &[
+                    (
+                        redis_chunk_bytes(1),
+                        "32 layers x 1 KV head of 128, 256 tokens, fp16",
+                    ),
+                    (
+                        redis_chunk_bytes(8),
+                        "32 layers x 8 KV heads of 128, 256 tokens, fp16",
+                    ),
+                ],
+                &[1, 8, 64],
+                REDIS_CELL_BYTES,
+                true,
+            );
+        }
     } else {
         // 1 layer x hidden 64: 64 KiB chunks, still O_DIRECT-aligned.
         adapter_throughput(&dir.sub("s1"), 4, 64 << 10, 3);
         prefetch_latency(&dir.sub("s2"), 1, 64, 3, 1);
         hit_latency_under_flush(&dir.sub("s3"), 1, 64, 5, 2);
+        // 64 KiB objects, 4 batches each; the baselines are left out.
+        redis_throughput(&[(64 << 10, "smoke size")], &[1, 8], 256 << 10, false);
     }
     println!("(whole run {:.1} s)", t0.elapsed().as_secs_f64());
 }

@@ -72,7 +72,10 @@ pub fn redis_call(port: u16, auth: RedisAuth<'_>, args: &[&[u8]]) -> kvshard_res
                 replies.push(reply);
             }
             None => {
-                let n = s.read(&mut chunk).expect("redis reply");
+                let n = match s.read(&mut chunk) {
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    r => r.expect("redis reply"),
+                };
                 assert!(n > 0, "redis closed the connection");
                 buf.extend_from_slice(&chunk[..n]);
             }
