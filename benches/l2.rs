@@ -39,7 +39,9 @@
 //! `cargo bench --bench l2` runs the full sizes; under `cargo test` (no
 //! `--bench` argument) it runs tiny sizes and a few iterations, still checking
 //! the bytes (section 4: 64 KiB objects, 1 and 8 in flight, without its two
-//! baselines). `KVSHARD_BENCH_ONLY=2` runs one part. Files live in
+//! baselines). `KVSHARD_BENCH_ONLY=2` runs one part; in section 4,
+//! `KVSHARD_BENCH_INFLIGHT=64` (a comma list) runs only those columns and
+//! `KVSHARD_BENCH_BASELINES=0` leaves the baselines out. Files live in
 //! `target/l2-bench-<pid>` (on the real disk, not tmpfs, so O_DIRECT means
 //! something); with `KVSHARD_BENCH_DIR` set, the `l2-bench-<pid>` directory is
 //! made there instead. It is removed at the end.
@@ -1368,11 +1370,11 @@ fn redis_throughput(
     let python = if baselines {
         lmcache_python()
     } else {
-        Err("smoke run under cargo test; `cargo bench` runs it".to_owned())
+        Err("left out (a smoke run under cargo test, or KVSHARD_BENCH_BASELINES=0)".to_owned())
     };
     let rb_bin = redis_bin_dir().join("redis-benchmark");
     let rb = if !baselines {
-        Err("smoke run under cargo test; `cargo bench` runs it".to_owned())
+        Err("left out (a smoke run under cargo test, or KVSHARD_BENCH_BASELINES=0)".to_owned())
     } else if rb_bin.exists() {
         Ok(rb_bin)
     } else {
@@ -1528,6 +1530,14 @@ fn main() {
             hit_latency_under_flush(&dir.sub("s3"), 8, 512, 1000, 32);
         }
         if only.is_empty() || only == "4" {
+            let inflight: Vec<usize> = match std::env::var("KVSHARD_BENCH_INFLIGHT") {
+                Ok(v) => v
+                    .split(',')
+                    .map(|n| n.trim().parse().expect("KVSHARD_BENCH_INFLIGHT: numbers"))
+                    .collect(),
+                Err(_) => vec![1, 8, 64],
+            };
+            let baselines = std::env::var("KVSHARD_BENCH_BASELINES").as_deref() != Ok("0");
             redis_throughput(
                 &[
                     (
@@ -1539,9 +1549,9 @@ fn main() {
                         "32 layers x 8 KV heads of 128, 256 tokens, fp16",
                     ),
                 ],
-                &[1, 8, 64],
+                &inflight,
                 REDIS_CELL_BYTES,
-                true,
+                baselines,
             );
         }
     } else {

@@ -134,6 +134,60 @@ fn a_value_deleted_or_resized_after_its_lookup_is_a_miss_and_the_connection_stay
     });
 }
 
+#[test]
+fn large_loads_past_one_per_connection_wait_their_turn_within_the_deadline() {
+    // Values of at least `LARGE_REPLY_BYTES` are asked for one per
+    // connection at a time; the rest wait for a turn.
+    let big = kvshard_resp::client::LARGE_REPLY_BYTES + 4096;
+    let server = redis::RedisServer::start(&[]);
+    let mut cfg = config(&[server.port], false, "");
+    cfg.num_workers = 2;
+    cfg.request_timeout_secs = 1.0;
+    let a = RespAdapter::new(&cfg, 0, 1).unwrap();
+    let items: Vec<(ObjectKey, Vec<u8>)> = (0..9)
+        .map(|i| (key(500 + i), payload(500 + i as u64, big)))
+        .collect();
+    let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| *k).collect();
+    run(async {
+        assert!(store_all(&a, &items)
+            .await
+            .iter()
+            .all(|r| matches!(r, StoreResult::Stored(_))));
+        // A deleted and a resized value among them: misses, in step.
+        let name = |k: &ObjectKey| s3_object_name(k);
+        assert_eq!(server.command(&["DEL", &name(&keys[3])]), "1");
+        assert_eq!(server.command(&["SET", &name(&keys[6]), "short"]), "OK");
+        for _ in 0..2 {
+            let got = load_all(&a, &keys, big).await;
+            for (i, (ok, bytes)) in got.iter().enumerate() {
+                if i == 3 || i == 6 {
+                    assert!(!ok, "value {i} is a miss");
+                } else {
+                    assert!(*ok && *bytes == items[i].1, "value {i}: the stored bytes");
+                }
+            }
+        }
+        // Stopped: the queued loads fail too, within one deadline of the
+        // batch's start and not one deadline after another.
+        server.signal(libc::SIGSTOP);
+        let t = Instant::now();
+        let got = load_all(&a, &keys, big).await;
+        let took = t.elapsed();
+        server.signal(libc::SIGCONT);
+        assert!(
+            got.iter().all(|(ok, _)| !ok),
+            "a stopped server serves nothing"
+        );
+        eprintln!("9 loads on 2 connections of a stopped server: {took:?}");
+        assert!(
+            took < Duration::from_millis(1800),
+            "9 loads on 2 connections took {took:?}"
+        );
+        let st = a.status();
+        assert!(st["client"]["timeouts"].as_u64().unwrap() >= 1, "{st}");
+    });
+}
+
 /// Node ids of a cluster's nodes by port.
 fn node_id(port: u16) -> String {
     redis::redis_command(port, &["CLUSTER", "MYID"])

@@ -49,6 +49,15 @@ const COALESCE_BYTES: usize = 64 * 1024;
 const READ_BUFFER_BYTES: usize = 64 * 1024;
 /// Largest reply read whole into the buffer.
 const MAX_BUFFERED_REPLY: usize = 16 << 20;
+/// A bulk reply at least this large counts against
+/// [`LARGE_REPLIES_PER_CONNECTION`].
+pub const LARGE_REPLY_BYTES: usize = 1 << 20;
+/// Large replies a node's server is asked for at once, per connection. The
+/// server builds a reply in its own memory before it sends it, so a deep
+/// pipeline of large GETs only grows the server's buffers (64 of 32 MiB on
+/// 8 connections is 2 GiB there) and slows every reply; the requests behind
+/// wait here, within their deadline.
+pub const LARGE_REPLIES_PER_CONNECTION: usize = 1;
 /// How often a node whose breaker is open is probed by a request.
 pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// How long a probe waits for its PING.
@@ -695,11 +704,79 @@ async fn read_exact_into(
     Ok(())
 }
 
+/// Most bytes a body read waits for before it is woken
+/// (`SO_RCVLOWAT`): fewer wake-ups per large value.
+const BODY_LOWAT_BYTES: usize = 256 * 1024;
+
+/// Sets the socket's `SO_RCVLOWAT`; a failure only costs wake-ups.
+fn set_rcvlowat(fd: RawFd, bytes: usize) {
+    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    // SAFETY: `fd` is the connection's open socket and `v` a live c_int of
+    // the length passed.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
+/// [`read_exact_into`] for a value body that ends with the bulk's CRLF:
+/// each wait is for as many bytes as are still due, up to
+/// [`BODY_LOWAT_BYTES`], so that the task wakes once per piece of that size
+/// and not per segment. The low mark is back at 1 when it returns.
+async fn read_body_into(
+    rd: &mut ReadHalf<Stream>,
+    buf: &mut ReadBuf,
+    out: &mut [u8],
+    fd: RawFd,
+    stats: &Stats,
+) -> Result<(), String> {
+    let have = buf.data().len().min(out.len());
+    out[..have].copy_from_slice(&buf.data()[..have]);
+    buf.consume(have);
+    let mut filled = have;
+    let mut lowat = 1;
+    let r = loop {
+        if filled == out.len() {
+            break Ok(());
+        }
+        // The CRLF after the body is due too, so a mark of `left + 2` never
+        // waits for bytes that will not come.
+        let want = (out.len() - filled + 2).min(BODY_LOWAT_BYTES);
+        if want != lowat {
+            set_rcvlowat(fd, want);
+            lowat = want;
+        }
+        match rd.read(&mut out[filled..]).await {
+            Ok(0) => {
+                break Err(format!(
+                    "the server closed the connection {filled} bytes into a {}-byte value",
+                    out.len()
+                ))
+            }
+            Ok(n) => {
+                filled += n;
+                Stats::add(&stats.bytes_received, n as u64);
+            }
+            Err(e) => break Err(format!("read: {e}")),
+        }
+    };
+    if lowat != 1 {
+        set_rcvlowat(fd, 1);
+    }
+    r
+}
+
 /// Reads the reply to a destination request.
 async fn read_into(
     rd: &mut ReadHalf<Stream>,
     buf: &mut ReadBuf,
     dest: Dest,
+    fd: RawFd,
     stats: &Stats,
 ) -> Result<Answer, String> {
     let (len, used) = loop {
@@ -711,7 +788,7 @@ async fn read_into(
     };
     buf.consume(used);
     let answer = if len == dest.len() {
-        read_exact_into(rd, buf, dest.slice(), stats).await?;
+        read_body_into(rd, buf, dest.slice(), fd, stats).await?;
         Answer::Filled
     } else {
         // Drop a value of the wrong size, in buffer-sized pieces.
@@ -750,7 +827,7 @@ async fn reader(state: Rc<ConnState>, mut rd: ReadHalf<Stream>) {
             break "protocol: the server sent a reply nobody asked for".to_owned();
         };
         let r = match p.dest {
-            Some(d) => read_into(&mut rd, &mut buf, d, &stats).await,
+            Some(d) => read_into(&mut rd, &mut buf, d, state.fd, &stats).await,
             None => read_reply(&mut rd, &mut buf, &stats)
                 .await
                 .map(Answer::Reply),
@@ -895,6 +972,8 @@ pub struct Node {
     conns: RefCell<Vec<Rc<Conn>>>,
     /// One connect at a time.
     connect_gate: glommio::sync::Semaphore,
+    /// Large replies asked for at once ([`LARGE_REPLIES_PER_CONNECTION`]).
+    large_gate: glommio::sync::Semaphore,
     /// No connect before this (after a failed one).
     retry_at: Cell<Option<Instant>>,
     backoff: Cell<Duration>,
@@ -914,12 +993,14 @@ impl Node {
             Arc::new(SystemClock),
             &format!("resp {host}:{port}"),
         );
+        let large = opts.connections.max(1) * LARGE_REPLIES_PER_CONNECTION;
         Node {
             host: host.to_owned(),
             port,
             opts,
             conns: RefCell::new(Vec::new()),
             connect_gate: glommio::sync::Semaphore::new(1),
+            large_gate: glommio::sync::Semaphore::new(large as u64),
             retry_at: Cell::new(None),
             backoff: Cell::new(BACKOFF_START),
             last_connect_error: RefCell::new(None),
@@ -1105,6 +1186,31 @@ impl Node {
         req: &Request,
         limit: Duration,
     ) -> Result<Answer, ClientError> {
+        let start = Instant::now();
+        let _large = match req.dest {
+            Some(d) if d.len() >= LARGE_REPLY_BYTES => {
+                let waited =
+                    kvshard_io::timeout::with_timeout(limit, self.large_gate.acquire_permit(1))
+                        .await;
+                match waited {
+                    Some(p) => Some(p.expect("the gate is never closed")),
+                    None => {
+                        Stats::add(&self.stats.timeouts, 1);
+                        let e = ClientError::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "no turn on {} within {limit:?} (large replies queued)",
+                                self.address()
+                            ),
+                        );
+                        self.stats.count(req.op, e.kind.label());
+                        return Err(e);
+                    }
+                }
+            }
+            _ => None,
+        };
+        let limit = limit.saturating_sub(start.elapsed());
         let conn = match self.pick().await {
             Ok(c) => c,
             Err(e) => {
