@@ -69,6 +69,15 @@ async fn store_all(a: &RespAdapter, items: &[(ObjectKey, Vec<u8>)]) -> Vec<Store
     a.store(&views).await
 }
 
+/// [`store_all`], every item stored.
+async fn store_every(a: &RespAdapter, items: &[(ObjectKey, Vec<u8>)]) {
+    let res = store_all(a, items).await;
+    assert!(
+        res.iter().all(|r| matches!(r, StoreResult::Stored(_))),
+        "{res:?}"
+    );
+}
+
 /// Loads every key into a buffer of `len` bytes: (loaded, bytes).
 async fn load_all(a: &RespAdapter, keys: &[ObjectKey], len: usize) -> Vec<(bool, Vec<u8>)> {
     let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; len]).collect();
@@ -94,10 +103,7 @@ fn a_value_deleted_or_resized_after_its_lookup_is_a_miss_and_the_connection_stay
         .collect();
     let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| *k).collect();
     run(async {
-        assert!(store_all(&a, &items)
-            .await
-            .iter()
-            .all(|r| matches!(r, StoreResult::Stored(_))));
+        store_every(&a, &items).await;
         let found = a.lookup_and_lock(&keys).await;
         assert!(found.iter().all(|f| *f == Some(OBJ as u64)), "{found:?}");
         // Between the lookup and the load: one value deleted, one replaced
@@ -149,10 +155,7 @@ fn large_loads_past_one_per_connection_wait_their_turn_within_the_deadline() {
         .collect();
     let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| *k).collect();
     run(async {
-        assert!(store_all(&a, &items)
-            .await
-            .iter()
-            .all(|r| matches!(r, StoreResult::Stored(_))));
+        store_every(&a, &items).await;
         // A deleted and a resized value among them: misses, in step.
         let name = |k: &ObjectKey| s3_object_name(k);
         assert_eq!(server.command(&["DEL", &name(&keys[3])]), "1");
@@ -253,8 +256,7 @@ fn a_cluster_resharded_failed_over_and_losing_a_master_keeps_every_chunk() {
         .collect();
     // One executor throughout: the adapter's connections live on it.
     run(async {
-        let stored = store_all(&a, &items).await;
-        assert!(stored.iter().all(|r| matches!(r, StoreResult::Stored(_))));
+        store_every(&a, &items).await;
 
         // Reshard: the master of the first key gives 1000 of its slots (the
         // first key's among them, as reshard moves a master's lowest slots
@@ -346,10 +348,7 @@ fn a_cluster_resharded_failed_over_and_losing_a_master_keeps_every_chunk() {
             let more: Vec<(ObjectKey, Vec<u8>)> = (300..340)
                 .map(|i| (key(i), payload(1000 + i as u64, OBJ)))
                 .collect();
-            assert!(store_all(&a, &more)
-                .await
-                .iter()
-                .all(|r| matches!(r, StoreResult::Stored(_))));
+            store_every(&a, &more).await;
             let more_keys: Vec<ObjectKey> = more.iter().map(|(k, _)| *k).collect();
             for ((ok, bytes), (_, want)) in load_all(&a, &more_keys, OBJ).await.iter().zip(&more) {
                 assert!(*ok && bytes == want);

@@ -675,36 +675,7 @@ async fn read_reply(
     }
 }
 
-/// Reads `n` bytes into `out`, buffered ones first.
-async fn read_exact_into(
-    rd: &mut ReadHalf<Stream>,
-    buf: &mut ReadBuf,
-    out: &mut [u8],
-    stats: &Stats,
-) -> Result<(), String> {
-    let have = buf.data().len().min(out.len());
-    out[..have].copy_from_slice(&buf.data()[..have]);
-    buf.consume(have);
-    let mut filled = have;
-    while filled < out.len() {
-        match rd.read(&mut out[filled..]).await {
-            Ok(0) => {
-                return Err(format!(
-                    "the server closed the connection {filled} bytes into a {}-byte value",
-                    out.len()
-                ))
-            }
-            Ok(n) => {
-                filled += n;
-                Stats::add(&stats.bytes_received, n as u64);
-            }
-            Err(e) => return Err(format!("read: {e}")),
-        }
-    }
-    Ok(())
-}
-
-/// Most bytes a body read waits for before it is woken
+/// Most bytes a value body's read waits for before it is woken
 /// (`SO_RCVLOWAT`): fewer wake-ups per large value.
 const BODY_LOWAT_BYTES: usize = 256 * 1024;
 
@@ -724,15 +695,19 @@ fn set_rcvlowat(fd: RawFd, bytes: usize) {
     }
 }
 
-/// [`read_exact_into`] for a value body that ends with the bulk's CRLF:
-/// each wait is for as many bytes as are still due, up to
-/// [`BODY_LOWAT_BYTES`], so that the task wakes once per piece of that size
-/// and not per segment. The low mark is back at 1 when it returns.
-async fn read_body_into(
+/// Reads `n` bytes into `out`, buffered ones first.
+///
+/// With `body_lowat`, `out` is a value body that its bulk's CRLF follows,
+/// read straight from that plain TCP socket: each wait is for as many bytes
+/// as are still due, up to [`BODY_LOWAT_BYTES`], so that the task wakes
+/// once per piece of that size and not per segment. The low mark is back at
+/// 1 when it returns. (Not under TLS: rustls may hold bytes of the body
+/// already, and the socket would wait for bytes that never come.)
+async fn read_exact_into(
     rd: &mut ReadHalf<Stream>,
     buf: &mut ReadBuf,
     out: &mut [u8],
-    fd: RawFd,
+    body_lowat: Option<RawFd>,
     stats: &Stats,
 ) -> Result<(), String> {
     let have = buf.data().len().min(out.len());
@@ -744,12 +719,14 @@ async fn read_body_into(
         if filled == out.len() {
             break Ok(());
         }
-        // The CRLF after the body is due too, so a mark of `left + 2` never
-        // waits for bytes that will not come.
-        let want = (out.len() - filled + 2).min(BODY_LOWAT_BYTES);
-        if want != lowat {
-            set_rcvlowat(fd, want);
-            lowat = want;
+        if let Some(fd) = body_lowat {
+            // The CRLF is due too, so a mark of `left + 2` never waits for
+            // bytes that will not come.
+            let want = (out.len() - filled + 2).min(BODY_LOWAT_BYTES);
+            if want != lowat {
+                set_rcvlowat(fd, want);
+                lowat = want;
+            }
         }
         match rd.read(&mut out[filled..]).await {
             Ok(0) => {
@@ -765,7 +742,7 @@ async fn read_body_into(
             Err(e) => break Err(format!("read: {e}")),
         }
     };
-    if lowat != 1 {
+    if let Some(fd) = body_lowat.filter(|_| lowat != 1) {
         set_rcvlowat(fd, 1);
     }
     r
@@ -776,7 +753,7 @@ async fn read_into(
     rd: &mut ReadHalf<Stream>,
     buf: &mut ReadBuf,
     dest: Dest,
-    fd: RawFd,
+    body_lowat: Option<RawFd>,
     stats: &Stats,
 ) -> Result<Answer, String> {
     let (len, used) = loop {
@@ -788,7 +765,7 @@ async fn read_into(
     };
     buf.consume(used);
     let answer = if len == dest.len() {
-        read_body_into(rd, buf, dest.slice(), fd, stats).await?;
+        read_exact_into(rd, buf, dest.slice(), body_lowat, stats).await?;
         Answer::Filled
     } else {
         // Drop a value of the wrong size, in buffer-sized pieces.
@@ -796,18 +773,20 @@ async fn read_into(
         let mut scratch = vec![0u8; left.min(READ_BUFFER_BYTES)];
         while left > 0 {
             let n = left.min(scratch.len());
-            read_exact_into(rd, buf, &mut scratch[..n], stats).await?;
+            read_exact_into(rd, buf, &mut scratch[..n], None, stats).await?;
             left -= n;
         }
         Answer::WrongSize(len)
     };
     let mut end = [0u8; 2];
-    read_exact_into(rd, buf, &mut end, stats).await?;
+    read_exact_into(rd, buf, &mut end, None, stats).await?;
     check_bulk_end(end).map_err(protocol)?;
     Ok(answer)
 }
 
-async fn reader(state: Rc<ConnState>, mut rd: ReadHalf<Stream>) {
+/// `body_lowat`: the socket, when value bodies are read straight from it
+/// (plain TCP; see [`read_exact_into`]).
+async fn reader(state: Rc<ConnState>, mut rd: ReadHalf<Stream>, body_lowat: Option<RawFd>) {
     let mut buf = ReadBuf {
         buf: vec![0; READ_BUFFER_BYTES],
         start: 0,
@@ -827,7 +806,7 @@ async fn reader(state: Rc<ConnState>, mut rd: ReadHalf<Stream>) {
             break "protocol: the server sent a reply nobody asked for".to_owned();
         };
         let r = match p.dest {
-            Some(d) => read_into(&mut rd, &mut buf, d, state.fd, &stats).await,
+            Some(d) => read_into(&mut rd, &mut buf, d, body_lowat, &stats).await,
             None => read_reply(&mut rd, &mut buf, &stats)
                 .await
                 .map(Answer::Reply),
@@ -946,6 +925,7 @@ async fn open(
         expect_ok("SELECT", reply)?;
     }
     let fd = stream.tcp_fd();
+    let body_lowat = matches!(stream, Stream::Tcp(_)).then_some(fd);
     let (rd, wr) = stream.split();
     let state = Rc::new(ConnState {
         fd,
@@ -958,7 +938,7 @@ async fn open(
     });
     let (doorbell, ring) = local_channel::new_bounded(1);
     glommio::spawn_local(writer(state.clone(), wr, ring)).detach();
-    glommio::spawn_local(reader(state.clone(), rd)).detach();
+    glommio::spawn_local(reader(state.clone(), rd, body_lowat)).detach();
     Ok(Conn { state, doorbell })
 }
 
